@@ -1,0 +1,249 @@
+// Python face of the engine (module dcp_datastates._engine).
+//
+// Conversions from Python happen with the GIL held; everything that blocks
+// (opening files, waiting for jobs, the probes) runs with it released. Job
+// objects keep the Python buffers they point into alive until the job has
+// finished, even when the job is dropped before wait() on an error path.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "crc32c.hpp"
+#include "disk_probe.hpp"
+#include "engine.hpp"
+
+namespace py = pybind11;
+using namespace dcpds;
+
+namespace {
+
+DirectMode parse_mode(const std::string& s) {
+  if (s == "auto") return DirectMode::kAuto;
+  if (s == "on" || s == "direct") return DirectMode::kDirect;
+  if (s == "off" || s == "buffered") return DirectMode::kBuffered;
+  throw std::invalid_argument("direct_io must be 'auto', 'on' or 'off', got '" + s + "'");
+}
+
+std::vector<Region> to_regions(const py::list& regions) {
+  std::vector<Region> out;
+  out.reserve(regions.size());
+  for (const auto& item : regions) {
+    auto t = item.cast<py::tuple>();
+    if (t.size() != 3) throw std::invalid_argument("a region is (pointer, nbytes, file_offset)");
+    out.push_back({reinterpret_cast<const uint8_t*>(t[0].cast<uintptr_t>()), t[1].cast<uint64_t>(),
+                   t[2].cast<uint64_t>()});
+  }
+  return out;
+}
+
+py::list segments_to_py(const std::vector<Segment>& segs) {
+  py::list out;
+  for (const auto& s : segs) out.append(py::make_tuple(s.offset, s.len, s.crc));
+  return out;
+}
+
+class PyWriteJob {
+ public:
+  PyWriteJob(std::shared_ptr<Engine> e, std::shared_ptr<WriteJob> j, py::list keep)
+      : engine_(std::move(e)), job_(std::move(j)), keep_(std::move(keep)) {}
+  ~PyWriteJob() {
+    // Never let the engine read memory Python is about to free.
+    if (!job_->done()) {
+      job_->cancel("write job for " + job_->path() + " was dropped before it finished");
+      engine_->seal(job_);
+      py::gil_scoped_release nogil;
+      try {
+        job_->wait();
+      } catch (...) {
+      }
+    }
+  }
+  void append(const py::list& regions, const py::list& keep) {
+    auto r = to_regions(regions);
+    for (const auto& k : keep) keep_.append(k);
+    engine_->append(job_, std::move(r));
+  }
+  void seal() { engine_->seal(job_); }
+  bool wait_staged() {
+    py::gil_scoped_release nogil;
+    return job_->wait_staged();
+  }
+  py::list wait() {
+    std::vector<Segment> segs;
+    {
+      py::gil_scoped_release nogil;
+      segs = job_->wait();
+    }
+    keep_ = py::list();
+    return segments_to_py(segs);
+  }
+  void cancel(const std::string& why) { job_->cancel(why); }
+  bool done() { return job_->done(); }
+  bool direct() { return job_->direct(); }
+  const std::string& path() { return job_->path(); }
+
+ private:
+  std::shared_ptr<Engine> engine_;
+  std::shared_ptr<WriteJob> job_;
+  py::list keep_;
+};
+
+class PyReadJob {
+ public:
+  PyReadJob(std::shared_ptr<Engine> e, std::shared_ptr<ReadJob> j, py::list keep)
+      : engine_(std::move(e)), job_(std::move(j)), keep_(std::move(keep)) {}
+  ~PyReadJob() {
+    if (!job_->done()) {
+      job_->cancel();
+      py::gil_scoped_release nogil;
+      job_->wait();
+    }
+  }
+  py::list wait() {
+    std::vector<ReadFailure> f;
+    {
+      py::gil_scoped_release nogil;
+      f = job_->wait();
+    }
+    keep_ = py::list();
+    py::list out;
+    for (const auto& x : f)
+      out.append(py::make_tuple(x.request, x.kind, x.err, x.path, x.offset, x.message));
+    return out;
+  }
+  bool done() { return job_->done(); }
+
+ private:
+  std::shared_ptr<Engine> engine_;
+  std::shared_ptr<ReadJob> job_;
+  py::list keep_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_engine, m) {
+  m.doc() = "Native data-movement engine of dcp_datastates (pybind11, no torch dependency).";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const IoError& e) {
+      // OSError(errno, message, filename) picks the matching subclass
+      // (FileExistsError, PermissionError, ...); the offset rides along.
+      py::object exc = py::module_::import("builtins").attr("OSError")(e.err(), e.what(), e.path());
+      exc.attr("offset") = e.offset();
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+    }
+  });
+
+  py::class_<PyWriteJob>(m, "WriteJob")
+      .def("append", &PyWriteJob::append, py::arg("regions"), py::arg("keep") = py::list(),
+           "Add regions at or after every offset planned so far.")
+      .def("seal", &PyWriteJob::seal, "No more regions: the job fsyncs once all are written.")
+      .def("wait_staged", &PyWriteJob::wait_staged,
+           "Block until every region has left the caller's memory; False if the job failed.")
+      .def("wait", &PyWriteJob::wait,
+           "Block until written and fsynced; returns [(offset, nbytes, crc32c)] per piece.")
+      .def("cancel", &PyWriteJob::cancel)
+      .def_property_readonly("done", &PyWriteJob::done)
+      .def_property_readonly("direct", &PyWriteJob::direct)
+      .def_property_readonly("path", &PyWriteJob::path);
+
+  py::class_<PyReadJob>(m, "ReadJob")
+      .def("wait", &PyReadJob::wait,
+           "Block until done; returns [(request, kind, errno, path, offset, message)] failures.")
+      .def_property_readonly("done", &PyReadJob::done);
+
+  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
+      .def(py::init<unsigned, uint64_t, uint64_t>(), py::arg("io_threads"), py::arg("pool_bytes"),
+           py::arg("window_bytes"))
+      .def(
+          "write",
+          [](std::shared_ptr<Engine> self, const std::string& path, const py::list& regions,
+             const py::list& keep, const std::string& direct_io, uint64_t preallocate) {
+            auto r = to_regions(regions);
+            auto mode = parse_mode(direct_io);
+            std::shared_ptr<WriteJob> job;
+            {
+              py::gil_scoped_release nogil;
+              job = self->start_write(path, std::move(r), mode, preallocate);
+            }
+            return std::make_unique<PyWriteJob>(self, job, keep);
+          },
+          py::arg("path"), py::arg("regions"), py::arg("keep") = py::list(),
+          py::arg("direct_io") = "auto", py::arg("preallocate") = 0,
+          "Create `path` and start writing regions [(pointer, nbytes, file_offset)].")
+      .def(
+          "read",
+          [](std::shared_ptr<Engine> self, std::vector<std::string> paths, const py::list& requests,
+             const py::list& keep) {
+            std::vector<ReadRequest> reqs;
+            reqs.reserve(requests.size());
+            for (const auto& item : requests) {
+              auto t = item.cast<py::tuple>();
+              if (t.size() != 5)
+                throw std::invalid_argument(
+                    "a read request is (file_index, offset, nbytes, pointer, checks)");
+              ReadRequest r{t[0].cast<uint32_t>(), t[1].cast<uint64_t>(), t[2].cast<uint64_t>(),
+                            reinterpret_cast<uint8_t*>(t[3].cast<uintptr_t>()), {}};
+              for (const auto& c : t[4].cast<py::list>()) {
+                auto ct = c.cast<py::tuple>();
+                r.checks.push_back(
+                    {ct[0].cast<uint64_t>(), ct[1].cast<uint64_t>(), ct[2].cast<uint32_t>()});
+              }
+              reqs.push_back(std::move(r));
+            }
+            std::shared_ptr<ReadJob> job;
+            {
+              py::gil_scoped_release nogil;
+              job = self->start_read(std::move(paths), std::move(reqs));
+            }
+            return std::make_unique<PyReadJob>(self, job, keep);
+          },
+          py::arg("paths"), py::arg("requests"), py::arg("keep") = py::list(),
+          "Read requests [(file_index, offset, nbytes, pointer, [(rel, nbytes, crc32c)])].")
+      .def_property_readonly("io_threads", &Engine::io_threads)
+      .def_property_readonly("window_bytes", &Engine::window_bytes)
+      .def_property_readonly("pool_bytes", [](Engine& e) { return e.pool().capacity(); })
+      .def_property_readonly("pool_address",
+                             [](Engine& e) { return reinterpret_cast<uintptr_t>(e.pool().base()); })
+      .def_property_readonly("free_windows", [](Engine& e) { return e.pool().free_slots(); });
+
+  m.def(
+      "crc32c",
+      [](py::buffer b, uint32_t crc) {
+        py::buffer_info info = b.request();
+        const void* p = info.ptr;
+        size_t n = static_cast<size_t>(info.size * info.itemsize);
+        py::gil_scoped_release nogil;
+        return crc32c_extend(crc, p, n);
+      },
+      py::arg("data"), py::arg("crc") = 0, "CRC-32C of a contiguous buffer, optionally extended.");
+  m.def("crc32c_backend", &crc32c_backend);
+  m.def(
+      "probe_sequential_write",
+      [](const std::string& path, uint64_t total, uint64_t block, bool direct) {
+        py::gil_scoped_release nogil;
+        return probe_sequential_write(path, total, block, direct);
+      },
+      py::arg("path"), py::arg("total"), py::arg("block") = 8 << 20, py::arg("direct") = true);
+  m.def(
+      "probe_sequential_read",
+      [](const std::string& path, uint64_t block) {
+        uint64_t n = 0;
+        double s;
+        {
+          py::gil_scoped_release nogil;
+          s = probe_sequential_read(path, block, &n);
+        }
+        return py::make_tuple(n, s);
+      },
+      py::arg("path"), py::arg("block") = 8 << 20);
+  m.def(
+      "drop_page_cache",
+      [](const std::string& path) {
+        py::gil_scoped_release nogil;
+        drop_page_cache(path);
+      },
+      py::arg("path"));
+  m.attr("ALIGNMENT") = kAlign;
+}

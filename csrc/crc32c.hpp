@@ -1,0 +1,22 @@
+// CRC32C (Castagnoli) checksums for the write and read paths.
+//
+// The engine checksums every byte region while it is hot in cache, so the
+// implementation picks the fastest variant the CPU offers at run time
+// (SSE4.2 on x86-64, the CRC extension on AArch64) and falls back to a
+// portable slicing-by-8 table otherwise. The result is the standard
+// CRC-32C value (e.g. crc32c("123456789") == 0xE3069283).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace dcpds {
+
+// Extends `crc` (0 for a fresh checksum) with `len` bytes at `data`.
+uint32_t crc32c_extend(uint32_t crc, const void* data, size_t len);
+
+// Name of the implementation chosen at run time ("sse4.2", "armv8-crc",
+// "table"); reported by the Python module for diagnostics.
+const char* crc32c_backend();
+
+}  // namespace dcpds

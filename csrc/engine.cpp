@@ -1,0 +1,419 @@
+#include "engine.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+#include "crc32c.hpp"
+
+namespace dcpds {
+
+// ---------------------------------------------------------------- WriteJob
+
+WriteJob::WriteJob(std::string path, DirectMode mode, uint64_t preallocate)
+    : path_(std::move(path)), mode_(mode) {
+  const int base = O_WRONLY | O_CREAT | O_EXCL;
+  if (mode != DirectMode::kBuffered) {
+    int err = 0;
+    fd_ = Fd::try_open(path_, base | O_DIRECT, 0644, &err);
+    if (fd_.valid()) {
+      direct_ = true;
+    } else if (!(mode == DirectMode::kAuto && err == EINVAL)) {
+      throw IoError(err, path_, -1,
+                    describe_errno(mode == DirectMode::kDirect ? "open with O_DIRECT" : "open",
+                                   err, -1, 0));
+    }
+  }
+  if (!fd_.valid()) fd_ = Fd::open(path_, base);
+  if (preallocate > 0) {
+    // Reserving the blocks up front makes a full disk fail here, before any
+    // byte is written, and gives the filesystem one extent to fill.
+    int rc;
+    do {
+      rc = ::fallocate(fd_.get(), FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(preallocate));
+    } while (rc < 0 && errno == EINTR);
+    if (rc < 0 && errno != EOPNOTSUPP && errno != ENOSYS && errno != EINVAL) {
+      int err = errno;
+      throw IoError(err, path_, 0, describe_errno("reserving space", err, 0, preallocate));
+    }
+  }
+}
+
+bool WriteJob::done() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return done_;
+}
+
+bool WriteJob::wait_staged() {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [&] { return done_ || failed_.load() || (sealed_ && staged_ == windows_.size()); });
+  return !failed_.load();
+}
+
+std::vector<Segment> WriteJob::wait() {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [&] { return done_; });
+  if (error_) throw *error_;
+  return segments_;
+}
+
+void WriteJob::fail(const IoError& e) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!error_) error_ = e;
+  failed_ = true;
+  cv_.notify_all();
+}
+
+void WriteJob::cancel(const std::string& why) {
+  fail(IoError(ECANCELED, path_, -1, why));
+}
+
+void WriteJob::write_window(const Window& w) {
+  const uint64_t len = w.padded();
+  if (!direct_.load()) {
+    (buffered_fd_.valid() ? buffered_fd_ : fd_).pwrite_all(w.slot, len, w.start);
+    return;
+  }
+  try {
+    fd_.pwrite_all(w.slot, len, w.start);
+  } catch (const IoError& e) {
+    // Some filesystems accept O_DIRECT at open and refuse it per write; in
+    // auto mode the rest of the file is written through the page cache.
+    if (e.err() != EINVAL || mode_ != DirectMode::kAuto) throw;
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!buffered_fd_.valid()) buffered_fd_ = Fd::open(path_, O_WRONLY);
+    direct_ = false;
+  }
+  if (!direct_.load()) buffered_fd_.pwrite_all(w.slot, len, w.start);
+}
+
+void WriteJob::on_staged() {
+  std::lock_guard<std::mutex> lk(mu_);
+  ++staged_;
+  if (sealed_ && staged_ == windows_.size()) cv_.notify_all();
+}
+
+bool WriteJob::on_flushed(std::vector<Segment>&& segs) {
+  std::lock_guard<std::mutex> lk(mu_);
+  segments_.insert(segments_.end(), segs.begin(), segs.end());
+  ++flushed_;
+  return sealed_ && flushed_ == windows_.size();
+}
+
+void WriteJob::finalize() {
+  if (!failed_.load()) {
+    try {
+      fd_.fsync();
+      if (buffered_fd_.valid()) {
+        buffered_fd_.fsync();
+        buffered_fd_.close();
+      }
+      fd_.close();
+    } catch (const IoError& e) {
+      fail(e);
+    }
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  std::sort(segments_.begin(), segments_.end(),
+            [](const Segment& a, const Segment& b) { return a.offset < b.offset; });
+  done_ = true;
+  cv_.notify_all();
+}
+
+// ---------------------------------------------------------------- ReadJob
+
+bool ReadJob::done() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return pending_ == 0;
+}
+
+std::vector<ReadFailure> ReadJob::wait() {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [&] { return pending_ == 0; });
+  std::sort(failures_.begin(), failures_.end(),
+            [](const ReadFailure& a, const ReadFailure& b) { return a.request < b.request; });
+  return failures_;
+}
+
+void ReadJob::cancel() { cancelled_ = true; }
+
+void ReadJob::add_failure(ReadFailure f) {
+  std::lock_guard<std::mutex> lk(mu_);
+  failures_.push_back(std::move(f));
+}
+
+void ReadJob::piece_done(size_t n) {
+  std::lock_guard<std::mutex> lk(mu_);
+  pending_ -= n;
+  if (pending_ == 0) cv_.notify_all();
+}
+
+void ReadJob::run_piece(const Piece& p) {
+  if (cancelled_.load()) return;
+  const ReadRequest& r = requests_[p.request];
+  const std::string& path = paths_[r.file];
+  const int64_t off = static_cast<int64_t>(r.offset + p.rel);
+  if (!fds_[r.file].valid()) {
+    int err = open_errors_[r.file];
+    add_failure({p.request, "io", err, path, -1, describe_errno("open", err, -1, 0)});
+    return;
+  }
+  uint8_t* dst = r.dst + p.rel;
+  try {
+    uint64_t got = fds_[r.file].pread_some(dst, p.len, static_cast<uint64_t>(off));
+    if (got < p.len) {
+      add_failure({p.request, "truncated", EIO, path, off + static_cast<int64_t>(got),
+                   "file ends at offset " + std::to_string(off + static_cast<int64_t>(got)) +
+                       " but " + std::to_string(p.len) + " bytes were expected from offset " +
+                       std::to_string(off)});
+      return;
+    }
+  } catch (const IoError& e) {
+    add_failure({p.request, "io", e.err(), path, e.offset(), e.what()});
+    return;
+  }
+  if (p.checked) {
+    uint32_t got = crc32c_extend(0, dst, p.len);
+    if (got != p.crc) {
+      char buf[160];
+      std::snprintf(buf, sizeof buf,
+                    "checksum mismatch for %llu bytes at offset %lld: stored crc32c %08x, "
+                    "data has %08x",
+                    static_cast<unsigned long long>(p.len), static_cast<long long>(off), p.crc,
+                    got);
+      add_failure({p.request, "checksum", EIO, path, off, buf});
+    }
+  }
+}
+
+// ---------------------------------------------------------------- Engine
+
+Engine::Engine(unsigned io_threads, uint64_t pool_bytes, uint64_t window_bytes)
+    : window_bytes_(window_bytes), pool_(pool_bytes, window_bytes) {
+  if (io_threads == 0 || io_threads > 256)
+    throw std::invalid_argument("io_threads must be between 1 and 256, got " +
+                                std::to_string(io_threads));
+  stager_ = std::thread([this] { stager_loop(); });
+  for (unsigned i = 0; i < io_threads; ++i) io_.emplace_back([this] { io_loop(); });
+}
+
+Engine::~Engine() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stopping_ = true;
+  }
+  stage_cv_.notify_all();
+  io_cv_.notify_all();
+  pool_.wake_all();
+  stager_.join();
+  for (auto& t : io_) t.join();
+}
+
+void Engine::post_io(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    io_q_.push_back(std::move(fn));
+  }
+  io_cv_.notify_one();
+}
+
+void Engine::enqueue_windows(const std::shared_ptr<WriteJob>& job, std::vector<Region>& regions) {
+  std::sort(regions.begin(), regions.end(),
+            [](const Region& a, const Region& b) { return a.offset < b.offset; });
+  std::vector<WriteJob::Window*> added;
+  {
+    std::lock_guard<std::mutex> lk(job->mu_);
+    if (job->sealed_) throw std::logic_error("write job for " + job->path_ + " is already sealed");
+    uint64_t prev_end = job->frontier_;
+    for (const Region& r : regions) {
+      if (r.len == 0) continue;
+      if (r.offset < prev_end)
+        throw std::invalid_argument("region at offset " + std::to_string(r.offset) + " of " +
+                                    job->path_ + " overlaps bytes already planned up to offset " +
+                                    std::to_string(prev_end));
+      prev_end = r.offset + r.len;
+    }
+    WriteJob::Window* cur = nullptr;
+    for (const Region& r : regions) {
+      uint64_t pos = r.offset, rem = r.len;
+      const uint8_t* src = r.src;
+      while (rem > 0) {
+        if (cur == nullptr || pos >= cur->start + window_bytes_) {
+          cur = &job->windows_.emplace_back();
+          cur->start = align_down(pos);
+          added.push_back(cur);
+        }
+        uint64_t take = std::min(rem, cur->start + window_bytes_ - pos);
+        cur->pieces.push_back({src, pos - cur->start, take});
+        cur->used = pos - cur->start + take;
+        pos += take;
+        src += take;
+        rem -= take;
+      }
+    }
+    if (cur) job->frontier_ = cur->start + cur->padded();
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stopping_) throw std::runtime_error("engine is shutting down");
+    for (auto* w : added) stage_q_.push_back({job, w});
+  }
+  stage_cv_.notify_one();
+}
+
+std::shared_ptr<WriteJob> Engine::start_write(const std::string& path, std::vector<Region> regions,
+                                              DirectMode mode, uint64_t preallocate) {
+  auto job = std::make_shared<WriteJob>(path, mode, preallocate);
+  enqueue_windows(job, regions);
+  return job;
+}
+
+void Engine::append(const std::shared_ptr<WriteJob>& job, std::vector<Region> regions) {
+  enqueue_windows(job, regions);
+}
+
+void Engine::seal(const std::shared_ptr<WriteJob>& job) {
+  bool finish_now;
+  {
+    std::lock_guard<std::mutex> lk(job->mu_);
+    if (job->sealed_) return;
+    job->sealed_ = true;
+    finish_now = job->flushed_ == job->windows_.size();
+    if (job->staged_ == job->windows_.size()) job->cv_.notify_all();
+  }
+  if (finish_now) post_io([job] { job->finalize(); });
+}
+
+void Engine::stager_loop() {
+  for (;;) {
+    StageTask t;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      stage_cv_.wait(lk, [&] { return stopping_ || !stage_q_.empty(); });
+      if (stage_q_.empty()) return;  // stopping with nothing queued
+      t = std::move(stage_q_.front());
+      stage_q_.pop_front();
+    }
+    stage(t);
+  }
+}
+
+void Engine::stage(StageTask& t) {
+  WriteJob& job = *t.job;
+  WriteJob::Window* w = t.window;
+  if (!job.failed()) {
+    w->slot = pool_.acquire([&] { return job.failed() || stopping_.load(); });
+    if (w->slot == nullptr && !job.failed()) job.cancel("engine shut down before the write finished");
+  }
+  if (w->slot != nullptr) {
+    uint8_t* dst = w->slot;
+    uint64_t cursor = 0;
+    for (const auto& p : w->pieces) {
+      if (p.rel > cursor) std::memset(dst + cursor, 0, p.rel - cursor);
+      std::memcpy(dst + p.rel, p.src, p.len);
+      cursor = p.rel + p.len;
+    }
+    if (w->padded() > cursor) std::memset(dst + cursor, 0, w->padded() - cursor);
+  }
+  job.on_staged();
+  auto job_ptr = t.job;
+  post_io([this, job_ptr, w] { flush(job_ptr, w); });
+}
+
+void Engine::flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w) {
+  std::vector<Segment> segs;
+  if (w->slot != nullptr && !job->failed()) {
+    segs.reserve(w->pieces.size());
+    for (const auto& p : w->pieces)
+      segs.push_back({w->start + p.rel, p.len, crc32c_extend(0, w->slot + p.rel, p.len)});
+    try {
+      job->write_window(*w);
+    } catch (const IoError& e) {
+      job->fail(e);
+    }
+  }
+  if (w->slot != nullptr) {
+    pool_.release(w->slot);
+    w->slot = nullptr;
+  }
+  if (job->on_flushed(std::move(segs))) job->finalize();
+}
+
+void Engine::io_loop() {
+  for (;;) {
+    std::function<void()> fn;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      io_cv_.wait(lk, [&] { return stopping_ || !io_q_.empty(); });
+      if (io_q_.empty()) return;
+      fn = std::move(io_q_.front());
+      io_q_.pop_front();
+    }
+    fn();
+  }
+}
+
+std::shared_ptr<ReadJob> Engine::start_read(std::vector<std::string> paths,
+                                            std::vector<ReadRequest> requests) {
+  auto job = std::make_shared<ReadJob>();
+  job->paths_ = std::move(paths);
+  job->requests_ = std::move(requests);
+  for (const auto& p : job->paths_) {
+    int err = 0;
+    job->fds_.push_back(Fd::try_open(p, O_RDONLY, 0, &err));
+    job->open_errors_.push_back(err);
+  }
+  // Pieces: every checksum segment is one piece (so it is verified right after
+  // its read, while hot); unchecked gaps are split at window size.
+  std::vector<ReadJob::Piece> pieces;
+  for (uint64_t i = 0; i < job->requests_.size(); ++i) {
+    const ReadRequest& r = job->requests_[i];
+    if (r.file >= job->paths_.size())
+      throw std::invalid_argument("read request names file index " + std::to_string(r.file) +
+                                  " of " + std::to_string(job->paths_.size()));
+    uint64_t cur = 0;
+    auto gap = [&](uint64_t upto) {
+      while (cur < upto) {
+        uint64_t take = std::min(upto - cur, window_bytes_);
+        pieces.push_back({i, cur, take, false, 0});
+        cur += take;
+      }
+    };
+    for (const auto& c : r.checks) {
+      if (c.rel < cur || c.rel + c.len > r.len)
+        throw std::invalid_argument("checksum segments of read request " + std::to_string(i) +
+                                    " are unsorted or outside the request");
+      gap(c.rel);
+      pieces.push_back({i, c.rel, c.len, true, c.crc});
+      cur = c.rel + c.len;
+    }
+    gap(r.len);
+  }
+  // Small pieces are batched into one task (up to a window's worth) so that
+  // tens of thousands of small tensors do not cost a task each.
+  std::vector<std::vector<ReadJob::Piece>> batches;
+  uint64_t batch_bytes = 0;
+  for (const auto& p : pieces) {
+    if (batches.empty() || batch_bytes + p.len > window_bytes_) {
+      batches.emplace_back();
+      batch_bytes = 0;
+    }
+    batches.back().push_back(p);
+    batch_bytes += p.len;
+  }
+  job->pending_ = batches.size();
+  if (batches.empty()) return job;
+  for (auto& b : batches) {
+    post_io([job, batch = std::move(b)] {
+      for (const auto& p : batch) job->run_piece(p);
+      job->piece_done(1);
+    });
+  }
+  return job;
+}
+
+}  // namespace dcpds

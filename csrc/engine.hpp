@@ -1,0 +1,209 @@
+// The data-movement engine: moves byte regions between host memory and files
+// without the GIL.
+//
+// Writes run as a two-stage pipeline with back-pressure:
+//   stage  one stager thread copies each window of the file (up to
+//          `window_bytes` of consecutive regions, zero-filled gaps) into a
+//          slot of the bounded HostPool, blocking while the pool is full;
+//   flush  I/O threads checksum the slot (CRC32C per region piece, while
+//          the bytes are hot) and pwrite it at its aligned file offset,
+//          O_DIRECT when the filesystem accepts it, then free the slot.
+// A job finishes with one fsync of its file. Windows complete out of order.
+// Reads split each request into pieces (at checksum-segment boundaries) and
+// pread them in parallel straight into the caller's memory, verifying every
+// checksum segment they fully cover.
+//
+// The engine never sees torch objects: callers pass raw host pointers and
+// keep the memory alive until the job has finished.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "host_pool.hpp"
+#include "io_error.hpp"
+#include "posix_file.hpp"
+
+namespace dcpds {
+
+struct Region {
+  const uint8_t* src;
+  uint64_t len;
+  uint64_t offset;  // file offset
+};
+
+struct Segment {
+  uint64_t offset;  // file offset
+  uint64_t len;
+  uint32_t crc;
+};
+
+class Engine;
+
+class WriteJob {
+ public:
+  struct Piece {
+    const uint8_t* src;
+    uint64_t rel;  // offset inside the window
+    uint64_t len;
+  };
+  struct Window {
+    uint64_t start = 0;  // aligned file offset
+    uint64_t used = 0;   // bytes from start to the end of the last piece
+    std::vector<Piece> pieces;
+    uint8_t* slot = nullptr;
+    uint64_t padded() const { return align_up(used); }
+  };
+
+  WriteJob(std::string path, DirectMode mode, uint64_t preallocate);
+
+  const std::string& path() const { return path_; }
+  bool direct() const { return direct_.load(); }
+  bool done();
+  bool failed() const { return failed_.load(); }
+  // Blocks until every window queued so far has been copied out of the
+  // caller's memory (or the job failed); returns false on failure.
+  bool wait_staged();
+  // Blocks until the job is sealed, written and fsynced; throws IoError on failure.
+  std::vector<Segment> wait();
+  // Aborts the remaining windows; in-flight copies and writes finish first.
+  void cancel(const std::string& why);
+
+ private:
+  friend class Engine;
+  void fail(const IoError& e);
+  void write_window(const Window& w);
+  void on_staged();
+  // Returns true when this was the last window of a sealed job.
+  bool on_flushed(std::vector<Segment>&& segs);
+  void finalize();
+
+  std::string path_;
+  DirectMode mode_;
+  Fd fd_;
+  Fd buffered_fd_;  // opened when O_DIRECT writes are refused in auto mode
+  std::atomic<bool> direct_{false};
+  std::atomic<bool> failed_{false};
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Window> windows_;  // deque: references stay valid as windows are appended
+  uint64_t frontier_ = 0;       // appended regions must start at or after this offset
+  size_t staged_ = 0;
+  size_t flushed_ = 0;
+  bool sealed_ = false;
+  bool done_ = false;
+  std::optional<IoError> error_;
+  std::vector<Segment> segments_;
+};
+
+struct ReadCheck {
+  uint64_t rel;  // offset inside the request
+  uint64_t len;
+  uint32_t crc;
+};
+
+struct ReadRequest {
+  uint32_t file;  // index into the job's file list
+  uint64_t offset;
+  uint64_t len;
+  uint8_t* dst;
+  std::vector<ReadCheck> checks;  // sorted, non-overlapping, inside [0, len)
+};
+
+struct ReadFailure {
+  uint64_t request;
+  std::string kind;  // "io", "truncated" or "checksum"
+  int err;
+  std::string path;
+  int64_t offset;
+  std::string message;
+};
+
+class ReadJob {
+ public:
+  bool done();
+  // Blocks until every piece has been read; returns the failures (empty on success).
+  std::vector<ReadFailure> wait();
+  void cancel();
+
+ private:
+  friend class Engine;
+  struct Piece {
+    uint64_t request;
+    uint64_t rel;
+    uint64_t len;
+    bool checked;
+    uint32_t crc;
+  };
+  void run_piece(const Piece& p);
+  void add_failure(ReadFailure f);
+  void piece_done(size_t n);
+
+  std::vector<std::string> paths_;
+  std::vector<Fd> fds_;
+  std::vector<int> open_errors_;
+  std::vector<ReadRequest> requests_;
+  std::atomic<bool> cancelled_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  size_t pending_ = 0;
+  std::vector<ReadFailure> failures_;
+};
+
+class Engine {
+ public:
+  Engine(unsigned io_threads, uint64_t pool_bytes, uint64_t window_bytes);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Creates `path` (it must not exist) and starts writing `regions` (sorted by
+  // offset, non-overlapping). More regions may be appended until seal().
+  std::shared_ptr<WriteJob> start_write(const std::string& path, std::vector<Region> regions,
+                                        DirectMode mode, uint64_t preallocate);
+  void append(const std::shared_ptr<WriteJob>& job, std::vector<Region> regions);
+  void seal(const std::shared_ptr<WriteJob>& job);
+
+  std::shared_ptr<ReadJob> start_read(std::vector<std::string> paths,
+                                      std::vector<ReadRequest> requests);
+
+  unsigned io_threads() const { return static_cast<unsigned>(io_.size()); }
+  uint64_t window_bytes() const { return window_bytes_; }
+  HostPool& pool() { return pool_; }
+
+ private:
+  struct StageTask {
+    std::shared_ptr<WriteJob> job;
+    WriteJob::Window* window;
+  };
+  void enqueue_windows(const std::shared_ptr<WriteJob>& job, std::vector<Region>& regions);
+  void stager_loop();
+  void io_loop();
+  void post_io(std::function<void()> fn);
+  void stage(StageTask& t);
+  void flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w);
+
+  uint64_t window_bytes_;
+  HostPool pool_;
+  std::mutex mu_;
+  std::condition_variable stage_cv_;
+  std::condition_variable io_cv_;
+  std::deque<StageTask> stage_q_;
+  std::deque<std::function<void()>> io_q_;
+  std::atomic<bool> stopping_{false};
+  std::thread stager_;
+  std::vector<std::thread> io_;
+};
+
+}  // namespace dcpds

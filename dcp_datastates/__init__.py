@@ -1,0 +1,45 @@
+"""dcp_datastates: a fast, safe storage backend for torch.distributed.checkpoint.
+
+    import torch.distributed.checkpoint as dcp
+    from dcp_datastates import DataStatesWriter, DataStatesReader
+
+    dcp.save(state, storage_writer=DataStatesWriter(path))
+    dcp.load(state, storage_reader=DataStatesReader(path))
+"""
+
+try:
+    import torch  # noqa: F401
+except ImportError as exc:  # pragma: no cover
+    raise ImportError(
+        "dcp_datastates needs PyTorch 2.11 or newer; install it first "
+        "(for example `pip install torch==2.13.0`)"
+    ) from exc
+
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsupportedFormatError,
+)
+from .planner import DataStatesSavePlanner
+from .reader import DataStatesReader
+from .writer import DataStatesWriter, SaveStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DataStatesWriter",
+    "DataStatesReader",
+    "DataStatesSavePlanner",
+    "SaveStats",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "ChecksumMismatchError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "UnsupportedFormatError",
+]

@@ -1,0 +1,57 @@
+"""Access to the native engine and the process-wide engine instances.
+
+An engine owns a pre-faulted host pool and its threads. Creating one costs
+time and memory, so writers and readers with the same settings share one per
+process: every later save reuses the pool that the first save mapped.
+"""
+
+from __future__ import annotations
+
+import threading
+
+try:
+    from . import _engine
+except ImportError as exc:  # pragma: no cover - depends on how the package was installed
+    raise ImportError(
+        "dcp_datastates' native engine (dcp_datastates._engine) is not built. Install the "
+        "package with `pip install .` (or `pip install -e .` for development); if you run "
+        "from the source checkout, run from another directory so the installed package is "
+        "imported rather than the sources."
+    ) from exc
+
+MiB = 1 << 20
+DEFAULT_WINDOW_BYTES = 8 * MiB
+DEFAULT_IO_THREADS = 2
+DEFAULT_HOST_CACHE_BYTES = 256 * MiB
+ALIGNMENT = _engine.ALIGNMENT
+DIRECT_IO_MODES = ("auto", "on", "off")
+
+_lock = threading.Lock()
+_engines: dict[tuple[int, int, int], _engine.Engine] = {}
+
+
+def get_engine(
+    host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
+    io_threads: int = DEFAULT_IO_THREADS,
+    window_bytes: int = DEFAULT_WINDOW_BYTES,
+) -> _engine.Engine:
+    """Return the process-wide engine for these settings, creating it on first use."""
+    if window_bytes <= 0 or window_bytes % ALIGNMENT:
+        raise ValueError(f"window_bytes must be a positive multiple of {ALIGNMENT}, got {window_bytes}")
+    if host_cache_bytes < 2 * window_bytes:
+        raise ValueError(
+            f"host_cache_bytes={host_cache_bytes} must hold at least two windows of "
+            f"{window_bytes} bytes"
+        )
+    if not 1 <= io_threads <= 256:
+        raise ValueError(f"io_threads must be between 1 and 256, got {io_threads}")
+    key = (int(host_cache_bytes), int(io_threads), int(window_bytes))
+    with _lock:
+        eng = _engines.get(key)
+        if eng is None:
+            eng = _engine.Engine(io_threads=key[1], pool_bytes=key[0], window_bytes=key[2])
+            _engines[key] = eng
+        return eng
+
+
+crc32c = _engine.crc32c

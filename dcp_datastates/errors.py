@@ -1,0 +1,41 @@
+"""Errors raised by dcp_datastates.
+
+Each says what is wrong and where (directory, file, key), so that a failed
+load or save can be acted on without reading our source. They subclass the
+builtin a caller would already catch (``FileNotFoundError`` for a missing
+checkpoint, ``FileExistsError`` for a refused overwrite, ``ValueError`` for
+data that does not match what the checkpoint promises).
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error dcp_datastates raises about a checkpoint."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The path holds no checkpoint at all."""
+
+
+class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
+    """The directory holds checkpoint files but was never committed (no ``.metadata``).
+
+    Usually a save that was interrupted or failed; its data must not be trusted.
+    """
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A save was pointed at a directory that already holds a committed checkpoint."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """A file of the checkpoint does not hold what its metadata and index promise."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """Bytes read back do not match the CRC32C recorded when they were written."""
+
+
+class UnsupportedFormatError(CheckpointError, ValueError):
+    """The checkpoint was written by a newer or different storage format."""

@@ -1,0 +1,213 @@
+"""The on-disk format of a dcp_datastates checkpoint.
+
+A checkpoint is one directory::
+
+    .metadata                      DCP Metadata (pickle), written last, atomically
+    rank00000-<sid>.data           raw bytes of rank 0's items at planned offsets
+    rank00000-<sid>.index          rank 0's checksums and object table (binary)
+    ...                            one .data/.index pair per rank
+
+``<sid>`` is the save id, 12 hex digits, new for every save: files of a new
+save never overwrite those of the committed one it replaces, so an
+interrupted overwrite leaves the old checkpoint loadable.
+
+``Metadata.storage_data`` is a :class:`CheckpointLayout`: the format version,
+the save id, the files, and for every saved item (a tensor chunk or a pickled
+object) an :class:`ItemLocation`. Tensor bytes are raw, row-major, in the
+dtype recorded in the metadata, at offsets fixed when the save was planned.
+Python objects are placed after the tensors when they are serialized, so
+their offsets live in the rank's index, found by ordinal.
+
+The rank index is a fixed little-endian layout (no pickle)::
+
+    0   8  magic b"DCPDSIDX"
+    8   4  format version (u32)
+    12  4  rank (u32)
+    16 16  save id (ASCII hex, zero-padded)
+    32  8  size of the data file in bytes (u64)
+    40  8  number of checksum segments S (u64)
+    48  8  number of objects M (u64)
+    56     S x (offset u64, length u64, crc32c u32, reserved u32 = 0)
+           M x (offset u64, length u64)
+    end 4  crc32c of every preceding byte (u32)
+
+Segments cover every stored byte: each item is split at the engine's write
+windows, and the reader verifies every segment that a read fully covers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import struct
+from bisect import bisect_left
+from typing import Sequence
+
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from ._native import crc32c
+from .errors import CorruptCheckpointError, UnsupportedFormatError
+
+FORMAT_NAME = "dcp_datastates"
+FORMAT_VERSION = 1
+METADATA_FILE = ".metadata"
+
+INDEX_MAGIC = b"DCPDSIDX"
+_HEADER = struct.Struct("<8sII16sQQQ")
+_SEGMENT = struct.Struct("<QQII")
+_OBJECT = struct.Struct("<QQ")
+_TRAILER = struct.Struct("<I")
+
+_SID_RE = re.compile(r"^[0-9a-f]{12}$")
+DATA_FILE_RE = re.compile(r"^rank(\d{5,})-([0-9a-f]{12})\.(data|index)$")
+
+
+def data_file_name(rank: int, save_id: str) -> str:
+    return f"rank{rank:05d}-{save_id}.data"
+
+
+def index_file_name(rank: int, save_id: str) -> str:
+    return f"rank{rank:05d}-{save_id}.index"
+
+
+def metadata_tmp_name(save_id: str) -> str:
+    return f"{METADATA_FILE}.{save_id}.tmp"
+
+
+def check_save_id(save_id: str) -> str:
+    if not isinstance(save_id, str) or not _SID_RE.match(save_id):
+        raise UnsupportedFormatError(f"malformed save id {save_id!r} in checkpoint metadata")
+    return save_id
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemLocation:
+    """Where one saved item lives: ``WriteResult.storage_data`` and per-key storage data.
+
+    Tensor chunks: ``length`` raw bytes at ``offset`` of ``relative_path``.
+    Objects: ``offset == length == -1`` and ``object_ordinal`` indexes the
+    object table of the rank's index.
+    """
+
+    relative_path: str
+    offset: int
+    length: int
+    object_ordinal: int = -1
+
+    @property
+    def is_object(self) -> bool:
+        return self.object_ordinal >= 0
+
+
+@dataclasses.dataclass
+class RankFiles:
+    rank: int
+    data_file: str
+    index_file: str
+
+
+@dataclasses.dataclass
+class CheckpointLayout:
+    """``Metadata.storage_data`` of a dcp_datastates checkpoint."""
+
+    format: str
+    version: int
+    save_id: str
+    ranks: list[RankFiles]
+    locations: dict[MetadataIndex, ItemLocation]
+
+    def validate(self, where: str) -> None:
+        if self.format != FORMAT_NAME:
+            raise UnsupportedFormatError(f"{where}: storage format {self.format!r} is not {FORMAT_NAME!r}")
+        if not isinstance(self.version, int) or self.version > FORMAT_VERSION or self.version < 1:
+            raise UnsupportedFormatError(
+                f"{where}: written with format version {self.version}; this dcp_datastates "
+                f"reads versions 1 to {FORMAT_VERSION}. Upgrade dcp_datastates to load it."
+            )
+        check_save_id(self.save_id)
+
+
+@dataclasses.dataclass
+class RankIndex:
+    """Decoded per-rank index: checksums and object table."""
+
+    rank: int
+    save_id: str
+    data_size: int
+    seg_offsets: list[int]
+    seg_lengths: list[int]
+    seg_crcs: list[int]
+    objects: list[tuple[int, int]]
+
+    def checks_within(self, start: int, length: int) -> list[tuple[int, int, int]]:
+        """Checksum segments lying wholly inside ``[start, start+length)``, relative to start."""
+        end = start + length
+        out = []
+        i = bisect_left(self.seg_offsets, start)
+        offs, lens, crcs = self.seg_offsets, self.seg_lengths, self.seg_crcs
+        while i < len(offs) and offs[i] + lens[i] <= end:
+            out.append((offs[i] - start, lens[i], crcs[i]))
+            i += 1
+        return out
+
+
+def encode_index(
+    rank: int,
+    save_id: str,
+    data_size: int,
+    segments: Sequence[tuple[int, int, int]],
+    objects: Sequence[tuple[int, int]],
+) -> bytes:
+    parts = [
+        _HEADER.pack(
+            INDEX_MAGIC, FORMAT_VERSION, rank, save_id.encode("ascii").ljust(16, b"\0"),
+            data_size, len(segments), len(objects),
+        )
+    ]
+    parts.extend(_SEGMENT.pack(o, n, c, 0) for o, n, c in segments)
+    parts.extend(_OBJECT.pack(o, n) for o, n in objects)
+    body = b"".join(parts)
+    return body + _TRAILER.pack(crc32c(body))
+
+
+def decode_index(blob: bytes, path: str) -> RankIndex:
+    """Parse and strictly validate an index; every inconsistency names ``path``."""
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"rank index {path} is corrupt: {why}")
+
+    if len(blob) < _HEADER.size + _TRAILER.size:
+        raise bad(f"{len(blob)} bytes is shorter than the header")
+    magic, version, rank, sid, data_size, nseg, nobj = _HEADER.unpack_from(blob, 0)
+    if magic != INDEX_MAGIC:
+        raise bad(f"bad magic {magic!r}")
+    if version > FORMAT_VERSION or version < 1:
+        raise UnsupportedFormatError(
+            f"rank index {path} has format version {version}; this dcp_datastates reads "
+            f"versions 1 to {FORMAT_VERSION}"
+        )
+    expected = _HEADER.size + nseg * _SEGMENT.size + nobj * _OBJECT.size + _TRAILER.size
+    if len(blob) != expected:
+        raise bad(f"size {len(blob)} does not match {nseg} segments and {nobj} objects ({expected} bytes)")
+    (stored_crc,) = _TRAILER.unpack_from(blob, len(blob) - _TRAILER.size)
+    actual_crc = crc32c(memoryview(blob)[: len(blob) - _TRAILER.size])
+    if stored_crc != actual_crc:
+        raise bad(f"index checksum {actual_crc:08x} does not match stored {stored_crc:08x}")
+    save_id = sid.rstrip(b"\0").decode("ascii", "replace")
+    seg_off, seg_len, seg_crc = [], [], []
+    pos = _HEADER.size
+    prev_end = 0
+    for o, n, c, _ in _SEGMENT.iter_unpack(blob[pos : pos + nseg * _SEGMENT.size]):
+        if o < prev_end or o + n > data_size:
+            raise bad(f"segment at offset {o} (+{n}) overlaps its predecessor or lies past the data size {data_size}")
+        prev_end = o + n
+        seg_off.append(o)
+        seg_len.append(n)
+        seg_crc.append(c)
+    pos += nseg * _SEGMENT.size
+    objects = []
+    for o, n in _OBJECT.iter_unpack(blob[pos : pos + nobj * _OBJECT.size]):
+        if o + n > data_size:
+            raise bad(f"object at offset {o} (+{n}) lies past the data size {data_size}")
+        objects.append((o, n))
+    return RankIndex(rank, save_id, data_size, seg_off, seg_len, seg_crc, objects)

@@ -1,0 +1,142 @@
+"""Planning where every item of a rank lands in that rank's data file.
+
+Offsets are fixed at planning time, before any byte moves, so that the
+coordinator can build and serialize the checkpoint's metadata while the
+engine is still writing tensor bytes. The layout is a pure function of a
+rank's (deduplicated) write items in plan order: the coordinator computes it
+for every rank to fill the metadata, and each rank recomputes its own from
+the plan it receives, so no per-item offsets travel through the collectives.
+
+Rules:
+- tensors under ``SMALL_TENSOR_BYTES`` are packed back to back at 64-byte
+  alignment (cache-line aligned, enough for every dtype), so thousands of
+  small tensors coalesce into a few large writes;
+- larger tensors start at a 4 KiB boundary (O_DIRECT alignment);
+- Python objects are serialized during the write and appended after the
+  last tensor, from the next 4 KiB boundary, in plan order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+from .format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    CheckpointLayout,
+    ItemLocation,
+    RankFiles,
+    data_file_name,
+    index_file_name,
+)
+
+PAGE = 4096
+SMALL_ALIGN = 64
+SMALL_TENSOR_BYTES = 64 * 1024
+
+
+def align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def new_save_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def tensor_item_nbytes(item: WriteItem) -> int:
+    td = item.tensor_data
+    assert td is not None
+    itemsize = td.properties.dtype.itemsize
+    return math.prod(td.chunk.sizes) * itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlanData:
+    """What the coordinator tells each rank in ``SavePlan.storage_data``."""
+
+    save_id: str
+    rank: int
+    tensor_bytes_end: int  # lets the rank check that its own layout matches the coordinator's
+    item_count: int
+
+
+@dataclasses.dataclass
+class RankLayout:
+    rank: int
+    save_id: str
+    data_file: str
+    index_file: str
+    locations: dict  # MetadataIndex -> ItemLocation, in plan order
+    tensor_bytes_end: int
+    objects_base: int
+
+    def plan_data(self) -> RankPlanData:
+        return RankPlanData(self.save_id, self.rank, self.tensor_bytes_end, len(self.locations))
+
+
+def plan_rank_layout(items: list[WriteItem], rank: int, save_id: str) -> RankLayout:
+    data_file = data_file_name(rank, save_id)
+    sized = []
+    for item in items:
+        if item.type == WriteItemType.BYTE_IO:
+            continue
+        sized.append((item, tensor_item_nbytes(item)))
+    locations: dict = {}
+    offset = 0
+    # Small tensors first, packed; then large ones at page boundaries. Stable
+    # within each group, so the result depends only on the plan's order.
+    for item, nbytes in (x for x in sized if x[1] < SMALL_TENSOR_BYTES):
+        offset = align_up(offset, SMALL_ALIGN)
+        locations[item.index] = ItemLocation(data_file, offset, nbytes)
+        offset += nbytes
+    for item, nbytes in (x for x in sized if x[1] >= SMALL_TENSOR_BYTES):
+        offset = align_up(offset, PAGE)
+        locations[item.index] = ItemLocation(data_file, offset, nbytes)
+        offset += nbytes
+    ordinal = 0
+    for item in items:
+        if item.type == WriteItemType.BYTE_IO:
+            locations[item.index] = ItemLocation(data_file, -1, -1, ordinal)
+            ordinal += 1
+    return RankLayout(
+        rank=rank,
+        save_id=save_id,
+        data_file=data_file,
+        index_file=index_file_name(rank, save_id),
+        locations=locations,
+        tensor_bytes_end=offset,
+        objects_base=align_up(offset, PAGE),
+    )
+
+
+def has_layout(plans: list[SavePlan]) -> bool:
+    return bool(plans) and all(isinstance(p.storage_data, RankPlanData) for p in plans)
+
+
+def assign_checkpoint_layout(
+    plans: list[SavePlan], save_id: str
+) -> tuple[list[SavePlan], CheckpointLayout]:
+    """Give every rank its files and offsets; return the plans and the metadata's storage data.
+
+    Runs on the coordinator after deduplication, so replicated items take
+    space in exactly one rank's file.
+    """
+    out_plans = []
+    ranks = []
+    locations: dict = {}
+    for rank, plan in enumerate(plans):
+        layout = plan_rank_layout(plan.items, rank, save_id)
+        out_plans.append(dataclasses.replace(plan, storage_data=layout.plan_data()))
+        ranks.append(RankFiles(rank, layout.data_file, layout.index_file))
+        locations.update(layout.locations)
+    return out_plans, CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, save_id, ranks, locations)
+
+
+def checkpoint_layout_from_plans(plans: list[SavePlan]) -> CheckpointLayout:
+    """Rebuild the storage data from plans that already carry :class:`RankPlanData`."""
+    save_id = plans[0].storage_data.save_id
+    return assign_checkpoint_layout(plans, save_id)[1]

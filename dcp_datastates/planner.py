@@ -1,0 +1,41 @@
+"""DataStatesSavePlanner: DCP's default planner plus our file layout.
+
+DCP's ``DefaultSavePlanner`` flattens the state dict and deduplicates
+replicated items across ranks. This subclass then fixes, for every item that
+survives deduplication, its rank file and byte offset (see :mod:`layout`)
+and completes ``Metadata.storage_data`` in the same step, so the metadata is
+final when planning ends and can be serialized while the data is written.
+
+Using it is optional: ``DataStatesWriter`` applies the same layout itself
+when ``dcp.save`` runs with DCP's default planner. Pass it explicitly to keep
+the layout inside the planner (for example when you subclass it further)::
+
+    dcp.save(state, storage_writer=DataStatesWriter(path), planner=DataStatesSavePlanner())
+"""
+
+from __future__ import annotations
+
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan
+
+from .format import check_save_id
+from .layout import assign_checkpoint_layout, new_save_id
+
+
+class DataStatesSavePlanner(DefaultSavePlanner):
+    def set_up_planner(self, state_dict, storage_meta: StorageMeta | None = None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
+        self._save_id = storage_meta.save_id if storage_meta is not None and storage_meta.save_id else None
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        if getattr(self, "_enable_plan_caching", False):
+            raise NotImplementedError(
+                "DataStatesSavePlanner does not support enable_plan_caching: every save gets new files"
+            )
+        plans, metadata = super().create_global_plan(all_plans)
+        save_id = check_save_id(self._save_id) if self._save_id else new_save_id()
+        plans, layout = assign_checkpoint_layout(plans, save_id)
+        metadata.storage_data = layout
+        self.global_plan = plans
+        return plans, metadata

@@ -1,0 +1,338 @@
+"""DataStatesReader: the StorageReader of dcp_datastates.
+
+DCP's load planner decides which saved chunks overlap which destination
+shards (that is what lets a checkpoint saved on N ranks load on M). For every
+such ReadItem this reader reads only the bytes it needs: a slice of a saved
+chunk along dim 0 (or the whole chunk) is one contiguous range, read by the
+engine straight into the destination tensor when that is a contiguous CPU
+tensor of the saved dtype. Other slices read their bounding range into a
+temporary buffer and copy the slice out. Reads run in parallel on the
+engine's I/O threads, and every checksum segment a read covers is verified
+(``verify=False`` skips that).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import math
+import os
+import pickle
+from typing import Any, Callable
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from . import _native
+from .errors import (
+    ChecksumMismatchError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsupportedFormatError,
+)
+from .format import DATA_FILE_RE, METADATA_FILE, CheckpointLayout, RankIndex, decode_index
+
+TEMP_BUDGET_BYTES = 512 << 20  # temporaries alive at once while reading non-direct items
+
+
+class DataStatesReader(StorageReader):
+    """Read dcp_datastates checkpoints, resharding to any world size through DCP.
+
+    Args:
+        path: checkpoint directory (or pass ``checkpoint_id`` to ``dcp.load``).
+        verify: verify the CRC32C of every checksum segment a read fully covers.
+        io_threads: engine threads reading in parallel.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        verify: bool = True,
+        io_threads: int = _native.DEFAULT_IO_THREADS,
+        host_cache_bytes: int = _native.DEFAULT_HOST_CACHE_BYTES,
+        window_bytes: int = _native.DEFAULT_WINDOW_BYTES,
+    ) -> None:
+        super().__init__()
+        self.path = os.fspath(path) if path is not None else None
+        self.verify = verify
+        self._engine = _native.get_engine(host_cache_bytes, io_threads, window_bytes)
+        self._metadata: Metadata | None = None
+        self._layout: CheckpointLayout | None = None
+        self._indexes: dict[str, RankIndex] = {}
+        self._chunks: dict[str, dict[tuple, Any]] = {}
+
+    # -- StorageReader protocol -------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        self._metadata = None
+        self._layout = None
+        self._indexes = {}
+        self._chunks = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            path = os.fspath(checkpoint_id)
+        except TypeError:
+            return False
+        return isinstance(path, str) and os.path.isfile(os.path.join(path, METADATA_FILE))
+
+    def read_metadata(self, *args: Any, **_options: Any) -> Metadata:
+        # The catch-all is deliberately not named ``kwargs``: DCP 2.13 probes for
+        # that name and would retry with per-rank metadata, which we never write.
+        if self.path is None:
+            raise ValueError("DataStatesReader has no path: pass one or give dcp.load a checkpoint_id")
+        md_path = os.path.join(self.path, METADATA_FILE)
+        try:
+            with open(md_path, "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            raise self._missing_checkpoint_error() from None
+        try:
+            metadata = pickle.loads(blob)
+        except Exception as exc:
+            raise CorruptCheckpointError(f"{md_path} cannot be decoded: {exc}") from exc
+        if not isinstance(metadata, Metadata):
+            raise CorruptCheckpointError(f"{md_path} holds a {type(metadata).__name__}, not DCP Metadata")
+        layout = metadata.storage_data
+        if not isinstance(layout, CheckpointLayout):
+            raise UnsupportedFormatError(
+                f"{self.path} was not written by dcp_datastates (its storage data is a "
+                f"{type(layout).__name__}); load it with torch.distributed.checkpoint.FileSystemReader"
+            )
+        layout.validate(md_path)
+        self._metadata, self._layout = metadata, layout
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata is not self._metadata:
+            layout = metadata.storage_data
+            if not isinstance(layout, CheckpointLayout):
+                raise UnsupportedFormatError(f"{self.path}: metadata was not written by dcp_datastates")
+            layout.validate(os.path.join(self.path, METADATA_FILE))
+            self._metadata, self._layout = metadata, layout
+        self._indexes = {}
+        self._chunks = {}
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        batch = _ReadBatch(self)
+        for item in plan.items:
+            batch.add(item, planner)
+            if batch.temp_bytes >= TEMP_BUDGET_BYTES:
+                batch.run()
+                batch = _ReadBatch(self)
+        batch.run()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # -- helpers ----------------------------------------------------------------
+
+    def _missing_checkpoint_error(self) -> Exception:
+        if not os.path.isdir(self.path):
+            return CheckpointNotFoundError(f"no checkpoint at {self.path}: the directory does not exist")
+        names = os.listdir(self.path)
+        ours = [n for n in names if DATA_FILE_RE.match(n) or n.startswith(METADATA_FILE + ".")]
+        if ours:
+            return IncompleteCheckpointError(
+                f"checkpoint at {self.path} is incomplete: it has {len(ours)} data/index file(s) "
+                f"but no {METADATA_FILE}, so it was never committed (the save was interrupted or "
+                "failed); its data cannot be trusted"
+            )
+        return CheckpointNotFoundError(f"no checkpoint at {self.path}: {METADATA_FILE} is missing")
+
+    def rank_index(self, relative_path: str) -> RankIndex:
+        """The index of the rank whose data file is ``relative_path`` (loaded once, validated)."""
+        idx = self._indexes.get(relative_path)
+        if idx is not None:
+            return idx
+        files = next((r for r in self._layout.ranks if r.data_file == relative_path), None)
+        if files is None:
+            raise CorruptCheckpointError(f"{self.path}: metadata names data file {relative_path} of no rank")
+        index_path = os.path.join(self.path, files.index_file)
+        data_path = os.path.join(self.path, files.data_file)
+        try:
+            with open(index_path, "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"rank {files.rank}'s index file {index_path} is missing; the checkpoint is damaged"
+            ) from None
+        idx = decode_index(blob, index_path)
+        if idx.save_id != self._layout.save_id or idx.rank != files.rank:
+            raise CorruptCheckpointError(
+                f"{index_path} belongs to rank {idx.rank} of save {idx.save_id}, expected rank "
+                f"{files.rank} of save {self._layout.save_id} (files from different checkpoints mixed?)"
+            )
+        try:
+            size = os.stat(data_path).st_size
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"rank {files.rank}'s data file {data_path} is missing; the checkpoint is damaged"
+            ) from None
+        if size < idx.data_size:
+            raise CorruptCheckpointError(
+                f"data file {data_path} is truncated: {size} bytes, its index says {idx.data_size}"
+            )
+        self._indexes[relative_path] = idx
+        return idx
+
+    def chunk_sizes(self, index: MetadataIndex) -> tuple[torch.dtype, tuple[int, ...]]:
+        md = self._metadata.state_dict_metadata.get(index.fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CorruptCheckpointError(f"{self.path}: {index.fqn!r} is not a tensor in the metadata")
+        table = self._chunks.get(index.fqn)
+        if table is None:
+            table = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
+            self._chunks[index.fqn] = table
+        sizes = table.get(tuple(index.offset or ()))
+        if sizes is None:
+            raise CorruptCheckpointError(f"{self.path}: no saved chunk of {index.fqn!r} at offset {tuple(index.offset)}")
+        return md.properties.dtype, sizes
+
+
+def _contiguous_range(sizes, offsets, lengths) -> tuple[int, int, bool]:
+    """Element range [start, start+count) of a sub-block in a row-major chunk.
+
+    Returns (start, count, exact): exact when the block is that whole range
+    (a dim-0 slice, or a slice that is full in every inner dim); otherwise
+    the range is the bounding range from its first to its last element.
+    """
+    ndim = len(sizes)
+    if ndim == 0:
+        return 0, 1, True
+    strides = [1] * ndim
+    for d in range(ndim - 2, -1, -1):
+        strides[d] = strides[d + 1] * sizes[d + 1]
+    start = sum(o * s for o, s in zip(offsets, strides))
+    if any(n == 0 for n in lengths):
+        return start, 0, True
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
+    count = last - start + 1
+    return start, count, count == math.prod(lengths)
+
+
+class _ReadBatch:
+    """A set of reads submitted to the engine together, then committed to DCP."""
+
+    def __init__(self, reader: DataStatesReader) -> None:
+        self.reader = reader
+        self.files: dict[str, int] = {}
+        self.requests: list[tuple] = []
+        self.keys: list[str] = []
+        self.keep: list[Any] = []
+        self.after: list[Callable[[], None]] = []
+        self.temp_bytes = 0
+
+    def _file(self, relative_path: str) -> int:
+        if relative_path not in self.files:
+            self.files[relative_path] = len(self.files)
+        return self.files[relative_path]
+
+    def _request(self, key: str, relative_path: str, offset: int, nbytes: int, pointer: int, idx: RankIndex) -> None:
+        checks = idx.checks_within(offset, nbytes) if self.reader.verify else []
+        self.requests.append((self._file(relative_path), offset, nbytes, pointer, checks))
+        self.keys.append(key)
+
+    def add(self, item: ReadItem, planner: LoadPlanner) -> None:
+        reader = self.reader
+        loc = reader._layout.locations.get(item.storage_index)
+        if loc is None:
+            raise CorruptCheckpointError(
+                f"{reader.path}: metadata has no stored location for {item.storage_index.fqn!r}"
+            )
+        idx = reader.rank_index(loc.relative_path)
+        key = item.storage_index.fqn
+        if item.type == LoadItemType.BYTE_IO:
+            if not 0 <= loc.object_ordinal < len(idx.objects):
+                raise CorruptCheckpointError(
+                    f"{reader.path}: object {key!r} refers to entry {loc.object_ordinal} of an "
+                    f"index with {len(idx.objects)} objects"
+                )
+            offset, nbytes = idx.objects[loc.object_ordinal]
+            buf = bytearray(nbytes)
+            if nbytes:
+                self._request(key, loc.relative_path, offset, nbytes, _buffer_address(buf), idx)
+                self.keep.append(buf)
+            self.after.append(lambda: planner.load_bytes(item, io.BytesIO(buf)))
+            return
+
+        dtype, sizes = reader.chunk_sizes(item.storage_index)
+        itemsize = dtype.itemsize
+        if loc.length != math.prod(sizes) * itemsize:
+            raise CorruptCheckpointError(
+                f"{reader.path}: {key!r} has {loc.length} stored bytes for a {dtype} chunk of shape {sizes}"
+            )
+        start, count, exact = _contiguous_range(sizes, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if tuple(target.shape) != tuple(item.lengths):
+            raise CorruptCheckpointError(
+                f"{key!r}: destination shape {tuple(target.shape)} does not match the read of {tuple(item.lengths)}"
+            )
+        if count == 0:
+            self.after.append(lambda: planner.commit_tensor(item, target))
+            return
+        offset = loc.offset + start * itemsize
+        nbytes = count * itemsize
+        if exact and target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
+            self._request(key, loc.relative_path, offset, nbytes, target.data_ptr(), idx)
+            self.keep.append(target)
+            self.after.append(lambda: planner.commit_tensor(item, target))
+            return
+        temp = torch.empty(count, dtype=dtype)
+        self._request(key, loc.relative_path, offset, nbytes, temp.data_ptr(), idx)
+        self.keep.append(temp)
+        self.temp_bytes += nbytes
+        strides = [1] * len(sizes)
+        for d in range(len(sizes) - 2, -1, -1):
+            strides[d] = strides[d + 1] * sizes[d + 1]
+
+        def finish() -> None:
+            src = temp.as_strided(tuple(item.lengths), tuple(strides), 0)
+            target.copy_(src)
+            planner.commit_tensor(item, target)
+
+        self.after.append(finish)
+
+    def run(self) -> None:
+        reader = self.reader
+        if self.requests:
+            paths = [""] * len(self.files)
+            for rel, i in self.files.items():
+                paths[i] = os.path.join(reader.path, rel)
+            job = reader._engine.read(paths, self.requests, self.keep)
+            failures = job.wait()
+            if failures:
+                raise _read_error(failures[0], self.keys, len(failures))
+        for fn in self.after:
+            fn()
+
+
+def _read_error(failure: tuple, keys: list[str], total: int) -> Exception:
+    request, kind, errno, path, offset, message = failure
+    more = f" ({total - 1} more read failures)" if total > 1 else ""
+    where = f"{path} while reading {keys[request]!r}"
+    if kind == "checksum":
+        return ChecksumMismatchError(f"{where}: {message}; the file is corrupt{more}")
+    if kind == "truncated":
+        return CorruptCheckpointError(f"{where}: the data file is truncated: {message}{more}")
+    err = OSError(errno, f"reading {keys[request]!r} failed: {message}{more}", path)
+    err.offset = offset
+    return err
+
+
+def _buffer_address(buf: bytearray) -> int:
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))

@@ -1,0 +1,97 @@
+"""Shared helpers for the dcp_datastates test suite."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_datastates import DataStatesReader, DataStatesWriter
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def save(state, path, **writer_kwargs):
+    writer = DataStatesWriter(path, **writer_kwargs)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    return writer
+
+
+def load(state, path, **reader_kwargs):
+    dcp.load(state, storage_reader=DataStatesReader(path, **reader_kwargs), no_dist=True)
+    return state
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The error a rank raised, whether or not DCP wrapped it in a CheckpointException."""
+    if isinstance(exc, CheckpointException):
+        return next(iter(exc.failures.values()))[0]
+    return exc
+
+
+@contextlib.contextmanager
+def raises_from_checkpoint(expected, match=None):
+    """Like pytest.raises, for errors DCP may wrap in CheckpointException (a BaseException)."""
+    try:
+        yield
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - we re-check the type below
+        inner = unwrap(exc)
+        if not isinstance(inner, expected):
+            raise AssertionError(f"expected {expected}, got {type(inner).__name__}: {inner}") from exc
+        if match is not None and match not in str(inner):
+            raise AssertionError(f"{match!r} not in error message: {inner}") from exc
+        return
+    raise AssertionError(f"expected {expected} to be raised")
+
+
+def data_files(path):
+    return sorted(f for f in os.listdir(path) if f.endswith(".data"))
+
+
+def index_files(path):
+    return sorted(f for f in os.listdir(path) if f.endswith(".index"))
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 2 MiB tmpfs mounted for the test (root only); yields its path."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def assert_same(a, b, path="state"):
+    """Bit-exact comparison of nested state dicts (tensors by bytes, dtype and shape)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{path}: {type(b)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        # Compare raw bytes: NaN payloads, -0.0 and every dtype (bool, float8, complex) exactly.
+        assert torch.equal(_bytes_of(a), _bytes_of(b)), f"{path}: bytes differ"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{path}: keys {set(a) ^ set(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
