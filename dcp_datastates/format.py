@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import struct
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from typing import Sequence
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -138,6 +138,20 @@ class RankIndex:
     seg_lengths: list[int]
     seg_crcs: list[int]
     objects: list[tuple[int, int]]
+
+    def covering_range(self, start: int, length: int) -> tuple[int, int]:
+        """The byte range of the segments that overlap ``[start, start+length)``.
+
+        Reading that range lets every byte of the request be verified, even
+        when the request is a slice that cuts through segments (resharding).
+        """
+        offs, lens = self.seg_offsets, self.seg_lengths
+        end = start + length
+        i = bisect_right(offs, start) - 1
+        lo = offs[i] if i >= 0 and offs[i] + lens[i] > start else start
+        j = bisect_left(offs, end) - 1
+        hi = offs[j] + lens[j] if j >= 0 and offs[j] < end and offs[j] + lens[j] > end else end
+        return lo, hi
 
     def checks_within(self, start: int, length: int) -> list[tuple[int, int, int]]:
         """Checksum segments lying wholly inside ``[start, start+length)``, relative to start."""
