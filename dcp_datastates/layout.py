@@ -91,7 +91,7 @@ def plan_rank_layout(items: list[WriteItem], rank: int, save_id: str) -> RankLay
     # within each group, so the result depends only on the plan's order.
     for item, nbytes in (x for x in sized if x[1] < SMALL_TENSOR_BYTES):
         offset = align_up(offset, SMALL_ALIGN)
-        locations[item.index] = ItemLocation(data_file, offset, nbytes)
+        locations[item.index] = ItemLocation(data_file, offset, nbytes, -1)
         offset += nbytes
     for item, nbytes in (x for x in sized if x[1] >= SMALL_TENSOR_BYTES):
         offset = align_up(offset, PAGE)
@@ -119,24 +119,20 @@ def has_layout(plans: list[SavePlan]) -> bool:
 
 def assign_checkpoint_layout(
     plans: list[SavePlan], save_id: str
-) -> tuple[list[SavePlan], CheckpointLayout]:
-    """Give every rank its files and offsets; return the plans and the metadata's storage data.
+) -> tuple[list[SavePlan], CheckpointLayout, list[RankLayout]]:
+    """Give every rank its files and offsets.
 
-    Runs on the coordinator after deduplication, so replicated items take
-    space in exactly one rank's file.
+    Returns the plans (carrying :class:`RankPlanData`), the metadata's
+    storage data and the per-rank layouts. Runs on the coordinator after
+    deduplication, so replicated items take space in exactly one rank's file.
     """
-    out_plans = []
-    ranks = []
-    locations: dict = {}
+    out_plans, ranks, entries, layouts = [], [], [], []
     for rank, plan in enumerate(plans):
         layout = plan_rank_layout(plan.items, rank, save_id)
         out_plans.append(dataclasses.replace(plan, storage_data=layout.plan_data()))
         ranks.append(RankFiles(rank, layout.data_file, layout.index_file))
-        locations.update(layout.locations)
-    return out_plans, CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, save_id, ranks, locations)
-
-
-def checkpoint_layout_from_plans(plans: list[SavePlan]) -> CheckpointLayout:
-    """Rebuild the storage data from plans that already carry :class:`RankPlanData`."""
-    save_id = plans[0].storage_data.save_id
-    return assign_checkpoint_layout(plans, save_id)[1]
+        for index, loc in layout.locations.items():
+            off = tuple(index.offset) if index.offset is not None else None
+            entries.append((index.fqn, off, rank, loc.offset, loc.length, loc.object_ordinal))
+        layouts.append(layout)
+    return out_plans, CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, save_id, ranks, entries), layouts

@@ -35,7 +35,7 @@ class DataStatesSavePlanner(DefaultSavePlanner):
             )
         plans, metadata = super().create_global_plan(all_plans)
         save_id = check_save_id(self._save_id) if self._save_id else new_save_id()
-        plans, layout = assign_checkpoint_layout(plans, save_id)
+        plans, layout, _ = assign_checkpoint_layout(plans, save_id)
         metadata.storage_data = layout
         self.global_plan = plans
         return plans, metadata

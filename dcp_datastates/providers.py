@@ -50,16 +50,15 @@ def provide_tensor(item: WriteItem, value: Any, expected_nbytes: int) -> Provide
     tensor = value
     if DTensor is not None and isinstance(tensor, DTensor):
         tensor = tensor.to_local()
-    tensor = tensor.detach()
     if tensor.layout != torch.strided:
         raise TypeError(f"state dict entry {key!r} has layout {tensor.layout}; only strided tensors can be saved")
     if tensor.device.type != "cpu":
-        tensor = tensor.to("cpu")  # device provider: a host copy the engine can read
+        tensor = tensor.detach().to("cpu")  # device provider: a host copy the engine can read
     if not tensor.is_contiguous():
-        tensor = tensor.contiguous()  # strided provider
+        tensor = tensor.detach().contiguous()  # strided provider
     td = item.tensor_data
     assert td is not None
-    if tensor.dtype != td.properties.dtype or tuple(tensor.shape) != tuple(td.chunk.sizes):
+    if tensor.dtype != td.properties.dtype or tensor.shape != td.chunk.sizes:
         raise ValueError(
             f"state dict entry {key!r} changed after planning: planned {td.properties.dtype} "
             f"{tuple(td.chunk.sizes)}, got {tensor.dtype} {tuple(tensor.shape)}"

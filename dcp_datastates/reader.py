@@ -214,15 +214,20 @@ def _contiguous_range(sizes, offsets, lengths) -> tuple[int, int, bool]:
     ndim = len(sizes)
     if ndim == 0:
         return 0, 1, True
-    strides = [1] * ndim
-    for d in range(ndim - 2, -1, -1):
-        strides[d] = strides[d + 1] * sizes[d + 1]
-    start = sum(o * s for o, s in zip(offsets, strides))
-    if any(n == 0 for n in lengths):
-        return start, 0, True
-    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
+    if ndim == 1:  # the common case, kept cheap: one call per saved item on every load
+        return offsets[0], lengths[0], True
+    start = last = 0
+    stride = numel = 1
+    for d in range(ndim - 1, -1, -1):
+        o, n = offsets[d], lengths[d]
+        if n == 0:
+            return 0, 0, True
+        start += o * stride
+        last += (o + n - 1) * stride
+        numel *= n
+        stride *= sizes[d]
     count = last - start + 1
-    return start, count, count == math.prod(lengths)
+    return start, count, count == numel
 
 
 class _ReadBatch:
@@ -249,7 +254,7 @@ class _ReadBatch:
 
     def add(self, item: ReadItem, planner: LoadPlanner) -> None:
         reader = self.reader
-        loc = reader._layout.locations.get(item.storage_index)
+        loc = reader._layout.location(item.storage_index)
         if loc is None:
             raise CorruptCheckpointError(
                 f"{reader.path}: metadata has no stored location for {item.storage_index.fqn!r}"

@@ -49,7 +49,6 @@ from .layout import (
     align_up,
     assign_checkpoint_layout,
     has_layout,
-    checkpoint_layout_from_plans,
     new_save_id,
     plan_rank_layout,
 )
@@ -110,7 +109,8 @@ class DataStatesWriter(StorageWriter):
         self.is_coordinator = False
         self.last_save_stats = SaveStats()
         self._save_id: str | None = None
-        self._layout: CheckpointLayout | None = None
+        self._layout: CheckpointLayout | None = None  # set when the writer (not the planner) placed items
+        self._rank_layouts: dict = {}  # coordinator: rank -> (RankLayout, plan item indices)
         self._metadata_tmp: str | None = None
         self._metadata_obj: Metadata | None = None
         self._replaced_checkpoint = False
@@ -122,6 +122,7 @@ class DataStatesWriter(StorageWriter):
             self.path = os.fspath(checkpoint_id)
         self._save_id = None
         self._layout = None
+        self._rank_layouts = {}
         self._metadata_tmp = None
         self._metadata_obj = None
 
@@ -161,17 +162,25 @@ class DataStatesWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if any(not p.usable for p in plans):
             raise NotImplementedError("DataStatesWriter does not support DCP save-plan caching")
-        if has_layout(plans):  # DataStatesSavePlanner already placed everything
-            self._layout = checkpoint_layout_from_plans(plans)
+        self._rank_layouts = {}
+        if has_layout(plans):  # DataStatesSavePlanner placed everything; its metadata holds the layout
+            self._layout = None
             return plans
-        plans, self._layout = assign_checkpoint_layout(plans, self._current_save_id())
+        plans, self._layout, layouts = assign_checkpoint_layout(plans, self._current_save_id())
+        # Kept so the coordinator's own write_data need not compute its layout again.
+        self._rank_layouts = {lay.rank: (lay, [item.index for item in p.items]) for lay, p in zip(layouts, plans)}
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         info = plan.storage_data
         if not isinstance(info, RankPlanData):
             raise CheckpointError("save plan carries no dcp_datastates layout; was prepare_global_plan skipped?")
-        layout = plan_rank_layout(plan.items, info.rank, info.save_id)
+        cached = self._rank_layouts.pop(info.rank, None)
+        self._rank_layouts = {}
+        if cached is not None and cached[0].save_id == info.save_id and cached[1] == [i.index for i in plan.items]:
+            layout = cached[0]
+        else:
+            layout = plan_rank_layout(plan.items, info.rank, info.save_id)
         if layout.tensor_bytes_end != info.tensor_bytes_end or len(layout.locations) != info.item_count:
             raise CheckpointError(
                 f"rank {info.rank}: local layout disagrees with the coordinator's "
@@ -257,19 +266,19 @@ class DataStatesWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         t0 = time.perf_counter()
         try:
-            layout = self._layout
-            if layout is None:
-                raise CheckpointError("finish() called before prepare_global_plan()")
+            layout = self._layout or metadata.storage_data
+            if not isinstance(layout, CheckpointLayout):
+                raise CheckpointError("finish() called without a dcp_datastates layout (prepare_global_plan skipped?)")
             for rank_results in results:
                 for wr in rank_results:
-                    if layout.locations.get(wr.index) != wr.storage_data:
+                    if layout.location(wr.index) != wr.storage_data:
                         raise CheckpointError(
                             f"write result for {wr.index.fqn!r} does not match its planned location"
                         )
             if metadata is not self._metadata_obj or self._metadata_tmp is None:
                 # The planner did not expose its metadata early: serialize now.
                 self._discard_metadata_tmp()
-                self._write_metadata_tmp(metadata)
+                self._write_metadata_tmp(metadata, layout)
             final = os.path.join(self.path, METADATA_FILE)
             publish(self._metadata_tmp, final, self.path)
             self._metadata_tmp = None
@@ -290,16 +299,13 @@ class DataStatesWriter(StorageWriter):
             self._save_id = new_save_id()
         return self._save_id
 
-    def _finalize_metadata(self, metadata: Metadata) -> None:
-        metadata.storage_data = self._layout
-        metadata.storage_meta = StorageMeta(checkpoint_id=self.path, save_id=self._layout.save_id)
+    def _write_metadata_tmp(self, metadata: Metadata, layout: CheckpointLayout) -> None:
+        metadata.storage_data = layout
+        metadata.storage_meta = StorageMeta(checkpoint_id=self.path, save_id=layout.save_id)
         if CURRENT_DCP_VERSION is not None:
             metadata.version = CURRENT_DCP_VERSION
-
-    def _write_metadata_tmp(self, metadata: Metadata) -> None:
-        self._finalize_metadata(metadata)
         blob = pickle.dumps(metadata)
-        tmp = os.path.join(self.path, metadata_tmp_name(self._layout.save_id))
+        tmp = os.path.join(self.path, metadata_tmp_name(layout.save_id))
         write_new_file_durably(tmp, blob)
         self._metadata_tmp = tmp
         self._metadata_obj = metadata
@@ -307,10 +313,13 @@ class DataStatesWriter(StorageWriter):
     def _serialize_metadata_early(self, planner: SavePlanner, stats: SaveStats) -> None:
         """Pickle and write the final metadata while the engine writes tensor bytes."""
         metadata = getattr(planner, "metadata", None)
-        if not isinstance(metadata, Metadata) or self._layout is None:
+        if not isinstance(metadata, Metadata):
             return  # finish() will serialize it
+        layout = self._layout or metadata.storage_data
+        if not isinstance(layout, CheckpointLayout):
+            return
         t = time.perf_counter()
-        self._write_metadata_tmp(metadata)
+        self._write_metadata_tmp(metadata, layout)
         stats.metadata_serialize_s = time.perf_counter() - t
 
     def _discard_metadata_tmp(self) -> None:
