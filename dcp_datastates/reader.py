@@ -45,7 +45,8 @@ class DataStatesReader(StorageReader):
     Args:
         path: checkpoint directory (or pass ``checkpoint_id`` to ``dcp.load``).
         verify: verify the CRC32C of every checksum segment a read fully covers.
-        io_threads: engine threads reading in parallel.
+        io_threads: engine threads reading (and verifying) in parallel.
+        window_bytes: the largest single read; also the write window size.
     """
 
     def __init__(
@@ -53,14 +54,15 @@ class DataStatesReader(StorageReader):
         path: str | os.PathLike | None = None,
         *,
         verify: bool = True,
-        io_threads: int = _native.DEFAULT_IO_THREADS,
-        host_cache_bytes: int = _native.DEFAULT_HOST_CACHE_BYTES,
+        io_threads: int = _native.DEFAULT_READ_THREADS,
         window_bytes: int = _native.DEFAULT_WINDOW_BYTES,
     ) -> None:
         super().__init__()
         self.path = os.fspath(path) if path is not None else None
         self.verify = verify
-        self._engine = _native.get_engine(host_cache_bytes, io_threads, window_bytes)
+        # Reads go straight into destinations: the engine's pool is not used,
+        # so the reader's engine gets the smallest one (two windows).
+        self._engine = _native.get_engine(2 * window_bytes, io_threads, window_bytes)
         self._metadata: Metadata | None = None
         self._layout: CheckpointLayout | None = None
         self._indexes: dict[str, RankIndex] = {}
@@ -96,7 +98,8 @@ class DataStatesReader(StorageReader):
         except FileNotFoundError:
             raise self._missing_checkpoint_error() from None
         try:
-            metadata = pickle.loads(blob)
+            with _native.gc_paused():
+                metadata = pickle.loads(blob)
         except Exception as exc:
             raise CorruptCheckpointError(f"{md_path} cannot be decoded: {exc}") from exc
         if not isinstance(metadata, Metadata):
@@ -128,13 +131,14 @@ class DataStatesReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        batch = _ReadBatch(self)
-        for item in plan.items:
-            batch.add(item, planner)
-            if batch.temp_bytes >= TEMP_BUDGET_BYTES:
-                batch.run()
-                batch = _ReadBatch(self)
-        batch.run()
+        with _native.gc_paused():
+            batch = _ReadBatch(self)
+            for item in plan.items:
+                batch.add(item, planner)
+                if batch.temp_bytes >= TEMP_BUDGET_BYTES:
+                    batch.run()
+                    batch = _ReadBatch(self)
+            batch.run()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

@@ -111,6 +111,7 @@ class DataStatesWriter(StorageWriter):
         self._save_id: str | None = None
         self._layout: CheckpointLayout | None = None  # set when the writer (not the planner) placed items
         self._rank_layouts: dict = {}  # coordinator: rank -> (RankLayout, plan item indices)
+        self._planned: list | None = None  # coordinator: per-rank {MetadataIndex: ItemLocation}
         self._metadata_tmp: str | None = None
         self._metadata_obj: Metadata | None = None
         self._replaced_checkpoint = False
@@ -160,18 +161,28 @@ class DataStatesWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        with _native.gc_paused():
+            return self._prepare_global_plan(plans)
+
+    def _prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if any(not p.usable for p in plans):
             raise NotImplementedError("DataStatesWriter does not support DCP save-plan caching")
         self._rank_layouts = {}
+        self._planned = None
         if has_layout(plans):  # DataStatesSavePlanner placed everything; its metadata holds the layout
             self._layout = None
             return plans
         plans, self._layout, layouts = assign_checkpoint_layout(plans, self._current_save_id())
+        self._planned = [lay.locations for lay in layouts]
         # Kept so the coordinator's own write_data need not compute its layout again.
         self._rank_layouts = {lay.rank: (lay, [item.index for item in p.items]) for lay, p in zip(layouts, plans)}
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        with _native.gc_paused():
+            return self._write_data(plan, planner)
+
+    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         info = plan.storage_data
         if not isinstance(info, RankPlanData):
             raise CheckpointError("save plan carries no dcp_datastates layout; was prepare_global_plan skipped?")
@@ -264,14 +275,20 @@ class DataStatesWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        with _native.gc_paused():
+            self._finish(metadata, results)
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         t0 = time.perf_counter()
         try:
             layout = self._layout or metadata.storage_data
             if not isinstance(layout, CheckpointLayout):
                 raise CheckpointError("finish() called without a dcp_datastates layout (prepare_global_plan skipped?)")
-            for rank_results in results:
+            for rank, rank_results in enumerate(results):
+                planned = self._planned[rank] if self._planned and rank < len(self._planned) else None
                 for wr in rank_results:
-                    if layout.location(wr.index) != wr.storage_data:
+                    loc = planned.get(wr.index) if planned is not None else layout.location(wr.index)
+                    if loc != wr.storage_data:
                         raise CheckpointError(
                             f"write result for {wr.index.fqn!r} does not match its planned location"
                         )
@@ -290,6 +307,7 @@ class DataStatesWriter(StorageWriter):
         finally:
             self._save_id = None
             self._metadata_obj = None
+            self._planned = None
         self.last_save_stats.commit_s = time.perf_counter() - t0
 
     # -- helpers ----------------------------------------------------------------
