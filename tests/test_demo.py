@@ -1,0 +1,94 @@
+"""End-to-end test of the demo: train on 2 ranks, crash, resume on 1 rank, compare.
+
+The full scenario runs in a subprocess (it spawns its own ranks) with a tiny
+model, so it takes well under a minute on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dcp_datastates import demo
+
+TINY = ["--vocab", "128", "--seq-len", "32", "--d-model", "64", "--layers", "2", "--heads", "2", "--batch", "8"]
+
+
+def _run_demo(tmp_path, *extra: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "dcp_datastates.demo", "--steps", "30", "--ckpt-every", "10", "--fail-at", "22",
+           "--dir", str(tmp_path / "demo"), "--timeout", "150", *TINY, *extra]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        print(proc.stdout[-6000:])
+        print(proc.stderr[-6000:], file=sys.stderr)
+    return proc
+
+
+def _summary(out: str) -> str:
+    assert "SUMMARY" in out, out[-3000:]
+    return out[out.index("SUMMARY"):]
+
+
+def test_demo_crash_and_resume_on_fewer_ranks(tmp_path):
+    proc = _run_demo(tmp_path)  # P=2 before the failure, M=1 after
+    assert proc.returncode == 0
+    summary = _summary(proc.stdout)
+    assert "RESULT: PASS" in summary
+    assert "loss curve: CONTINUOUS" in summary
+    assert "last committed checkpoint: step 20" in summary
+    assert "loaded 2-rank checkpoint on 1 rank(s)" in summary
+    assert "failing run matched the reference: bit-exact" in summary
+    assert "ours vs DCP's: " in summary and "identical" in summary
+    # --dir was removed at the end (no --keep)
+    assert not (tmp_path / "demo").exists()
+
+
+@pytest.mark.slow
+def test_demo_resume_on_same_world_size_is_bit_exact(tmp_path, request):
+    if "slow" not in (request.config.getoption("markexpr", "") or ""):
+        pytest.skip("a second end-to-end run: select it with -m slow")
+    proc = _run_demo(tmp_path, "--resume-procs", "2", "--keep")
+    assert proc.returncode == 0
+    summary = _summary(proc.stdout)
+    assert "RESULT: PASS" in summary
+    assert "bit-exact: yes; checked with exact equality (M == P)" in summary
+    assert (tmp_path / "demo" / "datastates" / "step_000030" / ".metadata").is_file()
+
+
+def test_latest_committed_checkpoint_skips_uncommitted(tmp_path):
+    for step, committed in [(10, True), (20, True), (30, False)]:
+        d = tmp_path / f"step_{step:06d}"
+        d.mkdir()
+        (d / "rank00000-abc.data").write_bytes(b"x")
+        if committed:
+            (d / ".metadata").write_bytes(b"m")
+    (tmp_path / "step_junk").mkdir()
+    assert demo.latest_committed_checkpoint(str(tmp_path)) == (20, str(tmp_path / "step_000020"))
+    assert demo.latest_committed_checkpoint(str(tmp_path / "missing")) is None
+
+
+def test_global_batch_depends_only_on_seed_and_step():
+    a = demo.global_batch(7, 3, 8, 16, 64)
+    b = demo.global_batch(7, 3, 8, 16, 64)
+    c = demo.global_batch(7, 4, 8, 16, 64)
+    assert all(x.equal(y) for x, y in zip(a, b))
+    assert not a[0].equal(c[0])
+    assert a[0][:, 1:].equal(a[1][:, :-1])  # targets are the inputs shifted by one
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--fail-at", "10", "--ckpt-every", "10"],  # no checkpoint before the failure
+        ["--steps", "20", "--fail-at", "30"],
+        ["--nprocs", "2", "--resume-procs", "3", "--batch", "8"],  # 8 rows cannot form 6 shards
+    ],
+)
+def test_demo_rejects_bad_arguments(argv):
+    with pytest.raises(SystemExit) as exc:
+        demo.parse_args(argv)
+    assert exc.value.code == 2
