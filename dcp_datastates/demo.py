@@ -57,9 +57,10 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dcp_datastates.format import METADATA_FILE
+
 SIMULATED_FAILURE_EXIT = 75  # exit status of a rank that "crashed" on purpose
 STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
-METADATA_FILE = ".metadata"
 
 
 # ---------------------------------------------------------------------------

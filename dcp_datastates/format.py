@@ -106,7 +106,8 @@ class RankFiles:
     index_file: str
 
 
-def _key(fqn: str, offset) -> tuple:
+def location_key(fqn: str, offset) -> tuple:
+    """``(fqn, chunk offsets as a tuple or None)``: how ``CheckpointLayout.entries`` name an item."""
     return (fqn, tuple(offset) if offset is not None else None)
 
 
@@ -146,7 +147,7 @@ class CheckpointLayout:
         return table
 
     def location(self, index: MetadataIndex) -> ItemLocation | None:
-        return self._lookup().get(_key(index.fqn, index.offset))
+        return self._lookup().get(location_key(index.fqn, index.offset))
 
     @property
     def locations(self) -> dict[MetadataIndex, ItemLocation]:

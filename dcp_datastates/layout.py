@@ -32,6 +32,7 @@ from .format import (
     RankFiles,
     data_file_name,
     index_file_name,
+    location_key,
 )
 
 PAGE = 4096
@@ -132,7 +133,6 @@ def assign_checkpoint_layout(
         out_plans.append(dataclasses.replace(plan, storage_data=layout.plan_data()))
         ranks.append(RankFiles(rank, layout.data_file, layout.index_file))
         for index, loc in layout.locations.items():
-            off = tuple(index.offset) if index.offset is not None else None
-            entries.append((index.fqn, off, rank, loc.offset, loc.length, loc.object_ordinal))
+            entries.append((*location_key(index.fqn, index.offset), rank, loc.offset, loc.length, loc.object_ordinal))
         layouts.append(layout)
     return out_plans, CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, save_id, ranks, entries), layouts

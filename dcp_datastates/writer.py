@@ -110,8 +110,9 @@ class DataStatesWriter(StorageWriter):
         self.last_save_stats = SaveStats()
         self._save_id: str | None = None
         self._layout: CheckpointLayout | None = None  # set when the writer (not the planner) placed items
-        self._rank_layouts: dict = {}  # coordinator: rank -> (RankLayout, plan item indices)
-        self._planned: list | None = None  # coordinator: per-rank {MetadataIndex: ItemLocation}
+        # Coordinator, from prepare_global_plan to finish: rank -> (RankLayout, plan item
+        # indices), so its own write_data and the check of every rank's results reuse them.
+        self._rank_layouts: dict = {}
         self._metadata_tmp: str | None = None
         self._metadata_obj: Metadata | None = None
         self._replaced_checkpoint = False
@@ -168,13 +169,10 @@ class DataStatesWriter(StorageWriter):
         if any(not p.usable for p in plans):
             raise NotImplementedError("DataStatesWriter does not support DCP save-plan caching")
         self._rank_layouts = {}
-        self._planned = None
         if has_layout(plans):  # DataStatesSavePlanner placed everything; its metadata holds the layout
             self._layout = None
             return plans
         plans, self._layout, layouts = assign_checkpoint_layout(plans, self._current_save_id())
-        self._planned = [lay.locations for lay in layouts]
-        # Kept so the coordinator's own write_data need not compute its layout again.
         self._rank_layouts = {lay.rank: (lay, [item.index for item in p.items]) for lay, p in zip(layouts, plans)}
         return plans
 
@@ -186,8 +184,7 @@ class DataStatesWriter(StorageWriter):
         info = plan.storage_data
         if not isinstance(info, RankPlanData):
             raise CheckpointError("save plan carries no dcp_datastates layout; was prepare_global_plan skipped?")
-        cached = self._rank_layouts.pop(info.rank, None)
-        self._rank_layouts = {}
+        cached = self._rank_layouts.get(info.rank)
         if cached is not None and cached[0].save_id == info.save_id and cached[1] == [i.index for i in plan.items]:
             layout = cached[0]
         else:
@@ -285,7 +282,7 @@ class DataStatesWriter(StorageWriter):
             if not isinstance(layout, CheckpointLayout):
                 raise CheckpointError("finish() called without a dcp_datastates layout (prepare_global_plan skipped?)")
             for rank, rank_results in enumerate(results):
-                planned = self._planned[rank] if self._planned and rank < len(self._planned) else None
+                planned = self._rank_layouts[rank][0].locations if rank in self._rank_layouts else None
                 for wr in rank_results:
                     loc = planned.get(wr.index) if planned is not None else layout.location(wr.index)
                     if loc != wr.storage_data:
@@ -307,7 +304,7 @@ class DataStatesWriter(StorageWriter):
         finally:
             self._save_id = None
             self._metadata_obj = None
-            self._planned = None
+            self._rank_layouts = {}
         self.last_save_stats.commit_s = time.perf_counter() - t0
 
     # -- helpers ----------------------------------------------------------------
