@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include "crc32c.hpp"
+#include "cuda_runtime.hpp"
 #include "disk_probe.hpp"
 #include "engine.hpp"
 
@@ -23,14 +24,39 @@ DirectMode parse_mode(const std::string& s) {
   throw std::invalid_argument("direct_io must be 'auto', 'on' or 'off', got '" + s + "'");
 }
 
+// A region is one of
+//   (pointer, nbytes, file_offset)                              contiguous host memory
+//   (pointer, nbytes, file_offset, sizes, strides, itemsize)    strided host memory
+//                                                                (strides in elements)
+//   (pointer, nbytes, file_offset, device, ready_event)         contiguous CUDA memory
 std::vector<Region> to_regions(const py::list& regions) {
   std::vector<Region> out;
   out.reserve(regions.size());
   for (const auto& item : regions) {
     auto t = item.cast<py::tuple>();
-    if (t.size() != 3) throw std::invalid_argument("a region is (pointer, nbytes, file_offset)");
-    out.push_back({reinterpret_cast<const uint8_t*>(t[0].cast<uintptr_t>()), t[1].cast<uint64_t>(),
-                   t[2].cast<uint64_t>()});
+    if (t.size() != 3 && t.size() != 5 && t.size() != 6)
+      throw std::invalid_argument(
+          "a region is (pointer, nbytes, file_offset), (pointer, nbytes, file_offset, sizes, "
+          "strides, itemsize) or (pointer, nbytes, file_offset, device, ready_event)");
+    Region r{reinterpret_cast<const uint8_t*>(t[0].cast<uintptr_t>()), t[1].cast<uint64_t>(),
+             t[2].cast<uint64_t>()};
+    if (t.size() == 6) {
+      auto sizes = t[3].cast<std::vector<int64_t>>();
+      auto strides = t[4].cast<std::vector<int64_t>>();
+      auto itemsize = t[5].cast<uint64_t>();
+      uint64_t n = itemsize;
+      for (int64_t s : sizes) n *= static_cast<uint64_t>(s < 0 ? 0 : s);
+      if (n != r.len)
+        throw std::invalid_argument("strided region of " + std::to_string(r.len) +
+                                    " bytes does not match its sizes and itemsize (" +
+                                    std::to_string(n) + " bytes)");
+      r.strided = StridedLayout::make(sizes, strides, itemsize);
+    } else if (t.size() == 5) {
+      r.device = t[3].cast<int>();
+      if (r.device < 0) throw std::invalid_argument("a CUDA region needs a device index >= 0");
+      r.ready_event = reinterpret_cast<void*>(t[4].cast<uintptr_t>());
+    }
+    out.push_back(std::move(r));
   }
   return out;
 }
@@ -201,6 +227,14 @@ PYBIND11_MODULE(_engine, m) {
           },
           py::arg("paths"), py::arg("requests"), py::arg("keep") = py::list(),
           "Read requests [(file_index, offset, nbytes, pointer, [(rel, nbytes, crc32c)])].")
+      .def(
+          "pin_pool",
+          [](Engine& e) {
+            py::gil_scoped_release nogil;
+            return e.pin_pool();
+          },
+          "Pin the host pool for CUDA copies; returns '' or why it could not be pinned.")
+      .def_property_readonly("pool_pinned", &Engine::pool_pinned)
       .def_property_readonly("io_threads", &Engine::io_threads)
       .def_property_readonly("window_bytes", &Engine::window_bytes)
       .def_property_readonly("pool_bytes", [](Engine& e) { return e.pool().capacity(); })
@@ -219,6 +253,20 @@ PYBIND11_MODULE(_engine, m) {
       },
       py::arg("data"), py::arg("crc") = 0, "CRC-32C of a contiguous buffer, optionally extended.");
   m.def("crc32c_backend", &crc32c_backend);
+  m.def(
+      "load_cuda_runtime",
+      [](const std::string& path) {
+        py::gil_scoped_release nogil;
+        return CudaRuntime::load(path);
+      },
+      py::arg("path") = "",
+      "Resolve the CUDA runtime from `path` (or one already loaded in the process); returns '' "
+      "on success or why it failed.");
+  m.def("cuda_runtime_path", []() -> py::object {
+    CudaRuntime* rt = CudaRuntime::get();
+    if (rt == nullptr) return py::none();
+    return py::str(rt->path);
+  });
   m.def(
       "probe_sequential_write",
       [](const std::string& path, uint64_t total, uint64_t block, bool direct) {

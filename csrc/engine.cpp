@@ -9,8 +9,109 @@
 #include <stdexcept>
 
 #include "crc32c.hpp"
+#include "cuda_runtime.hpp"
 
 namespace dcpds {
+
+// ---------------------------------------------------------------- StridedLayout
+
+std::shared_ptr<const StridedLayout> StridedLayout::make(const std::vector<int64_t>& sizes,
+                                                         const std::vector<int64_t>& strides,
+                                                         uint64_t itemsize) {
+  if (sizes.size() != strides.size())
+    throw std::invalid_argument("a strided region needs as many strides as sizes");
+  if (itemsize == 0) throw std::invalid_argument("a strided region needs a non-zero itemsize");
+  std::vector<uint64_t> s;
+  std::vector<int64_t> st;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] < 0 || strides[i] < 0)
+      throw std::invalid_argument("a strided region has a negative size or stride");
+    if (sizes[i] == 0) return nullptr;  // no bytes at all
+    if (sizes[i] == 1) continue;        // a unit dimension adds no step
+    const int64_t stride = strides[i] * static_cast<int64_t>(itemsize);
+    if (!s.empty() && st.back() == stride * sizes[i]) {  // contiguous with the outer one
+      s.back() *= static_cast<uint64_t>(sizes[i]);
+      st.back() = stride;
+    } else {
+      s.push_back(static_cast<uint64_t>(sizes[i]));
+      st.push_back(stride);
+    }
+  }
+  uint64_t run = itemsize;
+  if (!s.empty() && st.back() == static_cast<int64_t>(itemsize)) {
+    run = s.back() * itemsize;
+    s.pop_back();
+    st.pop_back();
+  }
+  if (s.empty()) return nullptr;
+  auto out = std::make_shared<StridedLayout>();
+  out->sizes = std::move(s);
+  out->strides = std::move(st);
+  out->run = run;
+  return out;
+}
+
+namespace {
+template <size_t N>
+void gather_fixed(uint8_t* dst, const uint8_t* base, int64_t addr, uint64_t count,
+                  std::vector<uint64_t>& idx, const StridedLayout& L) {
+  const size_t nd = L.sizes.size();
+  for (uint64_t k = 0; k < count; ++k) {
+    std::memcpy(dst, base + addr, N);
+    dst += N;
+    for (size_t d = nd; d-- > 0;) {
+      if (++idx[d] < L.sizes[d]) {
+        addr += L.strides[d];
+        break;
+      }
+      addr -= static_cast<int64_t>(L.sizes[d] - 1) * L.strides[d];
+      idx[d] = 0;
+    }
+  }
+}
+}  // namespace
+
+void StridedLayout::gather(uint8_t* dst, const uint8_t* base, uint64_t logical,
+                           uint64_t len) const {
+  const size_t nd = sizes.size();
+  uint64_t r = logical / run, within = logical % run;
+  std::vector<uint64_t> idx(nd);
+  int64_t addr = 0;
+  for (size_t d = nd; d-- > 0;) {
+    idx[d] = r % sizes[d];
+    r /= sizes[d];
+    addr += static_cast<int64_t>(idx[d]) * strides[d];
+  }
+  auto step = [&] {
+    for (size_t d = nd; d-- > 0;) {
+      if (++idx[d] < sizes[d]) {
+        addr += strides[d];
+        return;
+      }
+      addr -= static_cast<int64_t>(sizes[d] - 1) * strides[d];
+      idx[d] = 0;
+    }
+  };
+  // Element-sized runs (a transposed matrix) get fixed-size copies the
+  // compiler inlines; the first and last runs may be partial.
+  if (within == 0 && (run == 2 || run == 4 || run == 8) && len >= run) {
+    uint64_t whole = len / run;
+    if (run == 2) gather_fixed<2>(dst, base, addr, whole, idx, *this);
+    if (run == 4) gather_fixed<4>(dst, base, addr, whole, idx, *this);
+    if (run == 8) gather_fixed<8>(dst, base, addr, whole, idx, *this);
+    uint64_t done = whole * run;
+    if (done < len) gather(dst + done, base, logical + done, len - done);
+    return;
+  }
+  while (len > 0) {
+    uint64_t take = std::min(run - within, len);
+    std::memcpy(dst, base + addr + static_cast<int64_t>(within), take);
+    dst += take;
+    len -= take;
+    within = 0;
+    step();
+  }
+}
 
 // ---------------------------------------------------------------- WriteJob
 
@@ -50,7 +151,8 @@ bool WriteJob::done() {
 
 bool WriteJob::wait_staged() {
   std::unique_lock<std::mutex> lk(mu_);
-  cv_.wait(lk, [&] { return done_ || failed_.load() || (sealed_ && staged_ == windows_.size()); });
+  const size_t target = windows_.size();
+  cv_.wait(lk, [&] { return done_ || failed_.load() || staged_prefix_ >= target; });
   return !failed_.load();
 }
 
@@ -91,10 +193,12 @@ void WriteJob::write_window(const Window& w) {
   if (!direct_.load()) buffered_fd_.pwrite_all(w.slot, len, w.start);
 }
 
-void WriteJob::on_staged() {
+void WriteJob::on_staged(Window& w) {
   std::lock_guard<std::mutex> lk(mu_);
-  ++staged_;
-  if (sealed_ && staged_ == windows_.size()) cv_.notify_all();
+  w.staged = true;
+  size_t before = staged_prefix_;
+  while (staged_prefix_ < windows_.size() && windows_[staged_prefix_].staged) ++staged_prefix_;
+  if (staged_prefix_ != before) cv_.notify_all();
 }
 
 bool WriteJob::on_flushed(std::vector<Segment>&& segs) {
@@ -211,6 +315,12 @@ Engine::~Engine() {
   pool_.wake_all();
   stager_.join();
   for (auto& t : io_) t.join();
+  if (CudaRuntime* rt = CudaRuntime::get()) {
+    // Errors are ignored here: at interpreter exit the runtime may already be
+    // shutting down, and the memory is unmapped right after either way.
+    for (auto& s : streams_) rt->stream_destroy(s.second);
+    if (pinned_.load()) rt->host_unregister(pool_.base());
+  }
 }
 
 void Engine::post_io(std::function<void()> fn) {
@@ -239,19 +349,24 @@ void Engine::enqueue_windows(const std::shared_ptr<WriteJob>& job, std::vector<R
     }
     WriteJob::Window* cur = nullptr;
     for (const Region& r : regions) {
-      uint64_t pos = r.offset, rem = r.len;
-      const uint8_t* src = r.src;
+      if (r.strided && r.device >= 0)
+        throw std::invalid_argument("strided CUDA regions are not supported; make them contiguous");
+      if (r.strided) job->layouts_.push_back(r.strided);
+      uint64_t pos = r.offset, rem = r.len, logical = 0;
       while (rem > 0) {
         if (cur == nullptr || pos >= cur->start + window_bytes_) {
           cur = &job->windows_.emplace_back();
+          cur->index = job->windows_.size() - 1;
           cur->start = align_down(pos);
           added.push_back(cur);
         }
         uint64_t take = std::min(rem, cur->start + window_bytes_ - pos);
-        cur->pieces.push_back({src, pos - cur->start, take});
+        const uint8_t* src = r.strided ? r.src : r.src + logical;
+        cur->pieces.push_back(
+            {src, pos - cur->start, take, r.strided.get(), logical, r.device, r.ready_event});
         cur->used = pos - cur->start + take;
         pos += take;
-        src += take;
+        logical += take;
         rem -= take;
       }
     }
@@ -283,7 +398,7 @@ void Engine::seal(const std::shared_ptr<WriteJob>& job) {
     if (job->sealed_) return;
     job->sealed_ = true;
     finish_now = job->flushed_ == job->windows_.size();
-    if (job->staged_ == job->windows_.size()) job->cv_.notify_all();
+    job->cv_.notify_all();
   }
   if (finish_now) post_io([job] { job->finalize(); });
 }
@@ -312,19 +427,109 @@ void Engine::stage(StageTask& t) {
   if (w->slot != nullptr) {
     uint8_t* dst = w->slot;
     uint64_t cursor = 0;
+    bool device = false;
     for (const auto& p : w->pieces) {
       if (p.rel > cursor) std::memset(dst + cursor, 0, p.rel - cursor);
-      std::memcpy(dst + p.rel, p.src, p.len);
+      if (p.device >= 0)
+        device = true;  // copied below, asynchronously
+      else if (p.strided)
+        p.strided->gather(dst + p.rel, p.src, p.logical, p.len);
+      else
+        std::memcpy(dst + p.rel, p.src, p.len);
       cursor = p.rel + p.len;
     }
     if (w->padded() > cursor) std::memset(dst + cursor, 0, w->padded() - cursor);
+    if (device) {
+      try {
+        copy_from_devices(job, *w);
+      } catch (const IoError& e) {
+        job.fail(e);
+      }
+    }
   }
-  job.on_staged();
+  // A window with device copies is staged once they complete (in flush()).
+  if (w->copies_done.empty()) job.on_staged(*w);
   auto job_ptr = t.job;
   post_io([this, job_ptr, w] { flush(job_ptr, w); });
 }
 
+void* Engine::device_stream(int device) {
+  for (const auto& s : streams_)
+    if (s.first == device) return s.second;
+  CudaRuntime* rt = CudaRuntime::get();
+  void* stream = nullptr;
+  if (int err = rt->stream_create_with_flags(&stream, CudaRuntime::kStreamNonBlocking))
+    throw IoError(EIO, "", -1, rt->describe("cudaStreamCreateWithFlags", err));
+  std::lock_guard<std::mutex> lk(cuda_mu_);
+  streams_.emplace_back(device, stream);
+  return stream;
+}
+
+std::string Engine::pin_pool() {
+  CudaRuntime* rt = CudaRuntime::get();
+  if (rt == nullptr) return "no CUDA runtime is loaded";
+  std::lock_guard<std::mutex> lk(cuda_mu_);
+  if (pinned_.load()) return "";
+  if (!pin_error_.empty()) return pin_error_;
+  if (int err = rt->host_register(pool_.base(), pool_.capacity(), CudaRuntime::kHostRegisterPortable))
+    pin_error_ = rt->describe("cudaHostRegister of the host pool", err);
+  else
+    pinned_ = true;
+  return pin_error_;
+}
+
+void Engine::copy_from_devices(WriteJob& job, WriteJob::Window& w) {
+  CudaRuntime* rt = CudaRuntime::get();
+  const int64_t at = static_cast<int64_t>(w.start);
+  if (rt == nullptr)
+    throw IoError(ENODEV, job.path_, at,
+                  "a region is CUDA memory but no CUDA runtime is loaded in the engine");
+  (void)pin_pool();  // pageable copies still work if pinning is refused
+  std::vector<int> devices;
+  for (const auto& p : w.pieces)
+    if (p.device >= 0 && std::find(devices.begin(), devices.end(), p.device) == devices.end())
+      devices.push_back(p.device);
+  for (int dev : devices) {
+    if (int err = rt->set_device(dev)) throw IoError(EIO, job.path_, at, rt->describe("cudaSetDevice", err));
+    void* stream = device_stream(dev);
+    for (const auto& p : w.pieces) {
+      if (p.device != dev) continue;
+      if (p.ready_event != nullptr) {
+        std::pair<int, void*> key{dev, p.ready_event};
+        auto& waited = job.waited_events_;
+        if (std::find(waited.begin(), waited.end(), key) == waited.end()) {
+          // Every later copy on this stream is ordered after the producer's work.
+          if (int err = rt->stream_wait_event(stream, p.ready_event, 0))
+            throw IoError(EIO, job.path_, at, rt->describe("cudaStreamWaitEvent", err));
+          waited.push_back(key);
+        }
+      }
+      if (int err = rt->memcpy_async(w.slot + p.rel, p.src, p.len, CudaRuntime::kMemcpyDeviceToHost, stream))
+        throw IoError(EIO, job.path_, static_cast<int64_t>(w.start + p.rel),
+                      rt->describe("cudaMemcpyAsync device-to-host", err));
+    }
+    void* done = nullptr;
+    if (int err = rt->event_create_with_flags(&done, CudaRuntime::kEventDisableTiming))
+      throw IoError(EIO, job.path_, at, rt->describe("cudaEventCreateWithFlags", err));
+    w.copies_done.push_back(done);
+    if (int err = rt->event_record(done, stream))
+      throw IoError(EIO, job.path_, at, rt->describe("cudaEventRecord", err));
+  }
+}
+
 void Engine::flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w) {
+  if (!w->copies_done.empty()) {
+    CudaRuntime* rt = CudaRuntime::get();
+    for (void* ev : w->copies_done) {
+      int err = rt->event_synchronize(ev);
+      if (err && !job->failed())
+        job->fail(IoError(EIO, job->path(), static_cast<int64_t>(w->start),
+                          rt->describe("device-to-host copy", err)));
+      rt->event_destroy(ev);
+    }
+    w->copies_done.clear();
+    job->on_staged(*w);
+  }
   std::vector<Segment> segs;
   if (w->slot != nullptr && !job->failed()) {
     segs.reserve(w->pieces.size());

@@ -13,8 +13,15 @@
 // pread them in parallel straight into the caller's memory, verifying every
 // checksum segment they fully cover.
 //
-// The engine never sees torch objects: callers pass raw host pointers and
-// keep the memory alive until the job has finished.
+// Sources may be contiguous host memory, strided host memory (a view such as
+// a transpose: gathered into the window run by run, so no contiguous copy is
+// ever allocated) or CUDA memory (copied with cudaMemcpyAsync on a side
+// stream, after the event the caller recorded on its own stream, into the
+// pool, which is pinned on first use; the window counts as staged once that
+// copy has completed).
+//
+// The engine never sees torch objects: callers pass raw pointers and keep the
+// memory alive until the job has finished.
 #pragma once
 
 #include <atomic>
@@ -36,10 +43,29 @@
 
 namespace dcpds {
 
+// A host tensor's memory when it is not contiguous: outer dimensions
+// (outermost first, strides in bytes) whose innermost step starts a new
+// contiguous run of `run` bytes. Built by make(), which merges dimensions
+// that are contiguous with each other.
+struct StridedLayout {
+  std::vector<uint64_t> sizes;
+  std::vector<int64_t> strides;
+  uint64_t run = 0;
+  // nullptr when the sizes/strides describe contiguous memory.
+  static std::shared_ptr<const StridedLayout> make(const std::vector<int64_t>& sizes,
+                                                   const std::vector<int64_t>& strides,
+                                                   uint64_t itemsize);
+  // Copies logical bytes [logical, logical + len) of the tensor at `base`.
+  void gather(uint8_t* dst, const uint8_t* base, uint64_t logical, uint64_t len) const;
+};
+
 struct Region {
   const uint8_t* src;
   uint64_t len;
   uint64_t offset;  // file offset
+  std::shared_ptr<const StridedLayout> strided = nullptr;  // host memory with gaps
+  int device = -1;               // >= 0: `src` is CUDA memory on this device
+  void* ready_event = nullptr;   // CUDA event the copy waits for (caller's stream)
 };
 
 struct Segment {
@@ -53,15 +79,22 @@ class Engine;
 class WriteJob {
  public:
   struct Piece {
-    const uint8_t* src;
-    uint64_t rel;  // offset inside the window
+    const uint8_t* src;  // start of the piece; for strided sources, the tensor's base
+    uint64_t rel;        // offset inside the window
     uint64_t len;
+    const StridedLayout* strided;  // kept alive by the job
+    uint64_t logical;              // strided: byte offset of the piece inside the tensor
+    int device;
+    void* ready_event;
   };
   struct Window {
+    size_t index = 0;
     uint64_t start = 0;  // aligned file offset
     uint64_t used = 0;   // bytes from start to the end of the last piece
     std::vector<Piece> pieces;
     uint8_t* slot = nullptr;
+    bool staged = false;
+    std::vector<void*> copies_done;  // CUDA events, one per device copied from
     uint64_t padded() const { return align_up(used); }
   };
 
@@ -71,7 +104,7 @@ class WriteJob {
   bool direct() const { return direct_.load(); }
   bool done();
   bool failed() const { return failed_.load(); }
-  // Blocks until every window queued so far has been copied out of the
+  // Blocks until every region appended so far has been copied out of the
   // caller's memory (or the job failed); returns false on failure.
   bool wait_staged();
   // Blocks until the job is sealed, written and fsynced; throws IoError on failure.
@@ -83,7 +116,7 @@ class WriteJob {
   friend class Engine;
   void fail(const IoError& e);
   void write_window(const Window& w);
-  void on_staged();
+  void on_staged(Window& w);
   // Returns true when this was the last window of a sealed job.
   bool on_flushed(std::vector<Segment>&& segs);
   void finalize();
@@ -99,8 +132,10 @@ class WriteJob {
   std::condition_variable cv_;
   std::deque<Window> windows_;  // deque: references stay valid as windows are appended
   uint64_t frontier_ = 0;       // appended regions must start at or after this offset
-  size_t staged_ = 0;
+  size_t staged_prefix_ = 0;  // windows [0, staged_prefix_) are all staged
   size_t flushed_ = 0;
+  std::vector<std::shared_ptr<const StridedLayout>> layouts_;
+  std::vector<std::pair<int, void*>> waited_events_;  // stager thread only
   bool sealed_ = false;
   bool done_ = false;
   std::optional<IoError> error_;
@@ -178,6 +213,12 @@ class Engine {
   std::shared_ptr<ReadJob> start_read(std::vector<std::string> paths,
                                       std::vector<ReadRequest> requests);
 
+  // Pins the pool for CUDA copies (cudaHostRegister) if the CUDA runtime is
+  // loaded and it is not pinned yet; returns "" or why pinning failed (the
+  // copies then still work, from pageable memory).
+  std::string pin_pool();
+  bool pool_pinned() const { return pinned_.load(); }
+
   unsigned io_threads() const { return static_cast<unsigned>(io_.size()); }
   uint64_t window_bytes() const { return window_bytes_; }
   HostPool& pool() { return pool_; }
@@ -193,6 +234,8 @@ class Engine {
   void post_io(std::function<void()> fn);
   void stage(StageTask& t);
   void flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w);
+  void copy_from_devices(WriteJob& job, WriteJob::Window& w);
+  void* device_stream(int device);
 
   uint64_t window_bytes_;
   HostPool pool_;
@@ -202,6 +245,10 @@ class Engine {
   std::deque<StageTask> stage_q_;
   std::deque<std::function<void()>> io_q_;
   std::atomic<bool> stopping_{false};
+  std::mutex cuda_mu_;
+  std::vector<std::pair<int, void*>> streams_;  // device -> side stream
+  std::atomic<bool> pinned_{false};
+  std::string pin_error_;
   std::thread stager_;
   std::vector<std::thread> io_;
 };

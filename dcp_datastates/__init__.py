@@ -5,6 +5,11 @@
 
     dcp.save(state, storage_writer=DataStatesWriter(path))
     dcp.load(state, storage_reader=DataStatesReader(path))
+
+    # asynchronous: returns at once; the fence makes optimizer.step() wait
+    # only while the snapshot is still copying
+    dcp_datastates.install_fence(optimizer)
+    resp = dcp.async_save(state, storage_writer=DataStatesWriter(path))
 """
 
 try:
@@ -22,8 +27,10 @@ from .errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    SnapshotMutatedError,
     UnsupportedFormatError,
 )
+from .fence import install_fence, snapshots_in_flight, wait_for_snapshots
 from .planner import DataStatesSavePlanner
 from .reader import DataStatesReader
 from .writer import DataStatesWriter, SaveStats
@@ -41,5 +48,9 @@ __all__ = [
     "ChecksumMismatchError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
+    "SnapshotMutatedError",
+    "install_fence",
+    "snapshots_in_flight",
+    "wait_for_snapshots",
     "UnsupportedFormatError",
 ]

@@ -7,6 +7,7 @@ process: every later save reuses the pool that the first save mapped.
 
 from __future__ import annotations
 
+import os
 import threading
 
 try:
@@ -82,3 +83,42 @@ class gc_paused:
         if self._was_enabled:
             gc.enable()
         return False
+
+
+def _loaded_cuda_runtimes() -> list[str]:
+    """Paths of CUDA runtime libraries mapped into this process (torch's)."""
+    found = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1] if "/" in line else ""
+                name = os.path.basename(path)
+                if name.startswith("libcudart.so") and path not in found:
+                    found.append(path)
+    except OSError:
+        pass
+    return found
+
+
+def ensure_cuda_runtime() -> None:
+    """Give the engine the CUDA runtime torch uses, before the first CUDA copy.
+
+    The engine is built without CUDA, so it resolves the runtime library at
+    run time: the one torch loaded (found in /proc/self/maps), else one the
+    process already has under a standard soname. Raises if there is none.
+    """
+    if _engine.cuda_runtime_path() is not None:
+        return
+    import torch
+
+    torch.cuda.init()  # loads the runtime if torch has not touched CUDA yet
+    reasons = []
+    for path in _loaded_cuda_runtimes() + [""]:
+        why = _engine.load_cuda_runtime(path)
+        if not why:
+            return
+        reasons.append(why)
+    raise RuntimeError(
+        "dcp_datastates could not resolve the CUDA runtime that torch uses, so it cannot copy "
+        "CUDA tensors: " + "; ".join(reasons)
+    )

@@ -21,7 +21,10 @@ def fsync_dir(path: str) -> None:
 
 
 def write_new_file_durably(path: str, data: bytes | memoryview) -> None:
-    """Create ``path`` (it must not exist), write ``data`` and fsync it."""
+    """Create ``path`` (it must not exist), write ``data`` and fsync it.
+
+    On failure (a full disk, an I/O error) the partial file is removed.
+    """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         view = memoryview(data)
@@ -29,8 +32,11 @@ def write_new_file_durably(path: str, data: bytes | memoryview) -> None:
             written = os.write(fd, view)
             view = view[written:]
         os.fsync(fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        remove_if_present([path])
+        raise
+    os.close(fd)
 
 
 def publish(tmp_path: str, final_path: str, directory: str) -> None:

@@ -39,3 +39,13 @@ class ChecksumMismatchError(CorruptCheckpointError):
 
 class UnsupportedFormatError(CheckpointError, ValueError):
     """The checkpoint was written by a newer or different storage format."""
+
+
+class SnapshotMutatedError(CheckpointError, RuntimeError):
+    """A tensor was modified in place before its asynchronous snapshot was complete.
+
+    The bytes on their way to the checkpoint may mix old and new values, so
+    the save is failed instead of committing a torn checkpoint. Wait for the
+    staging future (or install the fence, :func:`dcp_datastates.install_fence`)
+    before the optimizer step.
+    """

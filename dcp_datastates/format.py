@@ -49,7 +49,8 @@ from ._native import crc32c
 from .errors import CorruptCheckpointError, UnsupportedFormatError
 
 FORMAT_NAME = "dcp_datastates"
-FORMAT_VERSION = 1
+# 2: RankFiles may carry their own save id (files named by an asynchronous snapshot).
+FORMAT_VERSION = 2
 METADATA_FILE = ".metadata"
 
 INDEX_MAGIC = b"DCPDSIDX"
@@ -101,9 +102,17 @@ class ItemLocation(NamedTuple):
 
 @dataclasses.dataclass
 class RankFiles:
+    """A rank's two files. ``save_id`` is the id in their names and index when it is not
+    the checkpoint's own (asynchronous saves name their files before the coordinator
+    picks the checkpoint's id); empty otherwise."""
+
     rank: int
     data_file: str
     index_file: str
+    save_id: str = ""
+
+    def files_save_id(self, checkpoint_save_id: str) -> str:
+        return getattr(self, "save_id", "") or checkpoint_save_id
 
 
 def location_key(fqn: str, offset) -> tuple:

@@ -79,25 +79,34 @@ class RankLayout:
         return RankPlanData(self.save_id, self.rank, self.tensor_bytes_end, len(self.locations))
 
 
+def place_tensors(sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets for tensors of ``sizes`` bytes, and the end of the last one.
+
+    Small tensors first, packed; then large ones at page boundaries. Stable
+    within each group, so the result depends only on the order given.
+    """
+    offsets = [0] * len(sizes)
+    offset = 0
+    for i, nbytes in enumerate(sizes):
+        if nbytes < SMALL_TENSOR_BYTES:
+            offset = align_up(offset, SMALL_ALIGN)
+            offsets[i] = offset
+            offset += nbytes
+    for i, nbytes in enumerate(sizes):
+        if nbytes >= SMALL_TENSOR_BYTES:
+            offset = align_up(offset, PAGE)
+            offsets[i] = offset
+            offset += nbytes
+    return offsets, offset
+
+
 def plan_rank_layout(items: list[WriteItem], rank: int, save_id: str) -> RankLayout:
     data_file = data_file_name(rank, save_id)
-    sized = []
-    for item in items:
-        if item.type == WriteItemType.BYTE_IO:
-            continue
-        sized.append((item, tensor_item_nbytes(item)))
+    sized = [(item, tensor_item_nbytes(item)) for item in items if item.type != WriteItemType.BYTE_IO]
+    offsets, offset = place_tensors([n for _, n in sized])
     locations: dict = {}
-    offset = 0
-    # Small tensors first, packed; then large ones at page boundaries. Stable
-    # within each group, so the result depends only on the plan's order.
-    for item, nbytes in (x for x in sized if x[1] < SMALL_TENSOR_BYTES):
-        offset = align_up(offset, SMALL_ALIGN)
-        locations[item.index] = ItemLocation(data_file, offset, nbytes, -1)
-        offset += nbytes
-    for item, nbytes in (x for x in sized if x[1] >= SMALL_TENSOR_BYTES):
-        offset = align_up(offset, PAGE)
-        locations[item.index] = ItemLocation(data_file, offset, nbytes)
-        offset += nbytes
+    for (item, nbytes), off in zip(sized, offsets):
+        locations[item.index] = ItemLocation(data_file, off, nbytes, -1)
     ordinal = 0
     for item in items:
         if item.type == WriteItemType.BYTE_IO:
@@ -136,3 +145,52 @@ def assign_checkpoint_layout(
             entries.append((*location_key(index.fqn, index.offset), rank, loc.offset, loc.length, loc.object_ordinal))
         layouts.append(layout)
     return out_plans, CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, save_id, ranks, entries), layouts
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedRankData:
+    """``SavePlan.storage_data`` of an asynchronous save: where a rank's snapshot put its tensors.
+
+    The snapshot fixed its own file and offsets when ``stage()`` ran, before
+    any collective; each rank sends this with its local plan so that the
+    coordinator can fill the metadata. ``tensors`` maps
+    ``location_key(fqn, chunk offsets)`` to ``(offset, nbytes)``.
+    """
+
+    rank: int
+    save_id: str
+    data_file: str
+    index_file: str
+    tensor_bytes_end: int
+    tensors: dict
+
+
+def has_staged_layout(plans: list[SavePlan]) -> bool:
+    return bool(plans) and all(isinstance(p.storage_data, StagedRankData) for p in plans)
+
+
+def assign_staged_layout(plans: list[SavePlan], save_id: str) -> CheckpointLayout:
+    """The metadata's storage data for plans whose ranks already placed their tensors.
+
+    Runs on the coordinator after deduplication: an item kept in rank r's
+    plan is read from rank r's snapshot. Objects get ordinals in plan order,
+    as ``write_data`` appends them.
+    """
+    from .errors import CheckpointError
+
+    ranks, entries = [], []
+    for rank, plan in enumerate(plans):
+        staged: StagedRankData = plan.storage_data
+        ranks.append(RankFiles(rank, staged.data_file, staged.index_file, staged.save_id))
+        ordinal = 0
+        for item in plan.items:
+            key = location_key(item.index.fqn, item.index.offset)
+            if item.type == WriteItemType.BYTE_IO:
+                entries.append((*key, rank, -1, -1, ordinal))
+                ordinal += 1
+                continue
+            placed = staged.tensors.get(key)
+            if placed is None:
+                raise CheckpointError(f"rank {rank} planned {item.index.fqn!r} but its snapshot does not hold it")
+            entries.append((*key, rank, placed[0], placed[1], -1))
+    return CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, save_id, ranks, entries)

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan
 
 from .format import check_save_id
-from .layout import assign_checkpoint_layout, new_save_id
+from .layout import assign_checkpoint_layout, assign_staged_layout, has_staged_layout, new_save_id
 
 
 class DataStatesSavePlanner(DefaultSavePlanner):
@@ -35,7 +35,10 @@ class DataStatesSavePlanner(DefaultSavePlanner):
             )
         plans, metadata = super().create_global_plan(all_plans)
         save_id = check_save_id(self._save_id) if self._save_id else new_save_id()
-        plans, layout, _ = assign_checkpoint_layout(plans, save_id)
+        if has_staged_layout(plans):  # dcp.async_save: each rank's snapshot placed its tensors
+            layout = assign_staged_layout(plans, save_id)
+        else:
+            plans, layout, _ = assign_checkpoint_layout(plans, save_id)
         metadata.storage_data = layout
         self.global_plan = plans
         return plans, metadata

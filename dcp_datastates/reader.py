@@ -176,10 +176,11 @@ class DataStatesReader(StorageReader):
                 f"rank {files.rank}'s index file {index_path} is missing; the checkpoint is damaged"
             ) from None
         idx = decode_index(blob, index_path)
-        if idx.save_id != self._layout.save_id or idx.rank != files.rank:
+        expected_sid = files.files_save_id(self._layout.save_id)
+        if idx.save_id != expected_sid or idx.rank != files.rank:
             raise CorruptCheckpointError(
                 f"{index_path} belongs to rank {idx.rank} of save {idx.save_id}, expected rank "
-                f"{files.rank} of save {self._layout.save_id} (files from different checkpoints mixed?)"
+                f"{files.rank} of save {expected_sid} (files from different checkpoints mixed?)"
             )
         try:
             size = os.stat(data_path).st_size

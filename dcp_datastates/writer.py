@@ -1,6 +1,6 @@
-"""DataStatesWriter: the StorageWriter of dcp_datastates.
+"""DataStatesWriter: the StorageWriter (and AsyncStager) of dcp_datastates.
 
-Per save, on every rank:
+Synchronous saves (``dcp.save``), per rank:
 1. ``prepare_global_plan`` (coordinator) fixes each rank's files and offsets
    (unless DataStatesSavePlanner already did) after DCP deduplicated items;
 2. ``write_data`` hands every tensor to the engine as a region at its planned
@@ -12,47 +12,61 @@ Per save, on every rank:
 3. ``finish`` (coordinator) only commits: directory fsync, rename of the
    temporary metadata to ``.metadata``, directory fsync.
 
+Asynchronous saves (``dcp.async_save``) start earlier: ``stage()`` captures a
+lazy snapshot (see :mod:`snapshot`) that places the rank's tensors in its own
+file and streams them through the engine's bounded pool while training goes
+on, and returns a future that completes once every byte has left the
+caller's tensors. DCP then runs steps 1-3 in a background thread; the plan
+only maps items to bytes the snapshot already placed. Saves run one after
+another in the order they were staged (:mod:`sequencer`); an error of a
+background save fails its future and is raised again by the next save call.
+
 Saving into a directory that holds a committed checkpoint is refused unless
 ``overwrite=True``; an overwrite writes new files beside the old ones and
-removes the old ones only after the new ``.metadata`` is in place.
+removes the old checkpoint's files only after the new ``.metadata`` is in place.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import os
 import pickle
+import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _native
+from . import _native, fence
+from . import snapshot as snapshots
 from .commit import fsync_dir, publish, remove_if_present, write_new_file_durably
-from .errors import CheckpointExistsError, CheckpointError
-from .format import (
-    DATA_FILE_RE,
-    METADATA_FILE,
-    CheckpointLayout,
-    encode_index,
-    metadata_tmp_name,
-)
+from .errors import CheckpointError, CheckpointExistsError
+from .format import METADATA_FILE, CheckpointLayout, ItemLocation, encode_index, location_key, metadata_tmp_name
 from .layout import (
     PAGE,
     SMALL_ALIGN,
     RankPlanData,
+    StagedRankData,
     align_up,
     assign_checkpoint_layout,
+    assign_staged_layout,
     has_layout,
+    has_staged_layout,
     new_save_id,
     plan_rank_layout,
+    tensor_item_nbytes,
 )
-from .providers import provide_object, provide_tensor
+from .providers import check_planned, finish_regions, provide_object, tensor_source
+from .sequencer import SEQUENCER
+from .snapshot import Snapshot
 
 try:  # DCP's own version tag for the metadata it writes
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -67,27 +81,85 @@ class SaveStats:
     bytes_written: int = 0
     items: int = 0
     direct_io: bool = False
+    asynchronous: bool = False
+    stage_call_s: float = 0.0  # async: time the caller spent in stage()
+    staged_s: float = 0.0  # async: from stage() until every byte left the caller's tensors
     submit_s: float = 0.0  # resolving items and handing regions to the engine
     objects_s: float = 0.0  # serializing Python objects (overlaps the engine)
     metadata_serialize_s: float = 0.0  # coordinator: pickling + writing the metadata (overlaps)
     metadata_done_before_data: bool = False  # the engine was still writing when metadata was done
-    data_write_s: float = 0.0  # from handing regions to the engine until data fsynced
+    data_write_s: float = 0.0  # sync: from handing regions to the engine until data fsynced
     index_s: float = 0.0
     commit_s: float = 0.0  # coordinator: finish()
 
 
-class DataStatesWriter(StorageWriter):
+@dataclasses.dataclass
+class _Save:
+    """One save on this rank, from DCP's first call (``storage_meta``) to its end."""
+
+    path: str
+    save_id: str
+    thread: threading.Thread
+    snapshot: Snapshot | None  # asynchronous saves: the staged snapshot
+    stats: SaveStats
+    writer_id: int = 0
+    is_coordinator: bool = False
+    rank: int = 0
+    layout: CheckpointLayout | None = None  # set when the writer (not the planner) placed items
+    # Coordinator, sync saves: rank -> (RankLayout, plan item indices), reused by its own
+    # write_data and by the check of every rank's results.
+    rank_layouts: dict = dataclasses.field(default_factory=dict)
+    tensor_locations: dict | None = None  # async: location_key -> (offset, nbytes)
+    metadata_tmp: str | None = None
+    metadata_obj: Metadata | None = None
+    replaced_files: list[str] = dataclasses.field(default_factory=list)
+    written_files: list[str] = dataclasses.field(default_factory=list)  # sync: this rank's files
+    ended: bool = False
+
+
+# Errors of background saves not yet raised to the caller: (writer id, path, error).
+_unreported_lock = threading.Lock()
+_unreported: list[tuple[int, str, BaseException]] = []
+
+
+def _record_background_error(writer_id: int, path: str, exc: BaseException) -> None:
+    with _unreported_lock:
+        _unreported.append((writer_id, path, exc))
+
+
+def _raise_unreported(writer_id: int | None = None) -> None:
+    """Raise (once) the first error of an earlier background save; ``writer_id`` filters."""
+    with _unreported_lock:
+        mine = [e for e in _unreported if writer_id is None or e[0] == writer_id]
+        for e in mine:
+            _unreported.remove(e)
+    if mine:
+        _, path, exc = mine[0]
+        more = f" ({len(mine) - 1} more failed too)" if len(mine) > 1 else ""
+        raise CheckpointError(f"an earlier asynchronous save to {path} failed{more}: {exc}") from exc
+
+
+class DataStatesWriter(StorageWriter, AsyncStager):
     """Write DCP checkpoints as coalesced per-rank files through the native engine.
 
+    Works with ``dcp.save`` and, as an ``AsyncStager``, with ``dcp.async_save``,
+    whose ``stage()`` returns at once while the engine copies the state through
+    ``host_cache_bytes`` of reused host memory.
+
     Args:
-        path: checkpoint directory (or pass ``checkpoint_id`` to ``dcp.save``).
+        path: checkpoint directory. ``dcp.async_save`` stages before it passes
+            ``checkpoint_id`` on, so asynchronous saves need the path here (or
+            set by ``writer.reset(path)`` before ``dcp.async_save``).
         overwrite: allow saving over a committed checkpoint in ``path``.
-        host_cache_bytes: bytes of reused host staging memory (the engine pool).
-        io_threads: threads that checksum and write windows, and read on load.
+        host_cache_bytes: bytes of reused host staging memory (the engine pool),
+            shared by every writer with the same settings in the process.
+        io_threads: threads that checksum and write windows.
         window_bytes: size of one write window (one pool slot, one pwrite).
         direct_io: ``"auto"`` (O_DIRECT where the filesystem allows it),
             ``"on"`` (require it) or ``"off"`` (buffered writes).
     """
+
+    _synchronize_after_execute = False  # stage() returns a future; the caller fences
 
     def __init__(
         self,
@@ -108,25 +180,121 @@ class DataStatesWriter(StorageWriter):
         self._engine = _native.get_engine(host_cache_bytes, io_threads, window_bytes)
         self.is_coordinator = False
         self.last_save_stats = SaveStats()
-        self._save_id: str | None = None
-        self._layout: CheckpointLayout | None = None  # set when the writer (not the planner) placed items
-        # Coordinator, from prepare_global_plan to finish: rank -> (RankLayout, plan item
-        # indices), so its own write_data and the check of every rank's results reuse them.
-        self._rank_layouts: dict = {}
-        self._metadata_tmp: str | None = None
-        self._metadata_obj: Metadata | None = None
-        self._replaced_checkpoint = False
+        self._lock = threading.Lock()
+        self._pending: collections.deque[Snapshot] = collections.deque()  # staged, save not begun
+        self._staged: list[Snapshot] = []  # every snapshot not yet known to have ended
+        self._reset_paths: dict[int, str] = {}  # thread ident -> path DCP gave reset()
+        self._save: _Save | None = None  # the save in progress (or the last one)
+        self._closed = False
+
+    # -- AsyncStager protocol ---------------------------------------------------
+
+    def stage(self, state_dict: Any) -> snapshots.StagingFuture:
+        """Start a lazy snapshot of ``state_dict`` and return at once.
+
+        The returned future completes when every byte has left the caller's
+        tensors (it is in the host pool or on disk); DCP's ``async_save`` turns
+        it into ``AsyncSaveResponse.staging_completion``. Raises the error of
+        an earlier background save that failed, if any, first.
+        """
+        t0 = time.perf_counter()
+        if self._closed:
+            raise RuntimeError("DataStatesWriter is closed")
+        _raise_unreported()
+        if self.path is None:
+            raise ValueError(
+                "DataStatesWriter needs its path before dcp.async_save stages the state: pass it to "
+                "DataStatesWriter(path) (writers are cheap: they share the process-wide engine), or "
+                "call writer.reset(path) before dcp.async_save"
+            )
+        if not self.overwrite and os.path.exists(os.path.join(self.path, METADATA_FILE)):
+            raise CheckpointExistsError(
+                f"{self.path} already holds a committed checkpoint (.metadata exists); pass "
+                f"DataStatesWriter(..., overwrite=True) to replace it"
+            )
+        os.makedirs(self.path, exist_ok=True)
+        snap = Snapshot(self.path, _global_rank())
+        try:
+            with _native.gc_paused():
+                snap.capture(state_dict, self._engine, self.direct_io)
+        except BaseException:
+            snap.cancel("snapshot capture failed")
+            raise
+        snap.ticket = SEQUENCER.reserve()
+        snap.stage_call_s = time.perf_counter() - t0
+        with self._lock:
+            self._pending.append(snap)
+            self._staged.append(snap)
+        fence.track(snap.future)
+        snapshots.submit(snap)
+        return snap.future
+
+    def synchronize_staging(self) -> None:
+        """Wait until every snapshot staged so far has left the caller's tensors."""
+        with self._lock:
+            pending = list(self._pending)
+        for snap in pending:
+            snap.future.result()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for every save this writer staged to end, then raise any error they hit.
+
+        A staged snapshot ends when DCP's background save of it has returned.
+        ``timeout`` bounds the wait (``TimeoutError`` after it).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            staged, self._staged = self._staged, []
+        for snap in staged:
+            while snap.thread is None and not snap.abandoned:  # DCP's save has not begun yet
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"DataStatesWriter.close(): a save staged into {snap.directory} never began")
+                time.sleep(0.002)
+            SEQUENCER.wait_idle(snap.thread)
+        save = self._save
+        if save is not None:
+            SEQUENCER.wait_idle(save.thread)
+            self._abandon_unfinished(save)
+        self._closed = True
+        _raise_unreported(id(self))
+
+    def __enter__(self) -> DataStatesWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - the exception already propagating wins
+                pass
+
+    def __getstate__(self):
+        # DCP's process-based executor pickles the writer into another process,
+        # which has neither the snapshot nor the engine that holds its bytes.
+        me = threading.get_ident()
+        with self._lock:
+            snap = next((s for s in self._pending if s.future.consumer == me), None)
+            if snap is not None:
+                self._pending.remove(snap)
+        if snap is not None:
+            snap.cancel("the writer was sent to another process")
+            SEQUENCER.abandon(snap.ticket)
+        raise TypeError(
+            "DataStatesWriter cannot be sent to another process: use dcp.async_save with "
+            "async_checkpointer_type=AsyncCheckpointerType.THREAD (the default); the native "
+            "engine already copies and writes outside the GIL"
+        )
 
     # -- StorageWriter protocol -------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Set the path of the next checkpoint (DCP calls this with ``checkpoint_id``)."""
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
-        self._save_id = None
-        self._layout = None
-        self._rank_layouts = {}
-        self._metadata_tmp = None
-        self._metadata_obj = None
+            with self._lock:
+                self._reset_paths[threading.get_ident()] = self.path
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -137,54 +305,114 @@ class DataStatesWriter(StorageWriter):
         return isinstance(path, str) and "://" not in path
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.path, save_id=self._current_save_id())
+        # DCP's first call of every save: the save begins here.
+        save = self._begin_save()
+        return StorageMeta(checkpoint_id=save.path, save_id=save.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if self.path is None:
-            raise ValueError("DataStatesWriter has no path: pass one or give dcp.save a checkpoint_id")
-        if kwargs.get("use_collectives") is False and _world_size() > 1:
-            raise NotImplementedError(
-                "DataStatesWriter needs use_collectives=True when several ranks save: rank files "
-                "are assigned by the coordinator"
-            )
-        self.is_coordinator = is_coordinator
-        self._current_save_id()
-        os.makedirs(self.path, exist_ok=True)
-        committed = os.path.exists(os.path.join(self.path, METADATA_FILE))
-        if committed and not self.overwrite:
-            raise CheckpointExistsError(
-                f"{self.path} already holds a committed checkpoint (.metadata exists); pass "
-                f"DataStatesWriter(..., overwrite=True) to replace it"
-            )
-        self._replaced_checkpoint = committed
+        save = self._current()
+        with self._failing(save):
+            if kwargs.get("use_collectives") is False and _world_size() > 1:
+                raise NotImplementedError(
+                    "DataStatesWriter needs use_collectives=True when several ranks save: rank files "
+                    "are assigned by the coordinator"
+                )
+            save.is_coordinator = self.is_coordinator = is_coordinator
+            save.rank = int(kwargs.get("rank", _global_rank()))
+            os.makedirs(save.path, exist_ok=True)
+            metadata_path = os.path.join(save.path, METADATA_FILE)
+            committed = os.path.exists(metadata_path)
+            if committed and not self.overwrite:
+                raise CheckpointExistsError(
+                    f"{save.path} already holds a committed checkpoint (.metadata exists); pass "
+                    f"DataStatesWriter(..., overwrite=True) to replace it"
+                )
+            if committed and is_coordinator:
+                save.replaced_files = _files_of_committed(save.path)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        save = self._current()
+        if save.snapshot is None:
+            return plan
+        with self._failing(save), _native.gc_paused():
+            snap = save.snapshot
+            save.tensor_locations = _snapshot_locations(snap, plan)
+            staged = StagedRankData(
+                save.rank, snap.save_id, snap.data_file, snap.index_file, snap.tensor_bytes_end, save.tensor_locations
+            )
+            return dataclasses.replace(plan, storage_data=staged)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        with _native.gc_paused():
-            return self._prepare_global_plan(plans)
-
-    def _prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if any(not p.usable for p in plans):
-            raise NotImplementedError("DataStatesWriter does not support DCP save-plan caching")
-        self._rank_layouts = {}
-        if has_layout(plans):  # DataStatesSavePlanner placed everything; its metadata holds the layout
-            self._layout = None
+        save = self._current()
+        with self._failing(save), _native.gc_paused():
+            if any(not p.usable for p in plans):
+                raise NotImplementedError("DataStatesWriter does not support DCP save-plan caching")
+            save.rank_layouts = {}
+            if has_staged_layout(plans):  # asynchronous: every rank already placed its tensors
+                save.layout = assign_staged_layout(plans, save.save_id)
+                return plans
+            if any(isinstance(p.storage_data, StagedRankData) for p in plans):
+                raise CheckpointError("some ranks saved asynchronously and others not; every rank must use the same call")
+            if has_layout(plans):  # DataStatesSavePlanner placed everything; its metadata holds the layout
+                save.layout = None
+                return plans
+            plans, save.layout, layouts = assign_checkpoint_layout(plans, save.save_id)
+            save.rank_layouts = {lay.rank: (lay, [item.index for item in p.items]) for lay, p in zip(layouts, plans)}
             return plans
-        plans, self._layout, layouts = assign_checkpoint_layout(plans, self._current_save_id())
-        self._rank_layouts = {lay.rank: (lay, [item.index for item in p.items]) for lay, p in zip(layouts, plans)}
-        return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        with _native.gc_paused():
-            return self._write_data(plan, planner)
+        save = self._current()
+        with self._failing(save), _native.gc_paused():
+            if save.snapshot is not None:
+                results = self._write_staged(save, plan, planner)
+            else:
+                results = self._write_now(save, plan, planner)
+        self.last_save_stats = save.stats
+        if not save.is_coordinator:
+            save.ended = True  # the coordinator commits; nothing more happens on this rank
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
 
-    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        save = self._current()
+        t0 = time.perf_counter()
+        with self._failing(save), _native.gc_paused():
+            layout = save.layout or metadata.storage_data
+            if not isinstance(layout, CheckpointLayout):
+                raise CheckpointError("finish() called without a dcp_datastates layout (prepare_global_plan skipped?)")
+            for rank, rank_results in enumerate(results):
+                planned = save.rank_layouts[rank][0].locations if rank in save.rank_layouts else None
+                for wr in rank_results:
+                    loc = planned.get(wr.index) if planned is not None else layout.location(wr.index)
+                    if loc != wr.storage_data:
+                        raise CheckpointError(
+                            f"write result for {wr.index.fqn!r} does not match its planned location"
+                        )
+            if metadata is not save.metadata_obj or save.metadata_tmp is None:
+                # The planner did not expose its metadata early: serialize now.
+                self._discard_metadata_tmp(save)
+                self._write_metadata_tmp(save, metadata, layout)
+            publish(save.metadata_tmp, os.path.join(save.path, METADATA_FILE), save.path)
+            save.metadata_tmp = None
+            save.metadata_obj = None
+            keep = {name for r in layout.ranks for name in (r.data_file, r.index_file)}
+            stale = [os.path.join(save.path, f) for f in save.replaced_files if f not in keep]
+            if stale:
+                remove_if_present(stale)
+                fsync_dir(save.path)
+            save.ended = True
+        save.stats.commit_s = time.perf_counter() - t0
+        self.last_save_stats = save.stats
+
+    # -- the two ways of writing a rank's data ------------------------------------
+
+    def _write_now(self, save: _Save, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        """Synchronous save: place, copy and write the plan's items now."""
         info = plan.storage_data
         if not isinstance(info, RankPlanData):
             raise CheckpointError("save plan carries no dcp_datastates layout; was prepare_global_plan skipped?")
-        cached = self._rank_layouts.get(info.rank)
+        cached = save.rank_layouts.get(info.rank)
         if cached is not None and cached[0].save_id == info.save_id and cached[1] == [i.index for i in plan.items]:
             layout = cached[0]
         else:
@@ -194,165 +422,253 @@ class DataStatesWriter(StorageWriter):
                 f"rank {info.rank}: local layout disagrees with the coordinator's "
                 "(the planner reordered items after global planning)"
             )
-        stats = SaveStats(items=len(plan.items))
-        data_path = os.path.join(self.path, layout.data_file)
-        index_path = os.path.join(self.path, layout.index_file)
-        job = None
-        try:
-            t0 = time.perf_counter()
-            regions, keep, results = [], [], []
-            for item in plan.items:
-                loc = layout.locations[item.index]
-                if item.type == WriteItemType.BYTE_IO:
-                    continue
-                provided = provide_tensor(item, planner.resolve_data(item), loc.length)
-                if provided.nbytes:
-                    regions.append((provided.pointer, provided.nbytes, loc.offset))
-                    keep.append(provided.keep)
-                results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
-            job = self._engine.write(
-                data_path, regions, keep, direct_io=self.direct_io, preallocate=layout.tensor_bytes_end
-            )
-            del keep
-            t1 = time.perf_counter()
-            stats.submit_s = t1 - t0
-
-            objects, object_table = [], []
-            offset = layout.objects_base
-            for item in plan.items:
-                if item.type != WriteItemType.BYTE_IO:
-                    continue
-                blob = provide_object(item, planner.resolve_data(item))
-                offset = align_up(offset, SMALL_ALIGN)
-                object_table.append((offset, len(blob)))
-                objects.append(blob)
-                results.append(WriteResult(index=item.index, size_in_bytes=len(blob), storage_data=layout.locations[item.index]))
-                offset += len(blob)
-            if objects:
-                job.append([(_address(b), len(b), o) for b, (o, _) in zip(objects, object_table) if len(b)], objects)
-            job.seal()
-            t2 = time.perf_counter()
-            stats.objects_s = t2 - t1
-
-            if self.is_coordinator:
-                self._serialize_metadata_early(planner, stats)
-                stats.metadata_done_before_data = stats.metadata_serialize_s > 0 and not job.done
-
-            try:
-                segments = job.wait()
-            except OSError as exc:
-                raise _with_key_context(exc, plan, layout) from exc
-            t3 = time.perf_counter()
-            stats.data_write_s = t3 - t0
-            stats.direct_io = job.direct
-            data_size = align_up(max(offset, layout.tensor_bytes_end), PAGE) if (regions or objects) else 0
-            write_new_file_durably(
-                index_path, encode_index(info.rank, info.save_id, data_size, segments, object_table)
-            )
-            stats.index_s = time.perf_counter() - t3
-            stats.bytes_written = data_size
-        except BaseException:
-            if job is not None and not job.done:
-                job.cancel("save failed")
-                job.seal()
-                try:
-                    job.wait()
-                except OSError:
-                    pass
-            remove_if_present([data_path, index_path])
-            self._discard_metadata_tmp()
-            if not self.is_coordinator:
-                self._save_id = None
-            raise
-        self.last_save_stats = stats
-        if not self.is_coordinator:
-            self._save_id = None  # the next save on this rank gets its id from the coordinator
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        with _native.gc_paused():
-            self._finish(metadata, results)
-
-    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        stats = save.stats
+        stats.items = len(plan.items)
+        data_path = os.path.join(save.path, layout.data_file)
+        index_path = os.path.join(save.path, layout.index_file)
+        save.written_files = [data_path, index_path]
         t0 = time.perf_counter()
+        placed, results = [], []
+        for item in plan.items:
+            loc = layout.locations[item.index]
+            if item.type == WriteItemType.BYTE_IO:
+                continue
+            source = tensor_source(planner.resolve_data(item), item.index.fqn)
+            check_planned(item, source, loc.length)
+            placed.append((source, loc.offset))
+            results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
+        regions, keep = finish_regions(placed)
+        del placed
+        job = self._engine.write(data_path, regions, keep, direct_io=self.direct_io, preallocate=layout.tensor_bytes_end)
+        del keep
+        save.stats.submit_s = time.perf_counter() - t0
+        spans = [(loc.offset, loc.offset + loc.length, idx.fqn) for idx, loc in layout.locations.items() if not loc.is_object]
+        self._finish_rank_file(
+            save, plan, planner, job, results, layout.objects_base, layout.tensor_bytes_end,
+            info.rank, info.save_id, data_path, index_path, layout.data_file, spans, t0,
+        )
+        return results
+
+    def _write_staged(self, save: _Save, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        """Asynchronous save: the snapshot already placed and is writing the tensors."""
+        snap = save.snapshot
+        assert snap is not None and save.tensor_locations is not None
+        stats = save.stats
+        stats.items = len(plan.items)
+        t0 = time.perf_counter()
+        results = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                continue
+            placed = save.tensor_locations.get(location_key(item.index.fqn, item.index.offset))
+            if placed is None:
+                raise CheckpointError(f"{item.index.fqn!r} is in the final plan but was not in the local plan")
+            loc = ItemLocation(snap.data_file, placed[0], placed[1], -1)
+            results.append(WriteResult(index=item.index, size_in_bytes=placed[1], storage_data=loc))
+        spans = [(off, off + n, fqn) for (fqn, _), (off, n) in save.tensor_locations.items()]
+        self._finish_rank_file(
+            save, plan, planner, snap.job, results, snap.objects_base, snap.tensor_bytes_end,
+            save.rank, snap.save_id, snap.data_path, snap.index_path, snap.data_file, spans, t0,
+        )
+        return results
+
+    def _finish_rank_file(
+        self, save, plan, planner, job, results, objects_base, tensor_end, rank, file_sid,
+        data_path, index_path, data_file, spans, t0,
+    ) -> None:
+        """Append the objects, overlap the metadata, wait for the data, write the index."""
+        stats = save.stats
+        t1 = time.perf_counter()
+        objects, object_table = [], []
+        offset = objects_base
+        for item in plan.items:
+            if item.type != WriteItemType.BYTE_IO:
+                continue
+            blob = provide_object(item, planner.resolve_data(item))
+            offset = align_up(offset, SMALL_ALIGN)
+            results.append(
+                WriteResult(
+                    index=item.index, size_in_bytes=len(blob),
+                    storage_data=ItemLocation(data_file, -1, -1, len(object_table)),
+                )
+            )
+            object_table.append((offset, len(blob)))
+            objects.append(blob)
+            offset += len(blob)
+        if objects:
+            job.append([(_address(b), len(b), o) for b, (o, _) in zip(objects, object_table) if len(b)], objects)
+        job.seal()
+        t2 = time.perf_counter()
+        stats.objects_s = t2 - t1
+        if save.is_coordinator:
+            self._serialize_metadata_early(save, planner)
+            stats.metadata_done_before_data = stats.metadata_serialize_s > 0 and not job.done
+        if save.snapshot is not None and save.snapshot.staging_error is not None:
+            raise save.snapshot.staging_error
         try:
-            layout = self._layout or metadata.storage_data
-            if not isinstance(layout, CheckpointLayout):
-                raise CheckpointError("finish() called without a dcp_datastates layout (prepare_global_plan skipped?)")
-            for rank, rank_results in enumerate(results):
-                planned = self._rank_layouts[rank][0].locations if rank in self._rank_layouts else None
-                for wr in rank_results:
-                    loc = planned.get(wr.index) if planned is not None else layout.location(wr.index)
-                    if loc != wr.storage_data:
-                        raise CheckpointError(
-                            f"write result for {wr.index.fqn!r} does not match its planned location"
-                        )
-            if metadata is not self._metadata_obj or self._metadata_tmp is None:
-                # The planner did not expose its metadata early: serialize now.
-                self._discard_metadata_tmp()
-                self._write_metadata_tmp(metadata, layout)
-            final = os.path.join(self.path, METADATA_FILE)
-            publish(self._metadata_tmp, final, self.path)
-            self._metadata_tmp = None
-            if self._replaced_checkpoint:
-                self._remove_replaced_files(layout.save_id)
-        except BaseException:
-            self._discard_metadata_tmp()
-            raise
-        finally:
-            self._save_id = None
-            self._metadata_obj = None
-            self._rank_layouts = {}
-        self.last_save_stats.commit_s = time.perf_counter() - t0
+            segments = job.wait()
+        except OSError as exc:
+            raise _with_key_context(exc, spans) from exc
+        t3 = time.perf_counter()
+        stats.data_write_s = t3 - t0
+        stats.direct_io = job.direct
+        data_size = align_up(max(offset, tensor_end), PAGE) if (tensor_end or objects) else 0
+        write_new_file_durably(index_path, encode_index(rank, file_sid, data_size, segments, object_table))
+        stats.index_s = time.perf_counter() - t3
+        stats.bytes_written = data_size
 
-    # -- helpers ----------------------------------------------------------------
+    # -- save lifecycle ---------------------------------------------------------
 
-    def _current_save_id(self) -> str:
-        if self._save_id is None:
-            self._save_id = new_save_id()
-        return self._save_id
+    def _begin_save(self) -> _Save:
+        me = threading.current_thread()
+        with self._lock:
+            self._pending = collections.deque(s for s in self._pending if not s.abandoned)
+            snap = next((s for s in self._pending if s.future.consumer == me.ident), None)
+            if snap is None:  # an executor that consumed the future elsewhere: oldest staged first
+                snap = next((s for s in self._pending if s.future.done() and s.future.consumer is None), None)
+            if snap is not None:
+                self._pending.remove(snap)
+                snap.thread = me
+            given_path = self._reset_paths.pop(me.ident, None)
+        ticket = snap.ticket if snap is not None else SEQUENCER.reserve()
+        SEQUENCER.begin(ticket)  # earlier saves have left DCP's save: no collective overlaps
+        if snap is None:
+            if self._closed:
+                raise RuntimeError("DataStatesWriter is closed")
+            _raise_unreported()  # a synchronous save is the next save call too
+        if self._save is not None:
+            self._abandon_unfinished(self._save)
+        stats = SaveStats(asynchronous=snap is not None)
+        path = snap.directory if snap is not None else self.path
+        save = _Save(path=path, save_id=new_save_id(), thread=me, snapshot=snap, stats=stats, writer_id=id(self))
+        self._save = save
+        if snap is not None:
+            stats.stage_call_s = getattr(snap, "stage_call_s", 0.0)
+            stats.staged_s = snap.staged_s
+        with self._failing(save):
+            if path is None:
+                raise ValueError("DataStatesWriter has no path: pass one or give dcp.save a checkpoint_id")
+            if snap is not None and given_path is not None and os.path.abspath(given_path) != os.path.abspath(snap.directory):
+                raise ValueError(
+                    f"this save was staged into {snap.directory} (the writer's path when dcp.async_save "
+                    f"called stage()), but DCP was given checkpoint_id={given_path!r}; set the path on the "
+                    "writer before dcp.async_save: DataStatesWriter(path) or writer.reset(path)"
+                )
+        return save
 
-    def _write_metadata_tmp(self, metadata: Metadata, layout: CheckpointLayout) -> None:
+    def _current(self) -> _Save:
+        save = self._save
+        if save is None or save.thread is not threading.current_thread() or save.ended:
+            raise CheckpointError(
+                "DataStatesWriter was called outside a save (DCP calls storage_meta() first); "
+                "one writer serves one save at a time"
+            )
+        return save
+
+    class _failing:
+        """On any error inside a writer call: clean up this save, remember the error."""
+
+        def __init__(self, save: _Save) -> None:
+            self.save = save
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, exc_type, exc, tb):
+            if exc_type is not None and not self.save.ended:
+                _clean_up(self.save)
+                if self.save.snapshot is not None:
+                    _record_background_error(self.save.writer_id, self.save.path, exc)
+            return False
+
+    def _abandon_unfinished(self, save: _Save) -> None:
+        """A save whose DCP call failed between our calls: remove what it left behind."""
+        if not save.ended:
+            _clean_up(save)
+
+    def _write_metadata_tmp(self, save: _Save, metadata: Metadata, layout: CheckpointLayout) -> None:
         metadata.storage_data = layout
-        metadata.storage_meta = StorageMeta(checkpoint_id=self.path, save_id=layout.save_id)
+        metadata.storage_meta = StorageMeta(checkpoint_id=save.path, save_id=layout.save_id)
         if CURRENT_DCP_VERSION is not None:
             metadata.version = CURRENT_DCP_VERSION
         blob = pickle.dumps(metadata)
-        tmp = os.path.join(self.path, metadata_tmp_name(layout.save_id))
+        tmp = os.path.join(save.path, metadata_tmp_name(layout.save_id))
         write_new_file_durably(tmp, blob)
-        self._metadata_tmp = tmp
-        self._metadata_obj = metadata
+        save.metadata_tmp = tmp
+        save.metadata_obj = metadata
 
-    def _serialize_metadata_early(self, planner: SavePlanner, stats: SaveStats) -> None:
+    def _serialize_metadata_early(self, save: _Save, planner: SavePlanner) -> None:
         """Pickle and write the final metadata while the engine writes tensor bytes."""
         metadata = getattr(planner, "metadata", None)
         if not isinstance(metadata, Metadata):
             return  # finish() will serialize it
-        layout = self._layout or metadata.storage_data
+        layout = save.layout or metadata.storage_data
         if not isinstance(layout, CheckpointLayout):
             return
         t = time.perf_counter()
-        self._write_metadata_tmp(metadata, layout)
-        stats.metadata_serialize_s = time.perf_counter() - t
+        self._write_metadata_tmp(save, metadata, layout)
+        save.stats.metadata_serialize_s = time.perf_counter() - t
 
-    def _discard_metadata_tmp(self) -> None:
-        if self._metadata_tmp is not None:
-            remove_if_present([self._metadata_tmp])
-            self._metadata_tmp = None
+    def _discard_metadata_tmp(self, save: _Save) -> None:
+        if save.metadata_tmp is not None:
+            remove_if_present([save.metadata_tmp])
+            save.metadata_tmp = None
 
-    def _remove_replaced_files(self, save_id: str) -> None:
-        stale = []
-        for name in os.listdir(self.path):
-            m = DATA_FILE_RE.match(name)
-            if m and m.group(2) != save_id:
-                stale.append(os.path.join(self.path, name))
-            elif name.startswith(METADATA_FILE + ".") and name.endswith(".tmp"):
-                stale.append(os.path.join(self.path, name))
-        remove_if_present(stale)
-        if stale:
-            fsync_dir(self.path)
+
+def _clean_up(save: _Save) -> None:
+    """Remove the files of a save that will not commit."""
+    save.ended = True
+    if save.snapshot is not None:
+        save.snapshot.cancel("save failed")
+    if save.written_files:
+        remove_if_present(save.written_files)
+    if save.metadata_tmp is not None:
+        remove_if_present([save.metadata_tmp])
+        save.metadata_tmp = None
+
+
+def _snapshot_locations(snap: Snapshot, plan: SavePlan) -> dict:
+    """Where the snapshot put each tensor item of the local plan: key -> (offset, nbytes).
+
+    Items are resolved in the staged state dict the way DCP's default planner
+    resolves them (flattened keys; a DTensor's local shard).
+    """
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    staged = snap.staged_dict
+    flat = flatten_state_dict(staged)[0] if isinstance(staged, Mapping) else {}
+    out = {}
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO:
+            continue
+        fqn = item.index.fqn
+        value = flat.get(fqn)
+        if value is None and isinstance(staged, Mapping):
+            value = staged.get(fqn)
+        placed = snap.location_of(value) if isinstance(value, torch.Tensor) else None
+        if placed is None:
+            raise CheckpointError(
+                f"the save plan holds {fqn!r}, which the snapshot taken by stage() does not; a planner "
+                "that changes the state dict's tensors is not supported with dcp.async_save"
+            )
+        expected = tensor_item_nbytes(item)
+        if placed[1] != expected:
+            raise CheckpointError(f"{fqn!r}: the snapshot holds {placed[1]} bytes, the plan expects {expected}")
+        out[location_key(fqn, item.index.offset)] = placed
+    return out
+
+
+def _files_of_committed(path: str) -> list[str]:
+    """Our rank files named by the committed checkpoint in ``path`` (to remove once replaced)."""
+    try:
+        with open(os.path.join(path, METADATA_FILE), "rb") as f:
+            metadata = pickle.load(f)
+    except Exception:  # noqa: BLE001 - not ours or unreadable: remove nothing
+        return []
+    layout = getattr(metadata, "storage_data", None)
+    if not isinstance(layout, CheckpointLayout):
+        return []
+    return [name for r in layout.ranks for name in (r.data_file, r.index_file)]
 
 
 def _world_size() -> int:
@@ -361,22 +677,24 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _address(blob: bytes) -> int:
     import ctypes
 
     return ctypes.cast(ctypes.c_char_p(blob), ctypes.c_void_p).value
 
 
-def _with_key_context(exc: OSError, plan: SavePlan, layout) -> OSError:
+def _with_key_context(exc: OSError, spans: list[tuple[int, int, str]]) -> OSError:
     """Re-raise an engine error with the key stored at the failing offset."""
     offset = getattr(exc, "offset", -1)
     key = None
     if offset is not None and offset >= 0:
-        spans = sorted(
-            (loc.offset, loc.offset + loc.length, idx.fqn)
-            for idx, loc in layout.locations.items()
-            if not loc.is_object
-        )
+        spans = sorted(spans)
         i = bisect.bisect_right([s[0] for s in spans], offset) - 1
         if i >= 0 and spans[i][0] <= offset < max(spans[i][1], spans[i][0] + 1):
             key = spans[i][2]

@@ -358,6 +358,59 @@ def fsdp_save(rank, world_size, path, reference_path):
 
 
 @case
+def async_save_dtensor_state(rank, world_size, path):
+    """dcp.async_save of the mixed state; every tensor is mutated right after the fence."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesWriter
+
+    mesh = _mesh(world_size)
+    state = dtensor_state(mesh, zeros=False)
+    with DataStatesWriter(path, host_cache_bytes=1 << 20, window_bytes=256 << 10) as writer:
+        resp = dcp.async_save(state, storage_writer=writer)
+        resp.staging_completion.result()
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                local.add_(1)
+        resp.upload_completion.result()
+
+
+@case
+def fsdp_async_saves(rank, world_size, path, reference_path, saves=3):
+    """FSDP2 + AdamW with the optimizer fence: an async save after every step, none awaited.
+
+    Rank 0 writes the full state at each save as reference ``{reference_path}.{i}``.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    import dcp_datastates
+    from dcp_datastates import DataStatesWriter
+
+    mesh = _mesh(world_size)
+    model, optim = fsdp_model_and_optim(MLP_SEED, mesh)
+    dcp_datastates.install_fence(optim)
+    # Training runs FSDP collectives on the default (gloo) group while saves run
+    # theirs in the background: checkpoints get a group of their own.
+    ckpt_group = dist.new_group(backend="gloo")
+    _train_two_steps(model, optim, rank)
+    responses = []
+    for i in range(saves):
+        msd, osd = get_state_dict(model, optim)
+        full_m, full_o = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save({"model": full_m, "optim": full_o}, f"{reference_path}.{i}")
+        writer = DataStatesWriter(f"{path}.{i}", host_cache_bytes=1 << 20, window_bytes=256 << 10)
+        responses.append(dcp.async_save({"model": msd, "optim": osd}, storage_writer=writer, process_group=ckpt_group))
+        _train_two_steps(model, optim, rank)  # each step waits in the fence while copying
+    for resp in responses:
+        resp.upload_completion.result()
+    dist.barrier()
+
+
+@case
 def fsdp_load(rank, world_size, path, reference_path):
     """Load the checkpoint into a freshly built FSDP2 model + AdamW and compare the full state."""
     import torch.distributed.checkpoint as dcp

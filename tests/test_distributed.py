@@ -225,3 +225,36 @@ def test_corrupt_rank1_data_file_fails_resharded_2rank_load(dtensor_ckpts, tmp_p
         "load_expect_checksum_error", 2, tmp_path / "logs",
         path=path, placements={"dt_big_s0": "S1"}, data_file=rank1_file, key="dt_big_s0",
     )
+
+
+# -- dcp.async_save on 2 ranks ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def async_ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist_async")
+    paths = types.SimpleNamespace(
+        dtensor=root / "dtensor", fsdp=root / "fsdp", reference=root / "reference.pt", logs=root / "logs"
+    )
+    dh.run_ranks("async_save_dtensor_state", 2, paths.logs, path=paths.dtensor)
+    dh.run_ranks("fsdp_async_saves", 2, paths.logs, path=paths.fsdp, reference_path=paths.reference)
+    return paths
+
+
+def test_async_save_2ranks_holds_state_at_call_time(async_ckpts):
+    # Every tensor was mutated right after the fence; the checkpoint holds the values before.
+    _check_two_rank_layout(async_ckpts.dtensor)
+    dh.run_ranks("load_dtensor_state", 2, async_ckpts.logs, path=async_ckpts.dtensor)
+    state = _load_1proc(dh.full_targets(), async_ckpts.dtensor)
+    dh.assert_equal_exact(state, dh.reference_state())
+
+
+def test_async_save_2ranks_load_3ranks_resharded(async_ckpts):
+    dh.run_ranks("load_resharded", 3, async_ckpts.logs, path=async_ckpts.dtensor)
+
+
+@pytest.mark.parametrize("i", [0, 2])
+def test_fsdp2_async_saves_in_flight_each_hold_their_step(async_ckpts, i):
+    dh.run_ranks(
+        "fsdp_load", 2, async_ckpts.logs, path=f"{async_ckpts.fsdp}.{i}", reference_path=f"{async_ckpts.reference}.{i}"
+    )

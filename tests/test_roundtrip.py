@@ -10,6 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import assert_same, data_files, index_files, load, save
 from dcp_datastates import DataStatesReader, DataStatesSavePlanner, DataStatesWriter
+from dcp_datastates.format import FORMAT_VERSION
 
 
 def _all_dtypes():
@@ -191,4 +192,4 @@ def test_metadata_is_dcp_metadata_with_our_layout(tmp_path):
     assert isinstance(md, Metadata)
     assert isinstance(md.state_dict_metadata["w"], TensorStorageMetadata)
     assert md.state_dict_metadata["w"].size == torch.Size([3, 4])
-    assert isinstance(md.storage_data, CheckpointLayout) and md.storage_data.version == 1
+    assert isinstance(md.storage_data, CheckpointLayout) and md.storage_data.version == FORMAT_VERSION

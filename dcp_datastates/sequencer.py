@@ -1,0 +1,90 @@
+"""Process-wide ordering of checkpoint saves.
+
+``dcp.async_save`` runs each save's planning and commit (with their
+collectives) in a new background thread. Two saves whose background threads
+overlap would issue collectives on the same process group in an order that
+can differ between ranks, and hang. DataStatesWriter therefore serializes
+saves in this process: every save takes a ticket in program order (at
+``stage()`` for asynchronous saves, when ``dcp.save`` starts otherwise), and
+a save may begin its collectives only once every earlier ticket has begun
+(or was abandoned) and the previous save's thread has left DCP's save
+function. Program order is the same on every rank, so the order is too.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+_POLL_S = 0.002
+
+
+def _inside_dcp_save(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is still executing DCP's ``_save_state_dict``.
+
+    A save's last collective (the broadcast of the commit's outcome) runs in
+    DCP's code after the writer's last call, so the writer cannot observe its
+    end directly; the thread's stack can.
+    """
+    if not thread.is_alive():
+        return False
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_save_state_dict" and code.co_filename.endswith("state_dict_saver.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class SaveSequencer:
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._next_ticket = 0
+        self._settled: set[int] = set()  # tickets that began their save or were abandoned
+        self._floor = 0  # every ticket below this is settled
+        self._last_thread: threading.Thread | None = None
+
+    def reserve(self) -> int:
+        with self._cv:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            return ticket
+
+    def wait_turn(self, ticket: int, timeout: float | None = None) -> bool:
+        """Block until every ticket before ``ticket`` has begun its save or was abandoned."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._floor >= ticket, timeout)
+
+    def abandon(self, ticket: int) -> None:
+        """The save of ``ticket`` will never begin (its snapshot was dropped)."""
+        with self._cv:
+            self._settle(ticket)
+
+    def begin(self, ticket: int) -> None:
+        """Called by the thread about to run the save of ``ticket``, before any collective."""
+        self.wait_turn(ticket)
+        me = threading.current_thread()
+        with self._cv:
+            previous, self._last_thread = self._last_thread, me
+            self._settle(ticket)
+        if previous is not None and previous is not me:
+            while _inside_dcp_save(previous):
+                time.sleep(_POLL_S)
+
+    def wait_idle(self, thread: threading.Thread | None) -> None:
+        """Block until ``thread`` has left DCP's save (used by ``close()``)."""
+        if thread is not None and thread is not threading.current_thread():
+            while _inside_dcp_save(thread):
+                time.sleep(_POLL_S)
+
+    def _settle(self, ticket: int) -> None:
+        self._settled.add(ticket)
+        while self._floor in self._settled:
+            self._settled.discard(self._floor)
+            self._floor += 1
+        self._cv.notify_all()
+
+
+SEQUENCER = SaveSequencer()
