@@ -7,10 +7,11 @@ What it runs (each "run" is a fresh set of spawned processes):
 
 1. ``reference``: P ranks train a small GPT-like model (FSDP2 ``fully_shard`` on
    every block and the root, AdamW) for all N steps without failure, and
-   checkpoint every K steps with DCP's own ``FileSystemWriter`` (the
-   baseline). Its losses are the reference loss curve.
+   checkpoint every K steps with ``dcp.async_save`` and DCP's own
+   ``FileSystemWriter`` (the baseline). Its losses are the reference loss curve.
 2. ``failed``: the same training on P ranks, checkpointing every K steps with
-   ``DataStatesWriter``; at ``--fail-at`` every rank dies (``os._exit``, no
+   ``dcp.async_save`` and ``DataStatesWriter`` (the optimizer step waits in a
+   pre-hook only while a snapshot is still copying); at ``--fail-at`` every rank dies (``os._exit``, no
    cleanup), so every step after the last committed checkpoint is lost.
 3. ``resumed``: M ranks (a different world size by default) find the newest
    committed checkpoint (the newest ``step_*`` directory holding
@@ -253,23 +254,29 @@ def dir_bytes(path: str) -> int:
 
 
 class Checkpointer:
-    """Checkpoints the training state every K steps and records what each save cost.
+    """Checkpoints the training state every K steps with ``dcp.async_save`` and records the cost.
 
-    The save is synchronous: the training loop is blocked for get_state_dict +
-    dcp.save. The async path (next issue) drops in at ``_start_save``:
-    ``dcp.async_save`` returns once the state is staged, the future is kept in
-    ``self._pending``, and ``fence()`` (called before the next save, before
-    the process exits, and anywhere the state must be durable) waits for it,
-    adds the wait to the blocked time and completes the record. Everything
-    collective that depends on the save having finished (stats gathering,
-    the size of the checkpoint) already lives in ``_complete``.
+    Both writers go through ``dcp.async_save`` on a gloo group of their own
+    (training runs its FSDP collectives on the default group at the same
+    time). Ours (``DataStatesWriter``) returns at once: the snapshot copies
+    while the next forward/backward run, and the optimizer step pre-hook (the
+    fence, what ``dcp_datastates.install_fence`` installs) waits only while
+    it is still copying. DCP's default ``FileSystemWriter`` stages by copying
+    the whole state inside the call. The time the loop was blocked is the
+    call (with get_state_dict) plus every fence wait; "durable" is from the
+    call until the upload future completed (data fsynced, ``.metadata``
+    committed). A new save first waits for the previous upload (DCP needs
+    it; the wait counts as blocked).
     """
 
-    def __init__(self, spec: RunSpec, rank: int, log) -> None:
+    def __init__(self, spec: RunSpec, rank: int, log, optim: torch.optim.Optimizer) -> None:
         self.spec = spec
         self.rank = rank
         self.log = log
-        self._pending: Any = None  # async: (future, record) of the save in flight
+        self.group = dist.new_group(backend="gloo")
+        self._pending: Any = None  # (upload future, record) of the save in flight
+        self._fencing: dict | None = None  # the record whose snapshot may still be copying
+        optim.register_step_pre_hook(self._fence_hook)
 
     def _make_writer(self, path: str):
         if self.spec.writer == "datastates":
@@ -285,8 +292,23 @@ class Checkpointer:
 
         return FileSystemWriter(path)
 
+    def _fence_hook(self, *_args) -> None:
+        """Optimizer step pre-hook: wait while a snapshot still reads the parameters."""
+        record = self._fencing
+        if record is None:
+            return
+        from dcp_datastates import wait_for_snapshots
+
+        t0 = time.perf_counter()
+        wait_for_snapshots()
+        record["fence_wait_s"] += time.perf_counter() - t0
+        self._fencing = None
+
     def save(self, step: int, model: nn.Module, optim: torch.optim.Optimizer) -> None:
-        self.fence()  # at most one save in flight
+        import torch.distributed.checkpoint as dcp
+
+        t_prev = time.perf_counter()
+        self.wait()  # at most one save in flight
         path = step_dir(self.spec.ckpt_root, step)
         rss_before = rss_mb()
         hwm_reset = reset_peak_rss()
@@ -294,48 +316,54 @@ class Checkpointer:
         state = build_state(step, model, optim, self.spec)
         t1 = time.perf_counter()
         writer = self._make_writer(path)
-        self._start_save(state, writer)
+        resp = dcp.async_save(state, storage_writer=writer, process_group=self.group)
         t2 = time.perf_counter()
+        upload = getattr(resp, "upload_completion", resp)
         record = {
             "step": step,
             "path": path,
             "state_dict_s": t1 - t0,
             "save_call_s": t2 - t1,
-            "blocked_s": t2 - t0,
+            "previous_wait_s": t0 - t_prev,
+            "fence_wait_s": 0.0,
             "rss_before_mb": rss_before,
             "peak_rss_mb": peak_rss_mb(),
             "hwm_reset": hwm_reset,
             "writer": writer,
+            "t0": t0,
+            "durable_at": None,
         }
-        if self._pending is None:
-            self._complete(record)
-        else:  # async: completed by fence()
-            self._pending = (self._pending, record)
+        upload.add_done_callback(lambda _f, r=record: r.__setitem__("durable_at", time.perf_counter()))
+        self._fencing = record
+        self._pending = (upload, record, state)
 
-    def _start_save(self, state: dict, writer) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(state, storage_writer=writer)
-        # Async (next issue): replace the line above by
-        #     self._pending = dcp.async_save(state, storage_writer=writer)
-        # (and keep `state` alive until the fence if the stager does not copy it).
-
-    def fence(self) -> None:
+    def wait(self) -> None:
+        """Wait for the save in flight to be durable and report it."""
         if self._pending is None:
             return
-        future, record = self._pending
+        upload, record, _state = self._pending
         self._pending = None
         t0 = time.perf_counter()
-        future.result()
-        record["fence_wait_s"] = time.perf_counter() - t0
-        record["blocked_s"] += record["fence_wait_s"]
+        upload.result()
+        record["previous_wait_s"] = record.get("previous_wait_s", 0.0)
+        record["final_wait_s"] = time.perf_counter() - t0
+        while record["durable_at"] is None:  # the done-callback runs right after result() returns
+            time.sleep(0.001)
         record["peak_rss_mb"] = max(record["peak_rss_mb"], peak_rss_mb())
+        record["blocked_s"] = (
+            record["previous_wait_s"] + record["state_dict_s"] + record["save_call_s"] + record["fence_wait_s"]
+        )
+        record["durable_s"] = record["durable_at"] - record["t0"]
         self._complete(record)
 
     def _complete(self, record: dict) -> None:
         writer = record.pop("writer")
+        if hasattr(writer, "close"):
+            writer.close()
         mine = {
             "blocked_s": record["blocked_s"],
+            "durable_s": record["durable_s"],
+            "fence_wait_s": record["fence_wait_s"],
             "state_dict_s": record["state_dict_s"],
             "save_call_s": record["save_call_s"],
             "peak_rss_mb": record["peak_rss_mb"],
@@ -354,7 +382,11 @@ class Checkpointer:
             return
         total = dir_bytes(record["path"])
         blocked = max(r["blocked_s"] for r in ranks)
+        durable = max(r["durable_s"] for r in ranks)
         out = {
+            "durable_s": durable,
+            "fence_wait_s": max(r["fence_wait_s"] for r in ranks),
+            "durable_gbps": total / durable / 1e9 if durable > 0 else float("nan"),
             "kind": "ckpt",
             "run": self.spec.name,
             "writer": self.spec.writer,
@@ -375,7 +407,8 @@ class Checkpointer:
         self.log(out)
         print(
             f"[{self.spec.name} W={self.spec.world}] checkpoint step {record['step']}: "
-            f"{total / 1e6:.1f} MB, blocked {blocked * 1e3:.0f} ms, {out['gbps']:.3f} GB/s, "
+            f"{total / 1e6:.1f} MB, blocked {blocked * 1e3:.1f} ms, durable after {durable * 1e3:.0f} ms "
+            f"({out['durable_gbps']:.3f} GB/s), "
             f"peak RSS {out['peak_rss_mb']:.0f} MB ({self.spec.writer})",
             flush=True,
         )
@@ -486,7 +519,7 @@ def _train(rank: int, spec: RunSpec, device: torch.device, log) -> None:
     per_rank = spec.data_shards // world
     rows = spec.global_batch // spec.data_shards
     my_shards = range(rank * per_rank, (rank + 1) * per_rank)
-    ckpt = Checkpointer(spec, rank, log)
+    ckpt = Checkpointer(spec, rank, log, optim)
     t_last = time.perf_counter()
     for step in range(start, spec.steps + 1):
         for group in optim.param_groups:
@@ -514,7 +547,7 @@ def _train(rank: int, spec: RunSpec, device: torch.device, log) -> None:
             t_last = time.perf_counter()
         if step % spec.ckpt_every == 0:
             ckpt.save(step, model, optim)
-    ckpt.fence()
+    ckpt.wait()
     log({"kind": "done", "step": spec.steps, "lifetime_peak_rss_mb": peak_rss_mb()})
 
 
@@ -929,23 +962,25 @@ def _scenario(args: argparse.Namespace, device: str, root: str, t_start: float) 
         mark = "  <- resumed here" if s == resume_step + 1 else ("  <- failure" if s == args.fail_at - 1 else "")
         print(f"  {s:>6} {ref_losses.get(s, float('nan')):12.6f} {f_} {rr} {d}{mark}")
 
-    print("\ncheckpoints: blocked = the training loop stalled (get_state_dict + save); GB/s = checkpoint bytes / "
-          "blocked;\n  RSS = peak host RSS of a rank during the save (max over ranks), in parentheses its growth "
+    print("\ncheckpoints, both through dcp.async_save: blocked = the training loop stalled (get_state_dict + the "
+          "call + fence waits);\n  durable = from the call until committed; GB/s = checkpoint bytes / durable; "
+          "RSS = peak host RSS of a rank during the save (max over ranks), in parentheses its growth "
           "over the RSS before the save")
-    print(f"  {'step':>6} | {'ours: DataStatesWriter':^43} | {'DCP FileSystemWriter (W=' + str(P) + ')':^40}")
-    print(f"  {'':>6} | {'W':>2} {'MB':>6} {'blocked':>9} {'GB/s':>6} {'RSS MB':>15} | "
-          f"{'MB':>6} {'blocked':>9} {'GB/s':>6} {'RSS MB':>15}")
+    print(f"  {'step':>6} | {'ours: DataStatesWriter':^51} | {'DCP FileSystemWriter (W=' + str(P) + ')':^48}")
+    print(f"  {'':>6} | {'W':>2} {'MB':>6} {'blocked':>9} {'durable':>8} {'GB/s':>6} {'RSS MB':>15} | "
+          f"{'MB':>6} {'blocked':>9} {'durable':>8} {'GB/s':>6} {'RSS MB':>15}")
     ours_all = {**fail_ckpts, **res_ckpts}
     paired_ours, paired_dcp = [], []
 
     def cols(c: dict) -> str:
         rss = f"{c['peak_rss_mb']:.0f} ({c['rss_growth_mb']:+.0f})"
-        return f"{c['bytes'] / 1e6:6.2f} {c['blocked_s'] * 1e3:7.1f}ms {c['gbps']:6.3f} {rss:>15}"
+        return (f"{c['bytes'] / 1e6:6.2f} {c['blocked_s'] * 1e3:7.1f}ms {c['durable_s'] * 1e3:6.0f}ms "
+                f"{c['durable_gbps']:6.3f} {rss:>15}")
 
     for st in sorted(set(ours_all) | set(ref_ckpts)):
         o, d = ours_all.get(st), ref_ckpts.get(st)
-        left = f"{o['world']:>2} {cols(o)}" if o else f"{'(not written: the run had failed)':>43}"
-        right = cols(d) if d else f"{'-':>40}"
+        left = f"{o['world']:>2} {cols(o)}" if o else f"{'(not reported: the run crashed first)':>51}"
+        right = cols(d) if d else f"{'-':>48}"
         print(f"  {st:>6} | {left} | {right}")
         if o and d and o["world"] == d["world"]:
             paired_ours.append(o)
@@ -958,14 +993,16 @@ def _scenario(args: argparse.Namespace, device: str, root: str, t_start: float) 
             return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
 
         ob, db = med([c["blocked_s"] for c in paired_ours]), med([c["blocked_s"] for c in paired_dcp])
-        og, dg = med([c["gbps"] for c in paired_ours]), med([c["gbps"] for c in paired_dcp])
+        og, dg = med([c["durable_gbps"] for c in paired_ours]), med([c["durable_gbps"] for c in paired_dcp])
+        od, dd = med([c["durable_s"] for c in paired_ours]), med([c["durable_s"] for c in paired_dcp])
         orss, drss = max(c["peak_rss_mb"] for c in paired_ours), max(c["peak_rss_mb"] for c in paired_dcp)
         first_grow = paired_ours[0]["rss_growth_mb"]
         later_grow = max((c["rss_growth_mb"] for c in paired_ours[1:]), default=float("nan"))
         dgrow = max(c["rss_growth_mb"] for c in paired_dcp)
         print(f"  median over the {len(paired_ours)} checkpoint(s) both wrote on {P} rank(s): ours blocked "
-              f"{ob * 1e3:.1f} ms at {og:.3f} GB/s, DCP {db * 1e3:.1f} ms at {dg:.3f} GB/s "
-              f"(ours {db / ob if ob > 0 else float('nan'):.2f}x faster)")
+              f"{ob * 1e3:.1f} ms, durable after {od * 1e3:.0f} ms ({og:.3f} GB/s); DCP async_save blocked "
+              f"{db * 1e3:.1f} ms, durable after {dd * 1e3:.0f} ms ({dg:.3f} GB/s): ours blocked "
+              f"{db / ob if ob > 0 else float('nan'):.1f}x less")
         print(f"  peak RSS: ours {orss:.0f} MB, DCP {drss:.0f} MB; growth during a save: ours {first_grow:+.1f} MB "
               f"on the first (it maps the {args.host_cache_mb} MiB pre-faulted host pool, kept for later saves), "
               f"at most {later_grow:+.1f} MB after; DCP at most {dgrow:+.1f} MB")

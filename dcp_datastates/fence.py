@@ -20,6 +20,7 @@ pre-hook instead.
 from __future__ import annotations
 
 import threading
+from concurrent import futures
 from concurrent.futures import Future
 
 import torch
@@ -53,11 +54,9 @@ def wait_for_snapshots(timeout: float | None = None) -> None:
     """
     with _lock:
         pending = list(_in_flight)
-    for fut in pending:
-        try:
-            fut.result(timeout)
-        except Exception:  # noqa: BLE001 - reported through the save's own future
-            pass
+    # futures.wait, not result(): a staging future's result() is how the writer
+    # recognizes the thread that runs its save (see snapshot.StagingFuture).
+    futures.wait(pending, timeout)
 
 
 def install_fence(target, timeout: float | None = None):

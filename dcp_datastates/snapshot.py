@@ -52,6 +52,7 @@ class StagingFuture(Future):
 
     DCP's async executor calls ``result()`` on it in the thread that then
     runs the save, which is how the writer pairs a save with its snapshot.
+    Our own waits (the fence) use ``concurrent.futures.wait`` instead.
     """
 
     def __init__(self) -> None:
@@ -60,7 +61,7 @@ class StagingFuture(Future):
 
     def result(self, timeout=None):
         value = super().result(timeout)
-        if threading.get_ident() != _MONITOR.ident:
+        if self.consumer is None and threading.get_ident() != _MONITOR.ident:
             self.consumer = threading.get_ident()
         return value
 

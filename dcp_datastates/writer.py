@@ -231,10 +231,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def synchronize_staging(self) -> None:
         """Wait until every snapshot staged so far has left the caller's tensors."""
+        import concurrent.futures
+
         with self._lock:
             pending = list(self._pending)
-        for snap in pending:
-            snap.future.result()
+        concurrent.futures.wait([snap.future for snap in pending])
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for every save this writer staged to end, then raise any error they hit.

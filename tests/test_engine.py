@@ -122,7 +122,8 @@ def test_reads_verify_checksums_and_report_truncation(engine, tmp_path):
     path.write_bytes(bytes(raw))
     failures = engine.read([str(path)], [(0, 0, data.numel(), out.data_ptr(), checks)], [out]).wait()
     assert [f[1] for f in failures] == ["checksum"] and failures[0][3] == str(path)
-    failures = engine.read([str(path)], [(0, 0, 10 << 20, torch.empty(10 << 20, dtype=torch.uint8).data_ptr(), [])]).wait()
+    big = torch.empty(10 << 20, dtype=torch.uint8)  # kept alive: the engine writes into it
+    failures = engine.read([str(path)], [(0, 0, 10 << 20, big.data_ptr(), [])], [big]).wait()
     assert failures and failures[0][1] == "truncated"
     failures = engine.read([str(tmp_path / "missing")], [(0, 0, 10, out.data_ptr(), [])], [out]).wait()
     assert failures[0][1] == "io" and failures[0][2] == errno.ENOENT
