@@ -71,9 +71,7 @@ import json
 import logging
 import os
 import shutil
-import socket
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -97,8 +95,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter  # n
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType  # noqa: E402
 
-from bench_save_load import (  # noqa: E402
-    BLOCK, GB, GiB, MiB, check_equal, fmt, machine_info, make_big_state, median, state_bytes)
+from bench_common import fmt, init_gloo, make_scratch, median, mem_available, remove_scratch  # noqa: E402
+from bench_save_load import BLOCK, GB, GiB, MiB, check_equal, machine_info, make_big_state, state_bytes  # noqa: E402
 from dcp_datastates import DataStatesReader, DataStatesWriter  # noqa: E402
 from dcp_datastates import _engine  # noqa: E402
 
@@ -216,25 +214,6 @@ class RssSampler:
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_gloo() -> None:
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-
-
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for ln in f:
-            if ln.startswith("MemAvailable:"):
-                return int(ln.split()[1]) * 1024
-    return 0
 
 
 def remove(path: str) -> None:
@@ -573,10 +552,7 @@ def main() -> int:
         if v not in VARIANTS:
             raise SystemExit(f"unknown variant {v!r}")
     variants = [v for v in VARIANTS if v in variants]
-    base = os.path.abspath(args.dir or "bench_tmp")
-    created_base = not os.path.exists(base)
-    os.makedirs(base, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="run-", dir=base)
+    base, root, created_base = make_scratch(args.dir, "run-")
     info = machine_info(base)
     info["mem_available_start"] = mem_available()
     t_start = time.perf_counter()
@@ -663,12 +639,7 @@ def main() -> int:
             print(f"wrote {args.json}")
     finally:
         runner.close()
-        shutil.rmtree(root, ignore_errors=True)
-        if created_base:
-            try:
-                os.rmdir(base)  # only when empty
-            except OSError:
-                pass
+        remove_scratch(base, root, created_base)
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

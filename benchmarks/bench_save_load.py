@@ -46,13 +46,9 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import random
 import shutil
-import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -64,6 +60,8 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter  # noqa: E402
 
+from bench_common import fmt, make_scratch, median, remove_scratch  # noqa: E402
+from bench_common import machine_info as common_machine_info  # noqa: E402
 from dcp_datastates import DataStatesReader, DataStatesWriter  # noqa: E402
 from dcp_datastates import _engine  # noqa: E402
 from dcp_datastates.commit import fsync_dir  # noqa: E402
@@ -305,37 +303,9 @@ class Runner:
 
 
 def machine_info(root: str) -> dict:
-    info = {
-        "nproc": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "kernel": platform.release(),
-        "crc32c_backend": _engine.crc32c_backend(),
-    }
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    except OSError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            info["mem_total_kib"] = int(f.readline().split()[1])
-    except OSError:
-        pass
-    try:
-        info["df"] = subprocess.run(["df", "-h", root], capture_output=True, text=True).stdout.strip()
-        src = subprocess.run(["findmnt", "-n", "-o", "SOURCE,FSTYPE,OPTIONS", "-T", root],
-                             capture_output=True, text=True).stdout.strip()
-        info["mount"] = src
-    except OSError:
-        pass
+    info = common_machine_info(root)
+    info["crc32c_backend"] = _engine.crc32c_backend()
     return info
-
-
-def median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
 
 
 def summarize(reps: list[dict], nbytes: int) -> dict:
@@ -379,10 +349,6 @@ def ratios(summary: dict, state_name: str) -> list[dict]:
         out.append({"name": name, "ratio": r, "target": target,
                     "pass": (r >= target) if (target is not None and r is not None) else None})
     return out
-
-
-def fmt(x, spec=".2f", width=8):
-    return f"{'-' if x is None else format(x, spec):>{width}}"
 
 
 def print_state(name: str, meta: dict, summary: dict, rat: list[dict], ours_stats: list[dict], reps: int) -> None:
@@ -432,10 +398,7 @@ def main() -> int:
     big_bytes = (args.big_mib if args.big_mib else (256 if args.quick else 2048)) * MiB
     small_count = args.small_count if args.small_count else (2000 if args.quick else 20000)
     state_names = [s for s in args.states.split(",") if s]
-    base = os.path.abspath(args.dir or "bench_tmp")
-    created_base = not os.path.exists(base)
-    os.makedirs(base, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="run-", dir=base)
+    base, root, created_base = make_scratch(args.dir, "run-")
     info = machine_info(base)
     t_start = time.perf_counter()
     print(f"dcp_datastates save/load benchmark: dir={root} reps={reps} quick={args.quick}")
@@ -498,12 +461,7 @@ def main() -> int:
                 json.dump(report, f, indent=1)
             print(f"wrote {args.json}")
     finally:
-        shutil.rmtree(root, ignore_errors=True)
-        if created_base:
-            try:
-                os.rmdir(base)  # only when empty
-            except OSError:
-                pass
+        remove_scratch(base, root, created_base)
     return 0
 
 

@@ -57,12 +57,9 @@ import gc
 import json
 import logging
 import os
-import platform
 import shutil
-import socket
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from concurrent.futures import Future
@@ -83,6 +80,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter  # n
 from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType  # noqa: E402
+
+from bench_common import fmt, init_gloo, machine_info, make_scratch, median, remove_scratch  # noqa: E402
 
 try:
     import dcp_datastates  # noqa: E402
@@ -123,12 +122,6 @@ class TinyLM(nn.Module):
 # ---------------------------------------------------------------- helpers
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def tensors(tree, prefix=""):
     if isinstance(tree, torch.Tensor):
         yield prefix, tree
@@ -150,11 +143,6 @@ def zeros_tree(tree):
     return tree
 
 
-def median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
 def mean(xs):
     xs = [x for x in xs if x is not None]
     return statistics.fmean(xs) if xs else None
@@ -162,23 +150,6 @@ def mean(xs):
 
 def ms(x):
     return None if x is None else x * 1e3
-
-
-def fmt(x, spec=".2f", width=8):
-    return f"{'-' if x is None else format(x, spec):>{width}}"
-
-
-def machine_info() -> dict:
-    info = {"nproc": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "kernel": platform.release()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-        with open("/proc/loadavg") as f:
-            info["loadavg_start"] = f.read().split()[:3]
-    except OSError:
-        pass
-    return info
 
 
 # ---------------------------------------------------------------- runner
@@ -382,12 +353,8 @@ def main() -> int:
             variants.remove(v)
 
     torch.set_num_threads(args.threads)
-    if not dist.is_initialized():  # a 1-rank gloo group, as a trainer would have (and PROCESS needs)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    base = os.path.abspath(args.dir or "bench_tmp")
-    created_base = not os.path.exists(base)
-    os.makedirs(base, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="train-", dir=base)
+    init_gloo()
+    base, root, created_base = make_scratch(args.dir, "train-")
     info = machine_info()
     t_start = time.perf_counter()
     bench = Bench(args, root)
@@ -481,12 +448,7 @@ def main() -> int:
                 json.dump(report, f, indent=1, default=str)
             print(f"wrote {args.json}")
     finally:
-        shutil.rmtree(root, ignore_errors=True)
-        if created_base:
-            try:
-                os.rmdir(base)
-            except OSError:
-                pass
+        remove_scratch(base, root, created_base)
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 
 #include "crc32c.hpp"
 #include "cuda_runtime.hpp"
@@ -51,26 +52,6 @@ std::shared_ptr<const StridedLayout> StridedLayout::make(const std::vector<int64
   return out;
 }
 
-namespace {
-template <size_t N>
-void gather_fixed(uint8_t* dst, const uint8_t* base, int64_t addr, uint64_t count,
-                  std::vector<uint64_t>& idx, const StridedLayout& L) {
-  const size_t nd = L.sizes.size();
-  for (uint64_t k = 0; k < count; ++k) {
-    std::memcpy(dst, base + addr, N);
-    dst += N;
-    for (size_t d = nd; d-- > 0;) {
-      if (++idx[d] < L.sizes[d]) {
-        addr += L.strides[d];
-        break;
-      }
-      addr -= static_cast<int64_t>(L.sizes[d] - 1) * L.strides[d];
-      idx[d] = 0;
-    }
-  }
-}
-}  // namespace
-
 void StridedLayout::gather(uint8_t* dst, const uint8_t* base, uint64_t logical,
                            uint64_t len) const {
   const size_t nd = sizes.size();
@@ -82,7 +63,7 @@ void StridedLayout::gather(uint8_t* dst, const uint8_t* base, uint64_t logical,
     r /= sizes[d];
     addr += static_cast<int64_t>(idx[d]) * strides[d];
   }
-  auto step = [&] {
+  auto step = [&] {  // to the next run: odometer over the outer dimensions
     for (size_t d = nd; d-- > 0;) {
       if (++idx[d] < sizes[d]) {
         addr += strides[d];
@@ -93,15 +74,18 @@ void StridedLayout::gather(uint8_t* dst, const uint8_t* base, uint64_t logical,
     }
   };
   // Element-sized runs (a transposed matrix) get fixed-size copies the
-  // compiler inlines; the first and last runs may be partial.
-  if (within == 0 && (run == 2 || run == 4 || run == 8) && len >= run) {
-    uint64_t whole = len / run;
-    if (run == 2) gather_fixed<2>(dst, base, addr, whole, idx, *this);
-    if (run == 4) gather_fixed<4>(dst, base, addr, whole, idx, *this);
-    if (run == 8) gather_fixed<8>(dst, base, addr, whole, idx, *this);
-    uint64_t done = whole * run;
-    if (done < len) gather(dst + done, base, logical + done, len - done);
-    return;
+  // compiler inlines; otherwise (and for partial runs) a memcpy per run.
+  auto copy_whole_runs = [&](auto n) {
+    constexpr uint64_t N = decltype(n)::value;
+    for (; len >= N; len -= N, dst += N) {
+      std::memcpy(dst, base + addr, N);
+      step();
+    }
+  };
+  if (within == 0) {
+    if (run == 2) copy_whole_runs(std::integral_constant<uint64_t, 2>{});
+    if (run == 4) copy_whole_runs(std::integral_constant<uint64_t, 4>{});
+    if (run == 8) copy_whole_runs(std::integral_constant<uint64_t, 8>{});
   }
   while (len > 0) {
     uint64_t take = std::min(run - within, len);

@@ -345,7 +345,6 @@ class Checkpointer:
         self._pending = None
         t0 = time.perf_counter()
         upload.result()
-        record["previous_wait_s"] = record.get("previous_wait_s", 0.0)
         record["final_wait_s"] = time.perf_counter() - t0
         while record["durable_at"] is None:  # the done-callback runs right after result() returns
             time.sleep(0.001)

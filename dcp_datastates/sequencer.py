@@ -69,12 +69,10 @@ class SaveSequencer:
         with self._cv:
             previous, self._last_thread = self._last_thread, me
             self._settle(ticket)
-        if previous is not None and previous is not me:
-            while _inside_dcp_save(previous):
-                time.sleep(_POLL_S)
+        self.wait_idle(previous)
 
     def wait_idle(self, thread: threading.Thread | None) -> None:
-        """Block until ``thread`` has left DCP's save (used by ``close()``)."""
+        """Block until ``thread`` (another thread) has left DCP's save."""
         if thread is not None and thread is not threading.current_thread():
             while _inside_dcp_save(thread):
                 time.sleep(_POLL_S)

@@ -121,8 +121,7 @@ class Snapshot:
 
         self.staged_dict = _copy_structure(state_dict, on_tensor, "")
         offsets, self.tensor_bytes_end = place_tensors([s.nbytes for s in sources])
-        keys = list(index)
-        self.placed = {k: (offsets[i], sources[i].nbytes) for k, i in zip(keys, range(len(keys)))}
+        self.placed = {k: (offsets[i], sources[i].nbytes) for k, i in index.items()}
         regions, keep = finish_regions(list(zip(sources, offsets)))
         self.job = engine.write(
             self.data_path, regions, keep, direct_io=direct_io, preallocate=self.tensor_bytes_end
@@ -145,9 +144,7 @@ class Snapshot:
         ok = self.job.wait_staged()
         self.staged_s = time.perf_counter() - self._t_capture
         if not ok:
-            # The job's own error (file, offset, errno) is raised by write_data.
-            self.staging_error = None
-            return
+            return  # the job's own error (file, offset, errno) is raised by write_data
         changed = [name for name, t, v in self._versions if t._version != v]
         self._versions = []
         if changed:
@@ -224,7 +221,6 @@ class _StagingMonitor:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="dcp_datastates-staging", daemon=True)
                 self._thread.start()
-                self.ident = self._thread.ident
         self._q.put(snap)
 
     def _run(self) -> None:

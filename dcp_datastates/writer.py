@@ -36,7 +36,7 @@ import pickle
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -115,6 +115,20 @@ class _Save:
     replaced_files: list[str] = dataclasses.field(default_factory=list)
     written_files: list[str] = dataclasses.field(default_factory=list)  # sync: this rank's files
     ended: bool = False
+
+
+@dataclasses.dataclass
+class _RankFile:
+    """A rank's data file whose tensors are placed (and being written): what finishing it needs."""
+
+    job: Any  # the engine's WriteJob, not sealed yet
+    rank: int
+    save_id: str  # the id in the file names and the index
+    data_file: str
+    index_path: str
+    objects_base: int
+    tensor_end: int
+    tensor_spans: Callable[[], list]  # (offset, end, fqn) of every tensor, built only for an error message
 
 
 # Errors of background saves not yet raised to the caller: (writer id, path, error).
@@ -207,11 +221,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 "DataStatesWriter(path) (writers are cheap: they share the process-wide engine), or "
                 "call writer.reset(path) before dcp.async_save"
             )
-        if not self.overwrite and os.path.exists(os.path.join(self.path, METADATA_FILE)):
-            raise CheckpointExistsError(
-                f"{self.path} already holds a committed checkpoint (.metadata exists); pass "
-                f"DataStatesWriter(..., overwrite=True) to replace it"
-            )
+        if not self.overwrite:
+            _refuse_committed(self.path)
         os.makedirs(self.path, exist_ok=True)
         snap = Snapshot(self.path, _global_rank())
         try:
@@ -321,14 +332,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             save.is_coordinator = self.is_coordinator = is_coordinator
             save.rank = int(kwargs.get("rank", _global_rank()))
             os.makedirs(save.path, exist_ok=True)
-            metadata_path = os.path.join(save.path, METADATA_FILE)
-            committed = os.path.exists(metadata_path)
-            if committed and not self.overwrite:
-                raise CheckpointExistsError(
-                    f"{save.path} already holds a committed checkpoint (.metadata exists); pass "
-                    f"DataStatesWriter(..., overwrite=True) to replace it"
-                )
-            if committed and is_coordinator:
+            # Checked again here (stage() did too): an earlier save may have committed since.
+            if not self.overwrite:
+                _refuse_committed(save.path)
+            elif is_coordinator and os.path.exists(os.path.join(save.path, METADATA_FILE)):
                 save.replaced_files = _files_of_committed(save.path)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -443,11 +450,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         job = self._engine.write(data_path, regions, keep, direct_io=self.direct_io, preallocate=layout.tensor_bytes_end)
         del keep
         save.stats.submit_s = time.perf_counter() - t0
-        spans = [(loc.offset, loc.offset + loc.length, idx.fqn) for idx, loc in layout.locations.items() if not loc.is_object]
-        self._finish_rank_file(
-            save, plan, planner, job, results, layout.objects_base, layout.tensor_bytes_end,
-            info.rank, info.save_id, data_path, index_path, layout.data_file, spans, t0,
+        rank_file = _RankFile(
+            job, info.rank, info.save_id, layout.data_file, index_path, layout.objects_base, layout.tensor_bytes_end,
+            lambda: [(loc.offset, loc.offset + loc.length, idx.fqn) for idx, loc in layout.locations.items() if not loc.is_object],
         )
+        self._finish_rank_file(save, plan, planner, rank_file, results, t0)
         return results
 
     def _write_staged(self, save: _Save, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
@@ -466,22 +473,23 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 raise CheckpointError(f"{item.index.fqn!r} is in the final plan but was not in the local plan")
             loc = ItemLocation(snap.data_file, placed[0], placed[1], -1)
             results.append(WriteResult(index=item.index, size_in_bytes=placed[1], storage_data=loc))
-        spans = [(off, off + n, fqn) for (fqn, _), (off, n) in save.tensor_locations.items()]
-        self._finish_rank_file(
-            save, plan, planner, snap.job, results, snap.objects_base, snap.tensor_bytes_end,
-            save.rank, snap.save_id, snap.data_path, snap.index_path, snap.data_file, spans, t0,
+        locations = save.tensor_locations
+        rank_file = _RankFile(
+            snap.job, save.rank, snap.save_id, snap.data_file, snap.index_path, snap.objects_base, snap.tensor_bytes_end,
+            lambda: [(off, off + n, fqn) for (fqn, _), (off, n) in locations.items()],
         )
+        self._finish_rank_file(save, plan, planner, rank_file, results, t0)
         return results
 
     def _finish_rank_file(
-        self, save, plan, planner, job, results, objects_base, tensor_end, rank, file_sid,
-        data_path, index_path, data_file, spans, t0,
+        self, save: _Save, plan: SavePlan, planner: SavePlanner, rank_file: _RankFile, results: list, t0: float
     ) -> None:
         """Append the objects, overlap the metadata, wait for the data, write the index."""
         stats = save.stats
+        job = rank_file.job
         t1 = time.perf_counter()
         objects, object_table = [], []
-        offset = objects_base
+        offset = rank_file.objects_base
         for item in plan.items:
             if item.type != WriteItemType.BYTE_IO:
                 continue
@@ -490,7 +498,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             results.append(
                 WriteResult(
                     index=item.index, size_in_bytes=len(blob),
-                    storage_data=ItemLocation(data_file, -1, -1, len(object_table)),
+                    storage_data=ItemLocation(rank_file.data_file, -1, -1, len(object_table)),
                 )
             )
             object_table.append((offset, len(blob)))
@@ -509,12 +517,15 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         try:
             segments = job.wait()
         except OSError as exc:
-            raise _with_key_context(exc, spans) from exc
+            raise _with_key_context(exc, rank_file.tensor_spans()) from exc
         t3 = time.perf_counter()
         stats.data_write_s = t3 - t0
         stats.direct_io = job.direct
+        tensor_end = rank_file.tensor_end
         data_size = align_up(max(offset, tensor_end), PAGE) if (tensor_end or objects) else 0
-        write_new_file_durably(index_path, encode_index(rank, file_sid, data_size, segments, object_table))
+        write_new_file_durably(
+            rank_file.index_path, encode_index(rank_file.rank, rank_file.save_id, data_size, segments, object_table)
+        )
         stats.index_s = time.perf_counter() - t3
         stats.bytes_written = data_size
 
@@ -544,7 +555,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         save = _Save(path=path, save_id=new_save_id(), thread=me, snapshot=snap, stats=stats, writer_id=id(self))
         self._save = save
         if snap is not None:
-            stats.stage_call_s = getattr(snap, "stage_call_s", 0.0)
+            stats.stage_call_s = snap.stage_call_s
             stats.staged_s = snap.staged_s
         with self._failing(save):
             if path is None:
@@ -614,6 +625,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if save.metadata_tmp is not None:
             remove_if_present([save.metadata_tmp])
             save.metadata_tmp = None
+
+
+def _refuse_committed(path: str) -> None:
+    if os.path.exists(os.path.join(path, METADATA_FILE)):
+        raise CheckpointExistsError(
+            f"{path} already holds a committed checkpoint (.metadata exists); pass "
+            f"DataStatesWriter(..., overwrite=True) to replace it"
+        )
 
 
 def _clean_up(save: _Save) -> None:

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 import dcp_datastates
 from dcp_datastates import CheckpointError, CheckpointExistsError, DataStatesWriter, SnapshotMutatedError
 
-from conftest import assert_same, data_files, load, raises_from_checkpoint, unwrap
+from conftest import assert_same, data_files, load, raises_from_checkpoint
 
 MiB = 1 << 20
 SMALL_CACHE = dict(host_cache_bytes=4 * MiB, window_bytes=1 * MiB)  # 4 windows: back-pressure

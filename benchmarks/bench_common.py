@@ -1,0 +1,97 @@
+"""Helpers shared by the benchmark scripts: scratch directories, statistics, machine facts.
+
+Imports neither dcp_datastates nor DCP, so every script can use it even
+when the package under test fails to import.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+
+
+def make_scratch(directory: str | None, prefix: str) -> tuple[str, str, bool]:
+    """A fresh ``prefix*`` directory inside ``directory`` (default ``./bench_tmp``).
+
+    Returns ``(base, root, created_base)``; pass them to :func:`remove_scratch`.
+    """
+    base = os.path.abspath(directory or "bench_tmp")
+    created_base = not os.path.exists(base)
+    os.makedirs(base, exist_ok=True)
+    return base, tempfile.mkdtemp(prefix=prefix, dir=base), created_base
+
+
+def remove_scratch(base: str, root: str, created_base: bool) -> None:
+    """Remove ``root``, and ``base`` too when this run created it and it is empty."""
+    shutil.rmtree(root, ignore_errors=True)
+    if created_base:
+        try:
+            os.rmdir(base)  # only when empty
+        except OSError:
+            pass
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def fmt(x, spec=".2f", width=8):
+    return f"{'-' if x is None else format(x, spec):>{width}}"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo() -> None:
+    """A 1-rank gloo group, as a trainer would have (DCP's PROCESS executor needs one)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for ln in f:
+            if ln.startswith("MemAvailable:"):
+                return int(ln.split()[1]) * 1024
+    return 0
+
+
+def machine_info(root: str | None = None) -> dict:
+    """CPU, memory, torch and (given ``root``) the filesystem the benchmark writes to."""
+    import torch
+
+    info = {
+        "nproc": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "kernel": platform.release(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+        with open("/proc/meminfo") as f:
+            info["mem_total_kib"] = int(f.readline().split()[1])
+        with open("/proc/loadavg") as f:
+            info["loadavg_start"] = f.read().split()[:3]
+    except OSError:
+        pass
+    if root is not None:
+        try:
+            info["df"] = subprocess.run(["df", "-h", root], capture_output=True, text=True).stdout.strip()
+            info["mount"] = subprocess.run(["findmnt", "-n", "-o", "SOURCE,FSTYPE,OPTIONS", "-T", root],
+                                           capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
+    return info
