@@ -11,6 +11,7 @@
 #include "cuda_runtime.hpp"
 #include "disk_probe.hpp"
 #include "engine.hpp"
+#include "fault_injection.hpp"
 
 namespace py = pybind11;
 using namespace dcpds;
@@ -293,5 +294,37 @@ PYBIND11_MODULE(_engine, m) {
         drop_page_cache(path);
       },
       py::arg("path"));
+  // Fault injection, for the reliability tests only (see dcp_datastates._faults).
+  m.def(
+      "_fault_add",
+      [](int op, const std::string& path_part, uint64_t offset, int action, int err, int64_t skip,
+         int64_t times) {
+        if (op < 0 || op > 3) throw std::invalid_argument("fault op must be 0..3");
+        if (action < 0 || action > 2) throw std::invalid_argument("fault action must be 0..2");
+        FaultRule r;
+        r.op = static_cast<FaultOp>(op);
+        r.path_part = path_part;
+        r.offset = offset;
+        r.action = static_cast<FaultAction>(action);
+        r.err = err;
+        r.skip = skip;
+        r.times = times;
+        faults::add(std::move(r));
+      },
+      py::arg("op"), py::arg("path_part"), py::arg("offset"), py::arg("action"), py::arg("err"),
+      py::arg("skip"), py::arg("times"));
+  m.def("_fault_clear", &faults::clear);
+  m.def("_fault_fired", &faults::fired, py::arg("rule_index"));
+  m.def("_faults_armed", []() { return faults::g_armed.load(); });
+  m.def(
+      "_fault_point",
+      [](int op, const std::string& path, uint64_t offset, uint64_t nbytes) -> uint64_t {
+        if (op == static_cast<int>(FaultOp::kWrite) || op == static_cast<int>(FaultOp::kRead))
+          return faults::limit_transfer(static_cast<FaultOp>(op), path, offset, nbytes);
+        faults::check_call(static_cast<FaultOp>(op), path);
+        return nbytes;
+      },
+      py::arg("op"), py::arg("path"), py::arg("offset") = 0, py::arg("nbytes") = 0,
+      "Python-side I/O (index, metadata, renames) passes through the same fault rules.");
   m.attr("ALIGNMENT") = kAlign;
 }

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <sstream>
 
+#include "fault_injection.hpp"
+
 namespace dcpds {
 
 std::string describe_errno(const std::string& op, int err, int64_t offset, uint64_t nbytes) {
@@ -53,7 +55,8 @@ void Fd::pwrite_all(const void* buf, uint64_t len, uint64_t offset) const {
   const char* p = static_cast<const char*>(buf);
   uint64_t done = 0;
   while (done < len) {
-    ssize_t n = ::pwrite(fd_, p + done, len - done, static_cast<off_t>(offset + done));
+    const uint64_t want = faults::limit_transfer(FaultOp::kWrite, path_, offset + done, len - done);
+    ssize_t n = ::pwrite(fd_, p + done, want, static_cast<off_t>(offset + done));
     if (n < 0) {
       if (errno == EINTR) continue;
       int err = errno;
@@ -72,7 +75,8 @@ uint64_t Fd::pread_some(void* buf, uint64_t len, uint64_t offset) const {
   char* p = static_cast<char*>(buf);
   uint64_t done = 0;
   while (done < len) {
-    ssize_t n = ::pread(fd_, p + done, len - done, static_cast<off_t>(offset + done));
+    const uint64_t want = faults::limit_transfer(FaultOp::kRead, path_, offset + done, len - done);
+    ssize_t n = ::pread(fd_, p + done, want, static_cast<off_t>(offset + done));
     if (n < 0) {
       if (errno == EINTR) continue;
       int err = errno;
@@ -86,6 +90,7 @@ uint64_t Fd::pread_some(void* buf, uint64_t len, uint64_t offset) const {
 }
 
 void Fd::fsync() const {
+  faults::check_call(FaultOp::kFsync, path_);
   int rc;
   do {
     rc = ::fsync(fd_);

@@ -17,6 +17,20 @@ from dcp_datastates import DataStatesReader, DataStatesWriter
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Skip ``slow``-marked cases unless they were selected with ``-m slow``.
+
+    CI runs ``pytest -q tests``: the short versions of the reliability cases.
+    The long versions (docs/reliability.md) run with ``pytest -m slow tests``.
+    """
+    if "slow" in (config.getoption("markexpr", "") or ""):
+        return
+    skip = pytest.mark.skip(reason="long version: select it with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def save(state, path, **writer_kwargs):
     writer = DataStatesWriter(path, **writer_kwargs)
     dcp.save(state, storage_writer=writer, no_dist=True)

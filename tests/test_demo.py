@@ -48,9 +48,7 @@ def test_demo_crash_and_resume_on_fewer_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_resume_on_same_world_size_is_bit_exact(tmp_path, request):
-    if "slow" not in (request.config.getoption("markexpr", "") or ""):
-        pytest.skip("a second end-to-end run: select it with -m slow")
+def test_demo_resume_on_same_world_size_is_bit_exact(tmp_path):
     proc = _run_demo(tmp_path, "--resume-procs", "2", "--keep")
     assert proc.returncode == 0
     summary = _summary(proc.stdout)

@@ -1,0 +1,114 @@
+#include "fault_injection.hpp"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <mutex>
+#include <vector>
+
+#include "io_error.hpp"
+
+namespace dcpds {
+namespace faults {
+
+std::atomic<bool> g_armed{false};
+
+namespace {
+
+std::mutex g_mu;
+std::vector<FaultRule> g_rules;
+
+const char* op_name(FaultOp op) {
+  switch (op) {
+    case FaultOp::kWrite: return "write";
+    case FaultOp::kRead: return "read";
+    case FaultOp::kFsync: return "fsync";
+    case FaultOp::kRename: return "rename";
+  }
+  return "?";
+}
+
+// Claims one firing of a matching rule; returns its index or -1.
+int claim(FaultOp op, const std::string& path, bool ranged, uint64_t offset, uint64_t len) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  for (size_t i = 0; i < g_rules.size(); ++i) {
+    FaultRule& r = g_rules[i];
+    if (r.op != op || path.find(r.path_part) == std::string::npos) continue;
+    if (ranged && !(r.offset < offset + len)) continue;  // not reached yet
+    if (r.times >= 0 && r.fired >= r.times) continue;
+    if (r.skip > 0) {
+      --r.skip;
+      continue;
+    }
+    ++r.fired;
+    return static_cast<int>(i);
+  }
+  return -1;
+}
+
+[[noreturn]] void die() {
+  ::kill(::getpid(), SIGKILL);
+  for (;;) ::pause();
+}
+
+}  // namespace
+
+void add(FaultRule rule) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_rules.push_back(std::move(rule));
+  g_armed.store(true);
+}
+
+void clear() {
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_rules.clear();
+  g_armed.store(false);
+}
+
+int64_t fired(size_t rule_index) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  return rule_index < g_rules.size() ? g_rules[rule_index].fired : -1;
+}
+
+uint64_t before_transfer(FaultOp op, const std::string& path, uint64_t offset, uint64_t len) {
+  int i = claim(op, path, true, offset, len);
+  if (i < 0) return len;
+  FaultRule r;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    r = g_rules[static_cast<size_t>(i)];
+  }
+  const uint64_t before = r.offset > offset ? r.offset - offset : 0;
+  if (r.action == FaultAction::kShort) {
+    uint64_t n = before > 0 ? before : len / 2;
+    n = n / 4096 * 4096;
+    if (n == 0 || n >= len) n = len > 4096 ? 4096 : len;
+    return n;
+  }
+  if (before > 0) {
+    // Let the bytes before the fault through first; the rule stays armed for
+    // the next call, which starts at the fault's offset.
+    std::lock_guard<std::mutex> lk(g_mu);
+    --g_rules[static_cast<size_t>(i)].fired;
+    return before;
+  }
+  if (r.action == FaultAction::kKill) die();
+  throw IoError(r.err, path, static_cast<int64_t>(offset),
+                describe_errno(std::string(op_name(op)) + " (injected fault)", r.err,
+                               static_cast<int64_t>(offset), len));
+}
+
+void before_call(FaultOp op, const std::string& path) {
+  int i = claim(op, path, false, 0, 0);
+  if (i < 0) return;
+  FaultRule r;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    r = g_rules[static_cast<size_t>(i)];
+  }
+  if (r.action == FaultAction::kKill) die();
+  throw IoError(r.err, path, -1, describe_errno(std::string(op_name(op)) + " (injected fault)", r.err, -1, 0));
+}
+
+}  // namespace faults
+}  // namespace dcpds
