@@ -10,6 +10,9 @@
     # only while the snapshot is still copying
     dcp_datastates.install_fence(optimizer)
     resp = dcp.async_save(state, storage_writer=DataStatesWriter(path))
+
+    # every checksum of a checkpoint, every problem listed
+    print(dcp_datastates.verify(path))
 """
 
 try:
@@ -28,11 +31,13 @@ from .errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     SnapshotMutatedError,
+    UnsafeCheckpointError,
     UnsupportedFormatError,
 )
 from .fence import install_fence, snapshots_in_flight, wait_for_snapshots
 from .planner import DataStatesSavePlanner
 from .reader import DataStatesReader
+from .verify import VerifyReport, verify
 from .writer import DataStatesWriter, SaveStats
 
 __version__ = "0.1.0"
@@ -52,5 +57,8 @@ __all__ = [
     "install_fence",
     "snapshots_in_flight",
     "wait_for_snapshots",
+    "UnsafeCheckpointError",
     "UnsupportedFormatError",
+    "VerifyReport",
+    "verify",
 ]

@@ -49,3 +49,13 @@ class SnapshotMutatedError(CheckpointError, RuntimeError):
     staging future (or install the fence, :func:`dcp_datastates.install_fence`)
     before the optimizer step.
     """
+
+
+class UnsafeCheckpointError(CheckpointError, ValueError):
+    """Loading would unpickle something that could run code, and that was not allowed.
+
+    Raised for a ``.metadata`` that names classes outside DCP's metadata types,
+    and for saved Python objects that need more than plain data types
+    (``torch.load(..., weights_only=True)``), unless the reader was created
+    with ``allow_pickle=True`` (only for checkpoints you trust).
+    """

@@ -2,7 +2,7 @@
 
 A checkpoint is one directory::
 
-    .metadata                      DCP Metadata (pickle), written last, atomically
+    .metadata                      DCP Metadata (pickle + checksum trailer), written last, atomically
     rank00000-<sid>.data           raw bytes of rank 0's items at planned offsets
     rank00000-<sid>.index          rank 0's checksums and object table (binary)
     ...                            one .data/.index pair per rank
@@ -32,7 +32,8 @@ The rank index is a fixed little-endian layout (no pickle)::
     end 4  crc32c of every preceding byte (u32)
 
 Segments cover every stored byte: each item is split at the engine's write
-windows, and the reader verifies every segment that a read fully covers.
+windows. A read is widened to whole segments and must be tiled by them
+exactly, so every byte handed to the caller has been verified.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from .errors import CorruptCheckpointError, UnsupportedFormatError
 
 FORMAT_NAME = "dcp_datastates"
 # 2: RankFiles may carry their own save id (files named by an asynchronous snapshot).
-FORMAT_VERSION = 2
+# 3: .metadata ends with a checksum trailer (see metadata_file.py).
+FORMAT_VERSION = 3
 METADATA_FILE = ".metadata"
 
 INDEX_MAGIC = b"DCPDSIDX"
@@ -172,6 +174,43 @@ class CheckpointLayout:
                 f"reads versions 1 to {FORMAT_VERSION}. Upgrade dcp_datastates to load it."
             )
         check_save_id(self.save_id)
+        self._validate_structure(where)
+
+    def _validate_structure(self, where: str) -> None:
+        """Types and names a well-formed layout has: nothing later trips on a hostile edit.
+
+        File names must be our plain rank-file names (no directories: a
+        checkpoint never makes the reader open a file outside itself).
+        """
+
+        def bad(why: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"{where}: the storage layout is corrupt: {why}")
+
+        if not isinstance(self.ranks, list) or not isinstance(self.entries, list):
+            raise bad("its rank list or item list is not a list")
+        ranks = set()
+        for r in self.ranks:
+            if not isinstance(r, RankFiles) or not isinstance(r.rank, int) or r.rank < 0:
+                raise bad(f"rank entry {r!r}")
+            for name, kind in ((r.data_file, "data"), (r.index_file, "index")):
+                m = DATA_FILE_RE.match(name) if isinstance(name, str) else None
+                if m is None or m.group(3) != kind or int(m.group(1)) != r.rank:
+                    raise bad(f"rank {r.rank}'s {kind} file name {name!r} is not a rank file name")
+            if r.rank in ranks:
+                raise bad(f"rank {r.rank} is listed twice")
+            ranks.add(r.rank)
+        for e in self.entries:
+            if not (isinstance(e, tuple) and len(e) == 6 and isinstance(e[0], str)):
+                raise bad(f"item entry {e!r:.200}")
+            fqn, off, rank, offset, length, ordinal = e
+            if off is not None and not (isinstance(off, tuple) and all(isinstance(x, int) for x in off)):
+                raise bad(f"{fqn!r} has chunk offsets {off!r:.100}")
+            if not all(isinstance(x, int) for x in (rank, offset, length, ordinal)):
+                raise bad(f"{fqn!r} has a non-integer location")
+            if ordinal >= 0:
+                continue
+            if offset < 0 or length < 0:
+                raise bad(f"{fqn!r} is stored at offset {offset} with length {length}")
 
 
 @dataclasses.dataclass
@@ -210,6 +249,26 @@ class RankIndex:
             out.append((offs[i] - start, lens[i], crcs[i]))
             i += 1
         return out
+
+    def checks_tiling(self, start: int, length: int, path: str, key: str) -> list[tuple[int, int, int]]:
+        """The segments of ``[start, start+length)``, which must tile it exactly.
+
+        Every stored byte is covered by a segment, so a gap means the index
+        (or the metadata's offsets) was damaged or edited: without this check
+        such bytes would reach the caller unverified.
+        """
+        checks = self.checks_within(start, length)
+        pos = 0
+        for rel, n, _ in checks:
+            if rel != pos:
+                break
+            pos += n
+        if pos != length:
+            raise CorruptCheckpointError(
+                f"{path}: bytes {start + pos}..{start + length} of {key!r} are not covered by the "
+                "rank index's checksums (the index or the metadata is damaged)"
+            )
+        return checks
 
 
 def encode_index(

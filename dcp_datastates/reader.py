@@ -17,7 +17,6 @@ import ctypes
 import io
 import math
 import os
-import pickle
 from typing import Any, Callable
 
 import torch
@@ -35,6 +34,8 @@ from .errors import (
     UnsupportedFormatError,
 )
 from .format import DATA_FILE_RE, METADATA_FILE, CheckpointLayout, RankIndex, decode_index
+from .metadata_file import decode_metadata
+from .safe_objects import check_object_is_plain
 
 TEMP_BUDGET_BYTES = 512 << 20  # temporaries alive at once while reading non-direct items
 
@@ -44,7 +45,15 @@ class DataStatesReader(StorageReader):
 
     Args:
         path: checkpoint directory (or pass ``checkpoint_id`` to ``dcp.load``).
-        verify: verify the CRC32C of every checksum segment a read fully covers.
+        verify: verify the CRC32C of every byte read (reads are widened to whole
+            checksum segments; a byte no checksum covers is an error).
+        allow_pickle: unpickle anything the checkpoint holds. By default (safe
+            mode) ``.metadata`` is read by an unpickler that admits only DCP's
+            metadata types, and saved Python objects must load with
+            ``torch.load(weights_only=True)`` (plain data and tensors), so a
+            checkpoint from someone else cannot run code; anything else raises
+            :class:`UnsafeCheckpointError` naming the key. Pass ``True`` only
+            for checkpoints you trust.
         io_threads: engine threads reading (and verifying) in parallel.
         window_bytes: the largest single read; also the write window size.
     """
@@ -54,12 +63,14 @@ class DataStatesReader(StorageReader):
         path: str | os.PathLike | None = None,
         *,
         verify: bool = True,
+        allow_pickle: bool = False,
         io_threads: int = _native.DEFAULT_READ_THREADS,
         window_bytes: int = _native.DEFAULT_WINDOW_BYTES,
     ) -> None:
         super().__init__()
         self.path = os.fspath(path) if path is not None else None
         self.verify = verify
+        self.allow_pickle = allow_pickle
         # Reads go straight into destinations: the engine's pool is not used,
         # so the reader's engine gets the smallest one (two windows).
         self._engine = _native.get_engine(2 * window_bytes, io_threads, window_bytes)
@@ -97,13 +108,7 @@ class DataStatesReader(StorageReader):
                 blob = f.read()
         except FileNotFoundError:
             raise self._missing_checkpoint_error() from None
-        try:
-            with _native.gc_paused():
-                metadata = pickle.loads(blob)
-        except Exception as exc:
-            raise CorruptCheckpointError(f"{md_path} cannot be decoded: {exc}") from exc
-        if not isinstance(metadata, Metadata):
-            raise CorruptCheckpointError(f"{md_path} holds a {type(metadata).__name__}, not DCP Metadata")
+        metadata, checksummed = decode_metadata(blob, md_path, self.allow_pickle)
         layout = metadata.storage_data
         if not isinstance(layout, CheckpointLayout):
             raise UnsupportedFormatError(
@@ -111,6 +116,11 @@ class DataStatesReader(StorageReader):
                 f"{type(layout).__name__}); load it with torch.distributed.checkpoint.FileSystemReader"
             )
         layout.validate(md_path)
+        if layout.version >= 3 and not checksummed:
+            raise CorruptCheckpointError(
+                f"{md_path} is corrupt: format version {layout.version} ends with a checksum trailer, "
+                "and this file has none (truncated or edited?)"
+            )
         self._metadata, self._layout = metadata, layout
         return metadata
 
@@ -253,7 +263,10 @@ class _ReadBatch:
         return self.files[relative_path]
 
     def _request(self, key: str, relative_path: str, offset: int, nbytes: int, pointer: int, idx: RankIndex) -> None:
-        checks = idx.checks_within(offset, nbytes) if self.reader.verify else []
+        if self.reader.verify:
+            checks = idx.checks_tiling(offset, nbytes, os.path.join(self.reader.path, relative_path), key)
+        else:
+            checks = []
         self.requests.append((self._file(relative_path), offset, nbytes, pointer, checks))
         self.keys.append(key)
 
@@ -277,7 +290,15 @@ class _ReadBatch:
             if nbytes:
                 self._request(key, loc.relative_path, offset, nbytes, _buffer_address(buf), idx)
                 self.keep.append(buf)
-            self.after.append(lambda: planner.load_bytes(item, io.BytesIO(buf)))
+            allow = reader.allow_pickle
+            where = os.path.join(reader.path, loc.relative_path)
+
+            def load_object() -> None:
+                if not allow:
+                    check_object_is_plain(buf, key, where)
+                planner.load_bytes(item, io.BytesIO(buf))
+
+            self.after.append(load_object)
             return
 
         dtype, sizes = reader.chunk_sizes(item.storage_index)

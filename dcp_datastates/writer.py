@@ -32,7 +32,6 @@ import bisect
 import collections
 import dataclasses
 import os
-import pickle
 import threading
 import time
 from collections.abc import Mapping
@@ -50,6 +49,7 @@ from . import snapshot as snapshots
 from .commit import fsync_dir, publish, remove_if_present, write_new_file_durably
 from .errors import CheckpointError, CheckpointExistsError
 from .format import METADATA_FILE, CheckpointLayout, ItemLocation, encode_index, location_key, metadata_tmp_name
+from .metadata_file import decode_metadata, encode_metadata
 from .layout import (
     PAGE,
     SMALL_ALIGN,
@@ -603,7 +603,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         metadata.storage_meta = StorageMeta(checkpoint_id=save.path, save_id=layout.save_id)
         if CURRENT_DCP_VERSION is not None:
             metadata.version = CURRENT_DCP_VERSION
-        blob = pickle.dumps(metadata)
+        blob = encode_metadata(metadata)
         tmp = os.path.join(save.path, metadata_tmp_name(layout.save_id))
         write_new_file_durably(tmp, blob)
         save.metadata_tmp = tmp
@@ -680,9 +680,10 @@ def _snapshot_locations(snap: Snapshot, plan: SavePlan) -> dict:
 
 def _files_of_committed(path: str) -> list[str]:
     """Our rank files named by the committed checkpoint in ``path`` (to remove once replaced)."""
+    md_path = os.path.join(path, METADATA_FILE)
     try:
-        with open(os.path.join(path, METADATA_FILE), "rb") as f:
-            metadata = pickle.load(f)
+        with open(md_path, "rb") as f:
+            metadata, _ = decode_metadata(f.read(), md_path)  # safe mode: never runs code
     except Exception:  # noqa: BLE001 - not ours or unreadable: remove nothing
         return []
     layout = getattr(metadata, "storage_data", None)

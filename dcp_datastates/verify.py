@@ -1,0 +1,245 @@
+"""``dcp_datastates.verify(path)``: check every checksum of a checkpoint, report what is wrong.
+
+A load verifies only the bytes it reads; ``verify`` reads them all. It checks,
+and reports every problem it finds rather than stopping at the first:
+
+* the checkpoint is committed (``.metadata`` present) and its metadata is
+  intact (checksum trailer, safe unpickling, a well-formed layout);
+* every item the metadata lists has a stored location of the right size;
+* every rank's index is intact and belongs to this checkpoint, and its data
+  file exists and is long enough;
+* every item's bytes are tiled by checksum segments, and every segment's
+  CRC32C matches the bytes on disk (read in parallel by the engine, through
+  a bounded buffer).
+
+Files in the directory that the checkpoint does not name (rank files of an
+interrupted save, a leftover ``.metadata.<id>.tmp``) are listed as notes:
+they are harmless to the checkpoint and safe to delete.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import os
+from typing import Callable
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+from . import _native
+from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from .format import DATA_FILE_RE, METADATA_FILE, RankIndex
+from .reader import DataStatesReader
+
+VERIFY_BUFFER_BYTES = 64 << 20  # bytes read (and checked) per engine job
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    """What :func:`verify` found. ``ok`` means committed and not a single problem."""
+
+    path: str
+    committed: bool = False
+    problems: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    ranks: int = 0
+    items: int = 0
+    segments_checked: int = 0
+    bytes_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.committed and not self.problems
+
+    def raise_if_bad(self) -> None:
+        """Raise the error a load would raise (incomplete, or corrupt with every problem listed)."""
+        if self.ok:
+            return
+        if not self.committed:
+            raise IncompleteCheckpointError(self.problems[0] if self.problems else f"{self.path} is not committed")
+        listed = "\n  ".join(self.problems[:20])
+        more = f"\n  ... and {len(self.problems) - 20} more" if len(self.problems) > 20 else ""
+        raise CorruptCheckpointError(f"{self.path} failed verification ({len(self.problems)} problems):\n  {listed}{more}")
+
+    def summary(self) -> str:
+        head = "OK" if self.ok else ("NOT COMMITTED" if not self.committed else "CORRUPT")
+        lines = [
+            f"{head}: {self.path}: {self.ranks} rank file(s), {self.items} item(s), "
+            f"{self.segments_checked} checksum segment(s) over {self.bytes_checked} bytes verified"
+        ]
+        lines += [f"  problem: {p}" for p in self.problems]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    __str__ = summary
+
+
+def verify(
+    path: str | os.PathLike,
+    *,
+    allow_pickle: bool = False,
+    io_threads: int = _native.DEFAULT_READ_THREADS,
+    progress: Callable[[int, int], None] | None = None,
+) -> VerifyReport:
+    """Verify the checkpoint at ``path`` and return a :class:`VerifyReport`.
+
+    Never raises for a damaged checkpoint (call ``report.raise_if_bad()`` for
+    that); ``progress(bytes_done, bytes_total)`` is called as data is checked.
+    """
+    path = os.fspath(path)
+    report = VerifyReport(path)
+    reader = DataStatesReader(path, allow_pickle=allow_pickle, io_threads=io_threads)
+    try:
+        metadata = reader.read_metadata()
+    except IncompleteCheckpointError as exc:
+        report.problems.append(str(exc))
+        return report
+    except CheckpointError as exc:
+        report.committed = os.path.isfile(os.path.join(path, METADATA_FILE))
+        report.problems.append(str(exc))
+        return report
+    report.committed = True
+    layout = reader._layout
+    _check_items(reader, metadata, report)
+
+    # Each rank's index, then every segment of its data file.
+    indexes: dict[str, RankIndex] = {}
+    for files in layout.ranks:
+        try:
+            indexes[files.data_file] = reader.rank_index(files.data_file)
+        except CheckpointError as exc:
+            report.problems.append(str(exc))
+    report.ranks = len(layout.ranks)
+    spans = _spans_by_file(layout, indexes)
+    for rel, idx in indexes.items():
+        _check_tiling(path, rel, idx, spans.get(rel, []), report)
+    total = sum(sum(idx.seg_lengths) for idx in indexes.values())
+    done = 0
+    for rel, idx in indexes.items():
+        done = _check_segments(reader, rel, idx, spans.get(rel, []), report, done, total, progress)
+    _note_strays(path, layout, report)
+    return report
+
+
+def _check_items(reader: DataStatesReader, metadata, report: VerifyReport) -> None:
+    """Every item the metadata lists has a stored location of its size."""
+    layout = reader._layout
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            report.items += 1
+            loc = layout.location(MetadataIndex(fqn))
+            if loc is None or not loc.is_object:
+                report.problems.append(f"{reader.path}: object {fqn!r} has no stored location")
+            continue
+        itemsize = md.properties.dtype.itemsize if isinstance(md.properties.dtype, torch.dtype) else 0
+        for chunk in md.chunks:
+            report.items += 1
+            loc = layout.location(MetadataIndex(fqn, chunk.offsets))
+            where = f"{fqn!r} (chunk at {tuple(chunk.offsets)})"
+            if loc is None:
+                report.problems.append(f"{reader.path}: {where} has no stored location")
+            elif loc.is_object or loc.length != math.prod(chunk.sizes) * itemsize:
+                report.problems.append(
+                    f"{reader.path}: {where} has {loc.length} stored bytes for a "
+                    f"{md.properties.dtype} chunk of shape {tuple(chunk.sizes)}"
+                )
+
+
+def _spans_by_file(layout, indexes: dict[str, RankIndex]) -> dict[str, list[tuple[int, int, str]]]:
+    """(start, end, key) of every stored item, per data file, sorted: maps offsets to keys."""
+    files = {r.rank: r.data_file for r in layout.ranks}
+    out: dict[str, list[tuple[int, int, str]]] = {}
+    for fqn, _off, rank, offset, length, ordinal in layout.entries:
+        rel = files.get(rank)
+        if rel is None:
+            continue
+        if ordinal >= 0:
+            idx = indexes.get(rel)
+            if idx is None or ordinal >= len(idx.objects):
+                continue
+            offset, length = idx.objects[ordinal]
+        out.setdefault(rel, []).append((offset, offset + length, fqn))
+    for spans in out.values():
+        spans.sort()
+    return out
+
+
+def _check_tiling(path: str, rel: str, idx: RankIndex, spans, report: VerifyReport) -> None:
+    where = os.path.join(path, rel)
+    for start, end, key in spans:
+        try:
+            idx.checks_tiling(start, end - start, where, key)
+        except CorruptCheckpointError as exc:
+            report.problems.append(str(exc))
+    for ordinal, (offset, length) in enumerate(idx.objects):
+        if offset + length > idx.data_size:
+            report.problems.append(f"{where}: object {ordinal} lies past the end of the data")
+
+
+def _key_at(spans, offset: int) -> str | None:
+    i = bisect.bisect_right(spans, (offset, float("inf"), "")) - 1
+    if i >= 0 and spans[i][0] <= offset < spans[i][1]:
+        return spans[i][2]
+    return None
+
+
+def _batches(segs, cap: int):
+    """Group segments into reads: runs of adjacent segments, at most ``cap`` bytes per batch."""
+    batch, used, run = [], 0, None
+    for o, n, crc in segs:
+        if used and used + n > cap:
+            yield batch, used
+            batch, used, run = [], 0, None
+        if run is not None and o == run[0] + run[1]:
+            run[2].append((run[1], n, crc))
+            run[1] += n
+        else:
+            run = [o, n, [(0, n, crc)]]
+            batch.append(run)
+        used += n
+    if batch:
+        yield batch, used
+
+
+def _check_segments(reader, rel, idx: RankIndex, spans, report, done, total, progress) -> int:
+    """Read every segment of one data file through a bounded buffer and verify its CRC."""
+    path = os.path.join(reader.path, rel)
+    segs = list(zip(idx.seg_offsets, idx.seg_lengths, idx.seg_crcs))
+    largest = max(idx.seg_lengths, default=0)
+    buf = torch.empty(max(min(VERIFY_BUFFER_BYTES, sum(idx.seg_lengths)), largest), dtype=torch.uint8)
+    for batch, used in _batches(segs, buf.numel()):
+        requests, pos = [], 0
+        for start, n, checks in batch:
+            requests.append((0, start, n, buf.data_ptr() + pos, checks))
+            pos += n
+            report.segments_checked += len(checks)
+        failures = reader._engine.read([path], requests, [buf]).wait()
+        _report_failures(failures, [r[1] for r in requests], spans, report)
+        report.bytes_checked += used
+        done += used
+        if progress is not None:
+            progress(done, total)
+    return done
+
+
+def _report_failures(failures, starts, spans, report: VerifyReport) -> None:
+    for request, kind, errno, fpath, offset, message in failures:
+        key = _key_at(spans, offset if offset >= 0 else starts[request])
+        what = f" in {key!r}" if key else ""
+        if kind == "checksum":
+            report.problems.append(f"{fpath}{what}: {message}")
+        elif kind == "truncated":
+            report.problems.append(f"{fpath}{what}: the data file is truncated: {message}")
+        else:
+            report.problems.append(f"{fpath}{what}: read failed: {message}")
+
+
+def _note_strays(path: str, layout, report: VerifyReport) -> None:
+    named = {name for r in layout.ranks for name in (r.data_file, r.index_file)}
+    for name in sorted(os.listdir(path)):
+        if DATA_FILE_RE.match(name) and name not in named:
+            report.notes.append(f"{name} is not part of this checkpoint (left by an interrupted or failed save; safe to delete)")
+        elif name.startswith(METADATA_FILE + ".") and name.endswith(".tmp"):
+            report.notes.append(f"{name} is a leftover temporary of an interrupted commit (safe to delete)")
