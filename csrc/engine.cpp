@@ -205,6 +205,10 @@ void WriteJob::finalize() {
       fail(e);
     }
   }
+  // A failed job gives its descriptors back now, not when the last Python
+  // reference to it goes (an error kept in a traceback would hold them open).
+  fd_ = Fd();
+  buffered_fd_ = Fd();
   std::lock_guard<std::mutex> lk(mu_);
   std::sort(segments_.begin(), segments_.end(),
             [](const Segment& a, const Segment& b) { return a.offset < b.offset; });

@@ -34,7 +34,8 @@ int claim(FaultOp op, const std::string& path, bool ranged, uint64_t offset, uin
   for (size_t i = 0; i < g_rules.size(); ++i) {
     FaultRule& r = g_rules[i];
     if (r.op != op || path.find(r.path_part) == std::string::npos) continue;
-    if (ranged && !(r.offset < offset + len)) continue;  // not reached yet
+    // A ranged rule fires on the call whose bytes contain its offset (kAnyOffset: every call).
+    if (ranged && r.offset != kAnyOffset && !(offset <= r.offset && r.offset < offset + len)) continue;
     if (r.times >= 0 && r.fired >= r.times) continue;
     if (r.skip > 0) {
       --r.skip;
@@ -78,12 +79,15 @@ uint64_t before_transfer(FaultOp op, const std::string& path, uint64_t offset, u
     std::lock_guard<std::mutex> lk(g_mu);
     r = g_rules[static_cast<size_t>(i)];
   }
-  const uint64_t before = r.offset > offset ? r.offset - offset : 0;
+  uint64_t before = (r.offset != kAnyOffset && r.offset > offset) ? r.offset - offset : 0;
+  if (len % 4096 == 0) before = before / 4096 * 4096;  // O_DIRECT transfers stay block-aligned
   if (r.action == FaultAction::kShort) {
+    // Transfers of whole 4 KiB blocks (O_DIRECT windows) are cut at a block
+    // boundary, as block devices do; others anywhere.
     uint64_t n = before > 0 ? before : len / 2;
-    n = n / 4096 * 4096;
-    if (n == 0 || n >= len) n = len > 4096 ? 4096 : len;
-    return n;
+    if (len % 4096 == 0 && len > 4096) n = n / 4096 * 4096;
+    if (n == 0) n = len > 4096 && len % 4096 == 0 ? 4096 : 1;
+    return n < len ? n : len;
   }
   if (before > 0) {
     // Let the bytes before the fault through first; the rule stays armed for

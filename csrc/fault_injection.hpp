@@ -3,7 +3,8 @@
 // Tests arm rules (dcp_datastates._faults); production code pays one relaxed
 // atomic load per call while none is armed. A rule matches an operation on a
 // file whose path contains `path_part`; for writes and reads it fires on the
-// call whose byte range reaches `offset`. What it does:
+// call whose byte range contains `offset` (kAnyOffset: on every call). What
+// it does:
 //   kError  the bytes before `offset` are written (as a kernel does when the
 //           disk fills mid-write), then the call fails with `err`;
 //   kShort  the call transfers fewer bytes than asked (4 KiB-aligned, as
@@ -19,6 +20,8 @@
 #include <string>
 
 namespace dcpds {
+
+constexpr uint64_t kAnyOffset = ~uint64_t{0};
 
 enum class FaultOp { kWrite = 0, kRead = 1, kFsync = 2, kRename = 3 };
 enum class FaultAction { kError = 0, kShort = 1, kKill = 2 };

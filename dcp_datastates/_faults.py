@@ -23,26 +23,33 @@ from typing import Iterator
 
 from ._native import _engine
 
+_ANY_OFFSET = (1 << 64) - 1  # the engine's kAnyOffset
 OPS = {"write": 0, "read": 1, "fsync": 2, "rename": 3}
 ACTIONS = {"error": 0, "short": 1, "kill": 2}
+_count = 0  # rules armed since the last clear(): the next rule's index
 
 
 def arm(
     op: str,
     *,
     path: str = "",
-    offset: int = 0,
+    offset: int | None = None,
     action: str = "error",
     errno: int = errno_codes.EIO,
     skip: int = 0,
     times: int = 1,
 ) -> int:
-    """Add a rule; returns its index (for :func:`fired`). ``times=-1`` fires forever."""
+    """Add a rule; returns its index (for :func:`fired`).
+
+    A write or read rule fires on the call whose bytes contain ``offset``
+    (``None``: on every call); ``times=-1`` fires on every match.
+    """
     if op not in OPS:
         raise ValueError(f"fault op must be one of {sorted(OPS)}, got {op!r}")
     if action not in ACTIONS:
         raise ValueError(f"fault action must be one of {sorted(ACTIONS)}, got {action!r}")
-    _engine._fault_add(OPS[op], path, int(offset), ACTIONS[action], int(errno), int(skip), int(times))
+    where = _ANY_OFFSET if offset is None else int(offset)
+    _engine._fault_add(OPS[op], path, where, ACTIONS[action], int(errno), int(skip), int(times))
     global _count
     _count += 1
     return _count - 1
@@ -70,4 +77,3 @@ def inject_fault(op: str, **rule) -> Iterator[int]:
         clear()
 
 
-_count = 0

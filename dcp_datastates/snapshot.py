@@ -83,6 +83,7 @@ class Snapshot:
         self.ticket = -1
         self.thread: threading.Thread | None = None  # the thread running DCP's save of it
         self.abandoned = False  # staged, but DCP never ran its save (see _StagingMonitor)
+        self.ended = False  # its save committed or failed: see release()
         self.resolved_at: float | None = None
         self.staging_error: BaseException | None = None
         self.stage_call_s = 0.0  # seconds the caller spent in stage()
@@ -155,6 +156,15 @@ class Snapshot:
                 "checkpoint. Wait for the staging future, or use dcp_datastates.install_fence(optimizer), "
                 "before the optimizer step."
             )
+
+    def release(self) -> None:
+        """The save of this snapshot ended: drop what it held (aliases of the caller's
+        tensors, the engine job), so a writer used for thousands of saves holds nothing."""
+        self.ended = True
+        self.staged_dict = None
+        self.placed = {}
+        self._versions = []
+        self.job = None
 
     def cancel(self, why: str) -> None:
         """Stop the engine job and remove this snapshot's files (the save failed)."""
@@ -237,8 +247,10 @@ class _StagingMonitor:
                 for s in unbegun:
                     _abandon_if_unclaimed(s)
             snap.resolved_at = time.monotonic()
+            unbegun = [s for s in unbegun if s.thread is None and not s.abandoned]
             unbegun.append(snap)
             snap.future.set_result(snap.staged_dict)
+            del snap  # an idle monitor holds no snapshot (and no alias of the caller's tensors)
 
 
 # A resolved staging future is consumed by DCP's executor thread within

@@ -235,6 +235,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         snap.stage_call_s = time.perf_counter() - t0
         with self._lock:
             self._pending.append(snap)
+            self._staged = [s for s in self._staged if not (s.ended or s.abandoned)]
             self._staged.append(snap)
         fence.track(snap.future)
         snapshots.submit(snap)
@@ -377,7 +378,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 results = self._write_now(save, plan, planner)
         self.last_save_stats = save.stats
         if not save.is_coordinator:
-            save.ended = True  # the coordinator commits; nothing more happens on this rank
+            _end(save)  # the coordinator commits; nothing more happens on this rank
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -409,7 +410,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             if stale:
                 remove_if_present(stale)
                 fsync_dir(save.path)
-            save.ended = True
+            _end(save)
         save.stats.commit_s = time.perf_counter() - t0
         self.last_save_stats = save.stats
 
@@ -488,7 +489,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         stats = save.stats
         job = rank_file.job
         t1 = time.perf_counter()
-        objects, object_table = [], []
+        objects, object_table, object_keys = [], [], []
         offset = rank_file.objects_base
         for item in plan.items:
             if item.type != WriteItemType.BYTE_IO:
@@ -502,6 +503,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 )
             )
             object_table.append((offset, len(blob)))
+            object_keys.append(item.index.fqn)
             objects.append(blob)
             offset += len(blob)
         if objects:
@@ -517,7 +519,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         try:
             segments = job.wait()
         except OSError as exc:
-            raise _with_key_context(exc, rank_file.tensor_spans()) from exc
+            spans = rank_file.tensor_spans() + [(o, o + n, k) for (o, n), k in zip(object_table, object_keys)]
+            raise _with_key_context(exc, spans) from exc
         t3 = time.perf_counter()
         stats.data_write_s = t3 - t0
         stats.direct_io = job.direct
@@ -635,11 +638,17 @@ def _refuse_committed(path: str) -> None:
         )
 
 
-def _clean_up(save: _Save) -> None:
-    """Remove the files of a save that will not commit."""
+def _end(save: _Save) -> None:
     save.ended = True
     if save.snapshot is not None:
+        save.snapshot.release()
+
+
+def _clean_up(save: _Save) -> None:
+    """Remove the files of a save that will not commit."""
+    if save.snapshot is not None:
         save.snapshot.cancel("save failed")
+    _end(save)
     if save.written_files:
         remove_if_present(save.written_files)
     if save.metadata_tmp is not None:

@@ -49,13 +49,21 @@ def unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+class RaisedInfo:
+    """What raises_from_checkpoint caught: ``.value`` is the rank's own error."""
+
+    value: BaseException | None = None
+
+
 @contextlib.contextmanager
 def raises_from_checkpoint(expected, match=None):
     """Like pytest.raises, for errors DCP may wrap in CheckpointException (a BaseException)."""
+    info = RaisedInfo()
     try:
-        yield
+        yield info
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - we re-check the type below
         inner = unwrap(exc)
+        info.value = inner
         if not isinstance(inner, expected):
             raise AssertionError(f"expected {expected}, got {type(inner).__name__}: {inner}") from exc
         if match is not None and match not in str(inner):
