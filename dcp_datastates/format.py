@@ -77,9 +77,18 @@ def metadata_tmp_name(save_id: str) -> str:
     return f"{METADATA_FILE}.{save_id}.tmp"
 
 
+def show(value, limit: int = 100) -> str:
+    """``repr`` for error messages about untrusted values (a damaged object's repr may itself fail)."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001
+        return f"<a damaged {type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def check_save_id(save_id: str) -> str:
     if not isinstance(save_id, str) or not _SID_RE.match(save_id):
-        raise UnsupportedFormatError(f"malformed save id {save_id!r} in checkpoint metadata")
+        raise UnsupportedFormatError(f"malformed save id {show(save_id)} in checkpoint metadata")
     return save_id
 
 
@@ -166,11 +175,14 @@ class CheckpointLayout:
         return {MetadataIndex(fqn, off): loc for (fqn, off), loc in self._lookup().items()}
 
     def validate(self, where: str) -> None:
+        missing = [f.name for f in dataclasses.fields(self) if f.name not in self.__dict__]
+        if missing:
+            raise CorruptCheckpointError(f"{where}: the storage layout is corrupt: it lacks {', '.join(missing)}")
         if self.format != FORMAT_NAME:
-            raise UnsupportedFormatError(f"{where}: storage format {self.format!r} is not {FORMAT_NAME!r}")
+            raise UnsupportedFormatError(f"{where}: storage format {show(self.format)} is not {FORMAT_NAME!r}")
         if not isinstance(self.version, int) or self.version > FORMAT_VERSION or self.version < 1:
             raise UnsupportedFormatError(
-                f"{where}: written with format version {self.version}; this dcp_datastates "
+                f"{where}: written with format version {show(self.version)}; this dcp_datastates "
                 f"reads versions 1 to {FORMAT_VERSION}. Upgrade dcp_datastates to load it."
             )
         check_save_id(self.save_id)
@@ -190,21 +202,25 @@ class CheckpointLayout:
             raise bad("its rank list or item list is not a list")
         ranks = set()
         for r in self.ranks:
-            if not isinstance(r, RankFiles) or not isinstance(r.rank, int) or r.rank < 0:
-                raise bad(f"rank entry {r!r}")
-            for name, kind in ((r.data_file, "data"), (r.index_file, "index")):
+            rank = getattr(r, "rank", None)
+            if not isinstance(r, RankFiles) or not isinstance(rank, int) or rank < 0:
+                raise bad(f"rank entry {show(r)}")
+            sid = getattr(r, "save_id", "")
+            if sid and not (isinstance(sid, str) and _SID_RE.match(sid)):
+                raise bad(f"rank {rank}'s save id {show(sid)}")
+            for name, kind in ((getattr(r, "data_file", None), "data"), (getattr(r, "index_file", None), "index")):
                 m = DATA_FILE_RE.match(name) if isinstance(name, str) else None
-                if m is None or m.group(3) != kind or int(m.group(1)) != r.rank:
-                    raise bad(f"rank {r.rank}'s {kind} file name {name!r} is not a rank file name")
-            if r.rank in ranks:
-                raise bad(f"rank {r.rank} is listed twice")
-            ranks.add(r.rank)
+                if m is None or m.group(3) != kind or int(m.group(1)) != rank:
+                    raise bad(f"rank {rank}'s {kind} file name {show(name)} is not a rank file name")
+            if rank in ranks:
+                raise bad(f"rank {rank} is listed twice")
+            ranks.add(rank)
         for e in self.entries:
             if not (isinstance(e, tuple) and len(e) == 6 and isinstance(e[0], str)):
-                raise bad(f"item entry {e!r:.200}")
+                raise bad(f"item entry {show(e)}")
             fqn, off, rank, offset, length, ordinal = e
             if off is not None and not (isinstance(off, tuple) and all(isinstance(x, int) for x in off)):
-                raise bad(f"{fqn!r} has chunk offsets {off!r:.100}")
+                raise bad(f"{fqn!r} has chunk offsets {show(off)}")
             if not all(isinstance(x, int) for x in (rank, offset, length, ordinal)):
                 raise bad(f"{fqn!r} has a non-integer location")
             if ordinal >= 0:

@@ -23,10 +23,17 @@ import pickle
 import struct
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from ._native import crc32c, gc_paused
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from .format import show
 
 TRAILER_MAGIC = b"DCPDSMDC"
 _TRAILER = struct.Struct("<8sQII")
@@ -82,12 +89,12 @@ def split_trailer(blob: bytes, where: str) -> tuple[memoryview, bool]:
     """The pickle part of ``blob`` and whether a (verified) trailer was present."""
     view = memoryview(blob)
     if len(blob) >= _TRAILER.size:
-        magic, length, crc, _ = _TRAILER.unpack_from(blob, len(blob) - _TRAILER.size)
+        magic, length, crc, reserved = _TRAILER.unpack_from(blob, len(blob) - _TRAILER.size)
         if magic == TRAILER_MAGIC:
-            if length != len(blob) - _TRAILER.size:
+            if length != len(blob) - _TRAILER.size or reserved != 0:
                 raise CorruptCheckpointError(
-                    f"{where} is corrupt: its trailer records a {length}-byte pickle, the file holds "
-                    f"{len(blob) - _TRAILER.size} bytes before the trailer"
+                    f"{where} is corrupt: its trailer (a {length}-byte pickle, reserved field {reserved}) "
+                    f"does not match the {len(blob) - _TRAILER.size} bytes before it"
                 )
             body = view[:length]
             actual = crc32c(body)
@@ -123,4 +130,41 @@ def decode_metadata(blob: bytes, where: str, allow_pickle: bool = False) -> tupl
         raise CorruptCheckpointError(f"{where} cannot be decoded: {type(exc).__name__}: {exc}") from exc
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP Metadata")
+    check_metadata(metadata, where)
     return metadata, checked
+
+
+def check_metadata(metadata: Metadata, where: str) -> None:
+    """The shape DCP's load planner relies on: a damaged file fails here, with its name,
+    rather than deep inside DCP with an AttributeError."""
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where} is corrupt: {why}")
+
+    table = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(table, dict):
+        raise bad("it has no table of saved items")
+    if not isinstance(getattr(metadata, "planner_data", None), (dict, type(None))):
+        raise bad("its planner data is not a dict")
+    for fqn, item in table.items():
+        if not isinstance(fqn, str):
+            raise bad(f"item key {show(fqn)} is not a string")
+        if isinstance(item, BytesStorageMetadata):
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            raise bad(f"{fqn!r} is described by a {type(item).__name__}")
+        props, size, chunks = (getattr(item, n, None) for n in ("properties", "size", "chunks"))
+        if not isinstance(props, TensorProperties) or not isinstance(getattr(props, "dtype", None), torch.dtype):
+            raise bad(f"{fqn!r} has no valid dtype")
+        if not isinstance(size, torch.Size) or not isinstance(chunks, list):
+            raise bad(f"{fqn!r} has no valid size or chunk list")
+        for chunk in chunks:
+            offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+            if (
+                not isinstance(chunk, ChunkStorageMetadata)
+                or not isinstance(offsets, torch.Size)
+                or not isinstance(sizes, torch.Size)
+                or not len(offsets) == len(sizes) == len(size)
+                or any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, size))
+            ):
+                raise bad(f"{fqn!r} has a chunk {show(chunk)} that does not fit its size {tuple(size)}")

@@ -18,7 +18,8 @@ import torch
 
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 
-_GLOBAL_RE = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+# torch's wording differs between releases and between refused and blocked modules.
+_GLOBAL_RE = re.compile(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)")
 
 
 def check_object_is_plain(blob: bytes | bytearray, key: str, where: str) -> None:

@@ -112,6 +112,7 @@ def verify(
         except CheckpointError as exc:
             report.problems.append(str(exc))
     report.ranks = len(layout.ranks)
+    _check_object_entries(path, layout, indexes, report)
     spans = _spans_by_file(layout, indexes)
     for rel, idx in indexes.items():
         _check_tiling(path, rel, idx, spans.get(rel, []), report)
@@ -145,6 +146,19 @@ def _check_items(reader: DataStatesReader, metadata, report: VerifyReport) -> No
                     f"{reader.path}: {where} has {loc.length} stored bytes for a "
                     f"{md.properties.dtype} chunk of shape {tuple(chunk.sizes)}"
                 )
+
+
+def _check_object_entries(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
+    files = {r.rank: r for r in layout.ranks}
+    for fqn, _off, rank, _offset, _length, ordinal in layout.entries:
+        if ordinal < 0 or rank not in files:
+            continue
+        idx = indexes.get(files[rank].data_file)
+        if idx is not None and ordinal >= len(idx.objects):
+            report.problems.append(
+                f"{os.path.join(path, files[rank].index_file)}: object {fqn!r} refers to entry {ordinal} "
+                f"of an object table with {len(idx.objects)} entries"
+            )
 
 
 def _spans_by_file(layout, indexes: dict[str, RankIndex]) -> dict[str, list[tuple[int, int, str]]]:
