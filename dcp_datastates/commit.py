@@ -56,12 +56,16 @@ def write_new_file_durably(path: str, data: bytes | memoryview) -> None:
     os.close(fd)
 
 
-def publish(tmp_path: str, final_path: str, directory: str) -> None:
-    """Atomically rename ``tmp_path`` to ``final_path`` and make it durable."""
+def rename_into_place(tmp_path: str, final_path: str, directory: str) -> None:
+    """Atomically rename ``tmp_path`` to ``final_path`` once the directory's entries are durable.
+
+    The caller fsyncs the directory again afterwards (the rename itself is
+    durable then). Once the rename has happened the checkpoint is committed:
+    an error after it must never remove the files ``final_path`` refers to.
+    """
     fsync_dir(directory)
     _fault_point(_RENAME, final_path)
     os.replace(tmp_path, final_path)
-    fsync_dir(directory)
 
 
 def remove_if_present(paths) -> None:

@@ -46,7 +46,7 @@ from torch.futures import Future
 
 from . import _native, fence
 from . import snapshot as snapshots
-from .commit import fsync_dir, publish, remove_if_present, write_new_file_durably
+from .commit import fsync_dir, remove_if_present, rename_into_place, write_new_file_durably
 from .errors import CheckpointError, CheckpointExistsError
 from .format import METADATA_FILE, CheckpointLayout, ItemLocation, encode_index, location_key, metadata_tmp_name
 from .metadata_file import decode_metadata, encode_metadata
@@ -402,15 +402,23 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 # The planner did not expose its metadata early: serialize now.
                 self._discard_metadata_tmp(save)
                 self._write_metadata_tmp(save, metadata, layout)
-            publish(save.metadata_tmp, os.path.join(save.path, METADATA_FILE), save.path)
+            rename_into_place(save.metadata_tmp, os.path.join(save.path, METADATA_FILE), save.path)
+            # Committed from here on: nothing below may remove this checkpoint's files.
             save.metadata_tmp = None
             save.metadata_obj = None
-            keep = {name for r in layout.ranks for name in (r.data_file, r.index_file)}
-            stale = [os.path.join(save.path, f) for f in save.replaced_files if f not in keep]
+            _end(save)
+        keep = {name for r in layout.ranks for name in (r.data_file, r.index_file)}
+        stale = [os.path.join(save.path, f) for f in save.replaced_files if f not in keep]
+        try:
+            fsync_dir(save.path)  # the rename is durable
             if stale:
                 remove_if_present(stale)
                 fsync_dir(save.path)
-            _end(save)
+        except OSError as exc:
+            raise CheckpointError(
+                f"{save.path} is committed (.metadata is in place), but making that durable failed: "
+                f"{exc}; it may not survive a power loss, and files of the checkpoint it replaced may remain"
+            ) from exc
         save.stats.commit_s = time.perf_counter() - t0
         self.last_save_stats = save.stats
 

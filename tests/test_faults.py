@@ -307,3 +307,28 @@ def test_fault_rules_are_validated():
         arm("write", action="explode")
     reader = DataStatesReader  # the module imports cleanly without any rule armed
     assert reader is not None
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_error_after_the_rename_keeps_the_committed_checkpoint(tmp_path, monkeypatch, overwrite, mode):
+    # Once .metadata is in place the checkpoint is committed: a failing directory fsync
+    # after the rename is reported, but must not remove the files .metadata refers to.
+    path = tmp_path / "c"
+    if overwrite:
+        save(make_state(0), path, **SMALL)
+
+    def failing_fsync_dir(directory):
+        raise OSError(errno.EIO, "injected: directory fsync failed", directory)
+
+    monkeypatch.setattr(dcp_datastates.writer, "fsync_dir", failing_fsync_dir)
+    new = make_state(1)
+    with raises_from_checkpoint(dcp_datastates.CheckpointError, match="is committed") as info:
+        if mode == "sync":
+            save(new, path, overwrite=overwrite, **SMALL)
+        else:
+            async_save(new, DataStatesWriter(path, overwrite=overwrite, **SMALL)).upload_completion.result(timeout=60)
+    assert "power loss" in str(info.value)
+    monkeypatch.undo()
+    assert verify(path).ok
+    assert_same(load(zeros_like(new), path), new)
