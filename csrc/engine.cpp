@@ -1,6 +1,7 @@
 #include "engine.hpp"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -218,6 +219,17 @@ void WriteJob::finalize() {
 
 // ---------------------------------------------------------------- ReadJob
 
+namespace {
+// Marks a checkpoint file that is not a regular file (a FIFO, a device); reported as EINVAL.
+constexpr int kNotRegular = -2;
+
+std::string open_failure(int err) {
+  if (err == ELOOP) return "open refused: the file is a symbolic link (checkpoint files must be regular files)";
+  if (err == kNotRegular) return "open refused: not a regular file (checkpoint files must be regular files)";
+  return describe_errno("open", err, -1, 0);
+}
+}  // namespace
+
 bool ReadJob::done() {
   std::lock_guard<std::mutex> lk(mu_);
   return pending_ == 0;
@@ -251,7 +263,7 @@ void ReadJob::run_piece(const Piece& p) {
   const int64_t off = static_cast<int64_t>(r.offset + p.rel);
   if (!fds_[r.file].valid()) {
     int err = open_errors_[r.file];
-    add_failure({p.request, "io", err, path, -1, describe_errno("open", err, -1, 0)});
+    add_failure({p.request, "io", err == kNotRegular ? EINVAL : err, path, -1, open_failure(err)});
     return;
   }
   uint8_t* dst = r.dst + p.rel;
@@ -556,8 +568,21 @@ std::shared_ptr<ReadJob> Engine::start_read(std::vector<std::string> paths,
   job->paths_ = std::move(paths);
   job->requests_ = std::move(requests);
   for (const auto& p : job->paths_) {
+    // Checkpoint files are regular files: a symlink (to another file, or
+    // /dev/zero) or a FIFO in a checkpoint directory is refused, not followed.
     int err = 0;
-    job->fds_.push_back(Fd::try_open(p, O_RDONLY, 0, &err));
+    Fd fd = Fd::try_open(p, O_RDONLY | O_NOFOLLOW | O_NONBLOCK, 0, &err);
+    if (fd.valid()) {
+      struct stat st;
+      if (::fstat(fd.get(), &st) < 0) {
+        err = errno;
+        fd = Fd();
+      } else if (!S_ISREG(st.st_mode)) {
+        err = kNotRegular;
+        fd = Fd();
+      }
+    }
+    job->fds_.push_back(std::move(fd));
     job->open_errors_.push_back(err);
   }
   // Pieces: every checksum segment is one piece (so it is verified right after

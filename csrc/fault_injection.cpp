@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "io_error.hpp"
@@ -28,9 +29,14 @@ const char* op_name(FaultOp op) {
   return "?";
 }
 
-// Claims one firing of a matching rule; returns its index or -1.
-int claim(FaultOp op, const std::string& path, bool ranged, uint64_t offset, uint64_t len) {
+uint64_t g_generation = 0;  // bumped by clear(): a claim never outlives its rule set
+
+// Claims one firing of a matching rule, under the lock: returns a copy of it
+// (with `fired` set to its index) or nothing.
+std::optional<FaultRule> claim(FaultOp op, const std::string& path, bool ranged, uint64_t offset,
+                               uint64_t len, uint64_t* generation) {
   std::lock_guard<std::mutex> lk(g_mu);
+  *generation = g_generation;
   for (size_t i = 0; i < g_rules.size(); ++i) {
     FaultRule& r = g_rules[i];
     if (r.op != op || path.find(r.path_part) == std::string::npos) continue;
@@ -42,9 +48,17 @@ int claim(FaultOp op, const std::string& path, bool ranged, uint64_t offset, uin
       continue;
     }
     ++r.fired;
-    return static_cast<int>(i);
+    FaultRule copy = r;
+    copy.fired = static_cast<int64_t>(i);
+    return copy;
   }
-  return -1;
+  return std::nullopt;
+}
+
+// Gives a claimed firing back (the call only moved the bytes before the fault).
+void unclaim(size_t index, uint64_t generation) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  if (generation == g_generation && index < g_rules.size()) --g_rules[index].fired;
 }
 
 [[noreturn]] void die() {
@@ -63,6 +77,7 @@ void add(FaultRule rule) {
 void clear() {
   std::lock_guard<std::mutex> lk(g_mu);
   g_rules.clear();
+  ++g_generation;
   g_armed.store(false);
 }
 
@@ -72,13 +87,10 @@ int64_t fired(size_t rule_index) {
 }
 
 uint64_t before_transfer(FaultOp op, const std::string& path, uint64_t offset, uint64_t len) {
-  int i = claim(op, path, true, offset, len);
-  if (i < 0) return len;
-  FaultRule r;
-  {
-    std::lock_guard<std::mutex> lk(g_mu);
-    r = g_rules[static_cast<size_t>(i)];
-  }
+  uint64_t generation = 0;
+  std::optional<FaultRule> rule = claim(op, path, true, offset, len, &generation);
+  if (!rule) return len;
+  const FaultRule& r = *rule;
   uint64_t before = (r.offset != kAnyOffset && r.offset > offset) ? r.offset - offset : 0;
   if (len % 4096 == 0) before = before / 4096 * 4096;  // O_DIRECT transfers stay block-aligned
   if (r.action == FaultAction::kShort) {
@@ -92,8 +104,7 @@ uint64_t before_transfer(FaultOp op, const std::string& path, uint64_t offset, u
   if (before > 0) {
     // Let the bytes before the fault through first; the rule stays armed for
     // the next call, which starts at the fault's offset.
-    std::lock_guard<std::mutex> lk(g_mu);
-    --g_rules[static_cast<size_t>(i)].fired;
+    unclaim(static_cast<size_t>(r.fired), generation);
     return before;
   }
   if (r.action == FaultAction::kKill) die();
@@ -103,15 +114,12 @@ uint64_t before_transfer(FaultOp op, const std::string& path, uint64_t offset, u
 }
 
 void before_call(FaultOp op, const std::string& path) {
-  int i = claim(op, path, false, 0, 0);
-  if (i < 0) return;
-  FaultRule r;
-  {
-    std::lock_guard<std::mutex> lk(g_mu);
-    r = g_rules[static_cast<size_t>(i)];
-  }
-  if (r.action == FaultAction::kKill) die();
-  throw IoError(r.err, path, -1, describe_errno(std::string(op_name(op)) + " (injected fault)", r.err, -1, 0));
+  uint64_t generation = 0;
+  std::optional<FaultRule> rule = claim(op, path, false, 0, 0, &generation);
+  if (!rule) return;
+  if (rule->action == FaultAction::kKill) die();
+  throw IoError(rule->err, path, -1,
+                describe_errno(std::string(op_name(op)) + " (injected fault)", rule->err, -1, 0));
 }
 
 }  // namespace faults

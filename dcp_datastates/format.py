@@ -166,6 +166,19 @@ class CheckpointLayout:
             self.__dict__["_table"] = table
         return table
 
+    def check_covers(self, metadata, where: str) -> None:
+        """Every item the metadata lists has a stored location (of the right kind)."""
+        table = self._lookup()
+        for fqn, md in metadata.state_dict_metadata.items():
+            chunks = getattr(md, "chunks", None)
+            keys = [(fqn, None)] if chunks is None else [(fqn, tuple(c.offsets)) for c in chunks]
+            for key in keys:
+                loc = table.get(key)
+                if loc is None or loc.is_object != (chunks is None):
+                    raise CorruptCheckpointError(
+                        f"{where}: the storage layout is corrupt: {fqn!r} (at {key[1]}) has no stored location"
+                    )
+
     def location(self, index: MetadataIndex) -> ItemLocation | None:
         return self._lookup().get(location_key(index.fqn, index.offset))
 
@@ -223,6 +236,8 @@ class CheckpointLayout:
                 raise bad(f"{fqn!r} has chunk offsets {show(off)}")
             if not all(isinstance(x, int) for x in (rank, offset, length, ordinal)):
                 raise bad(f"{fqn!r} has a non-integer location")
+            if rank not in ranks:
+                raise bad(f"{fqn!r} is placed in rank {rank}, which has no files")
             if ordinal >= 0:
                 continue
             if offset < 0 or length < 0:

@@ -19,6 +19,7 @@ read it. Two things are added around the pickle:
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import struct
 
@@ -62,21 +63,65 @@ _ALLOWED = {
 _TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):
+    """Unpickles only what a checkpoint's metadata is made of.
+
+    The pure-Python unpickler, on purpose: it lets BUILD be restricted (the C
+    one would apply a pickle's BUILD to any object on its stack: an allowed
+    class, a function, an enum member, changing them for the whole process),
+    and its memo is a dict (the C one sizes its memo table from an index in
+    the pickle, so 33 bytes can make it allocate gigabytes).
+    """
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def __init__(self, file, where: str) -> None:
         super().__init__(file)
         self.where = where
+
+    def refuse(self, what: str) -> UnsafeCheckpointError:
+        return UnsafeCheckpointError(
+            f"{self.where} {what}, which a checkpoint's metadata never needs; it was not "
+            "unpickled (it could run code). If you trust this checkpoint, load it with "
+            "DataStatesReader(path, allow_pickle=True)"
+        )
 
     def find_class(self, module: str, name: str):
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUE_TYPES):
             return getattr(torch, name)
-        raise UnsafeCheckpointError(
-            f"{self.where} names {module}.{name}, which a checkpoint's metadata never needs; it was "
-            "not unpickled (it could run code). If you trust this checkpoint, load it with "
-            "DataStatesReader(path, allow_pickle=True)"
-        )
+        raise self.refuse(f"names {module}.{name}")
+
+    def load_build(self):
+        state = self.stack[-1]
+        inst = self.stack[-2]
+        if type(inst) not in _BUILDABLE:
+            raise self.refuse(f"sets the state of a {type(inst).__name__} object")
+        if isinstance(state, tuple) and len(state) == 2 and type(inst) is not TensorProperties:
+            if state[1] is not None:  # slot state: setattr of arbitrary names
+                raise self.refuse(f"sets attributes of a {type(inst).__name__} object directly")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def _buildable() -> frozenset:
+    """The classes whose instances may receive a state (the dataclasses of the metadata)."""
+    from torch.distributed.checkpoint import metadata as md
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from .format import CheckpointLayout, RankFiles
+
+    return frozenset(
+        {
+            md.Metadata, md.TensorStorageMetadata, md.BytesStorageMetadata, md.ChunkStorageMetadata,
+            md.TensorProperties, md.StorageMeta, md.MetadataIndex, CheckpointLayout, RankFiles, _StorageInfo,
+        }
+    )
+
+
+_BUILDABLE = _buildable()
 
 
 def encode_metadata(metadata: Metadata) -> bytes:
@@ -158,6 +203,7 @@ def check_metadata(metadata: Metadata, where: str) -> None:
             raise bad(f"{fqn!r} has no valid dtype")
         if not isinstance(size, torch.Size) or not isinstance(chunks, list):
             raise bad(f"{fqn!r} has no valid size or chunk list")
+        covered = 0
         for chunk in chunks:
             offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
             if (
@@ -168,3 +214,8 @@ def check_metadata(metadata: Metadata, where: str) -> None:
                 or any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, size))
             ):
                 raise bad(f"{fqn!r} has a chunk {show(chunk)} that does not fit its size {tuple(size)}")
+            covered += math.prod(sizes)
+        if covered != math.prod(size):
+            # Chunks never overlap, so they must add up to the tensor: a load would
+            # otherwise leave part of the destination silently unwritten.
+            raise bad(f"the chunks of {fqn!r} hold {covered} elements of its {math.prod(size)}")

@@ -17,6 +17,7 @@ import ctypes
 import io
 import math
 import os
+import stat
 from typing import Any, Callable
 
 import torch
@@ -34,6 +35,7 @@ from .errors import (
     UnsupportedFormatError,
 )
 from .format import DATA_FILE_RE, METADATA_FILE, CheckpointLayout, RankIndex, decode_index
+from .checkpoint_files import read_checkpoint_file
 from .metadata_file import decode_metadata
 from .safe_objects import check_object_is_plain
 
@@ -104,8 +106,7 @@ class DataStatesReader(StorageReader):
             raise ValueError("DataStatesReader has no path: pass one or give dcp.load a checkpoint_id")
         md_path = os.path.join(self.path, METADATA_FILE)
         try:
-            with open(md_path, "rb") as f:
-                blob = f.read()
+            blob = read_checkpoint_file(md_path)
         except FileNotFoundError:
             raise self._missing_checkpoint_error() from None
         metadata, checksummed = decode_metadata(blob, md_path, self.allow_pickle)
@@ -116,6 +117,7 @@ class DataStatesReader(StorageReader):
                 f"{type(layout).__name__}); load it with torch.distributed.checkpoint.FileSystemReader"
             )
         layout.validate(md_path)
+        layout.check_covers(metadata, md_path)
         if layout.version >= 3 and not checksummed:
             raise CorruptCheckpointError(
                 f"{md_path} is corrupt: format version {layout.version} ends with a checksum trailer, "
@@ -179,8 +181,7 @@ class DataStatesReader(StorageReader):
         index_path = os.path.join(self.path, files.index_file)
         data_path = os.path.join(self.path, files.data_file)
         try:
-            with open(index_path, "rb") as f:
-                blob = f.read()
+            blob = read_checkpoint_file(index_path)
         except FileNotFoundError:
             raise CorruptCheckpointError(
                 f"rank {files.rank}'s index file {index_path} is missing; the checkpoint is damaged"
@@ -193,11 +194,14 @@ class DataStatesReader(StorageReader):
                 f"{files.rank} of save {expected_sid} (files from different checkpoints mixed?)"
             )
         try:
-            size = os.stat(data_path).st_size
+            st = os.lstat(data_path)
         except FileNotFoundError:
             raise CorruptCheckpointError(
                 f"rank {files.rank}'s data file {data_path} is missing; the checkpoint is damaged"
             ) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{data_path} is not a regular file; checkpoint files must be regular files")
+        size = st.st_size
         if size < idx.data_size:
             raise CorruptCheckpointError(
                 f"data file {data_path} is truncated: {size} bytes, its index says {idx.data_size}"

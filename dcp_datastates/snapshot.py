@@ -162,6 +162,7 @@ class Snapshot:
         tensors, the engine job), so a writer used for thousands of saves holds nothing."""
         self.ended = True
         self.staged_dict = None
+        self.future._result = None  # the future's result is the staged dict too
         self.placed = {}
         self._versions = []
         self.job = None

@@ -10,7 +10,9 @@ and reports every problem it finds rather than stopping at the first:
   file exists and is long enough;
 * every item's bytes are tiled by checksum segments, and every segment's
   CRC32C matches the bytes on disk (read in parallel by the engine, through
-  a bounded buffer).
+  a bounded buffer);
+* unless ``allow_pickle``, every saved Python object loads as plain data
+  (what a load in safe mode requires).
 
 Files in the directory that the checkpoint does not name (rank files of an
 interrupted save, a leftover ``.metadata.<id>.tmp``) are listed as notes:
@@ -32,6 +34,7 @@ from . import _native
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from .format import DATA_FILE_RE, METADATA_FILE, RankIndex
 from .reader import DataStatesReader
+from .safe_objects import check_object_is_plain
 
 VERIFY_BUFFER_BYTES = 64 << 20  # bytes read (and checked) per engine job
 
@@ -96,9 +99,9 @@ def verify(
     except IncompleteCheckpointError as exc:
         report.problems.append(str(exc))
         return report
-    except CheckpointError as exc:
-        report.committed = os.path.isfile(os.path.join(path, METADATA_FILE))
-        report.problems.append(str(exc))
+    except (CheckpointError, OSError, MemoryError) as exc:
+        report.committed = os.path.lexists(os.path.join(path, METADATA_FILE))
+        report.problems.append(str(exc) if isinstance(exc, CheckpointError) else f"{path}: {type(exc).__name__}: {exc}")
         return report
     report.committed = True
     layout = reader._layout
@@ -109,8 +112,8 @@ def verify(
     for files in layout.ranks:
         try:
             indexes[files.data_file] = reader.rank_index(files.data_file)
-        except CheckpointError as exc:
-            report.problems.append(str(exc))
+        except (CheckpointError, OSError, MemoryError) as exc:
+            report.problems.append(str(exc) if isinstance(exc, CheckpointError) else f"{files.index_file}: {exc}")
     report.ranks = len(layout.ranks)
     _check_object_entries(path, layout, indexes, report)
     spans = _spans_by_file(layout, indexes)
@@ -120,8 +123,30 @@ def verify(
     done = 0
     for rel, idx in indexes.items():
         done = _check_segments(reader, rel, idx, spans.get(rel, []), report, done, total, progress)
+    if not allow_pickle and not report.problems:
+        _check_objects_are_plain(path, layout, indexes, report)
     _note_strays(path, layout, report)
     return report
+
+
+def _check_objects_are_plain(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
+    """Safe mode: the objects a load would refuse (they need arbitrary unpickling) are problems."""
+    files = {r.rank: r.data_file for r in layout.ranks}
+    for fqn, _off, rank, _offset, _length, ordinal in layout.entries:
+        if ordinal < 0:
+            continue
+        rel = files[rank]
+        offset, length = indexes[rel].objects[ordinal]
+        data_path = os.path.join(path, rel)
+        fd = os.open(data_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            blob = os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+        try:
+            check_object_is_plain(blob, fqn, data_path)
+        except CheckpointError as exc:
+            report.problems.append(str(exc))
 
 
 def _check_items(reader: DataStatesReader, metadata, report: VerifyReport) -> None:

@@ -49,6 +49,7 @@ from . import snapshot as snapshots
 from .commit import fsync_dir, remove_if_present, rename_into_place, write_new_file_durably
 from .errors import CheckpointError, CheckpointExistsError
 from .format import METADATA_FILE, CheckpointLayout, ItemLocation, encode_index, location_key, metadata_tmp_name
+from .checkpoint_files import read_checkpoint_file
 from .metadata_file import decode_metadata, encode_metadata
 from .layout import (
     PAGE,
@@ -114,6 +115,7 @@ class _Save:
     metadata_obj: Metadata | None = None
     replaced_files: list[str] = dataclasses.field(default_factory=list)
     written_files: list[str] = dataclasses.field(default_factory=list)  # sync: this rank's files
+    job: Any = None  # sync: the engine job writing this rank's data file
     ended: bool = False
 
 
@@ -457,6 +459,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         regions, keep = finish_regions(placed)
         del placed
         job = self._engine.write(data_path, regions, keep, direct_io=self.direct_io, preallocate=layout.tensor_bytes_end)
+        save.job = job
         del keep
         save.stats.submit_s = time.perf_counter() - t0
         rank_file = _RankFile(
@@ -646,16 +649,36 @@ def _refuse_committed(path: str) -> None:
         )
 
 
+def _renamed_into_place(save: _Save) -> bool:
+    """Whether this save's temporary metadata has already become ``.metadata`` (committed)."""
+    tmp = save.metadata_tmp
+    return tmp is not None and not os.path.exists(tmp) and os.path.exists(os.path.join(save.path, METADATA_FILE))
+
+
 def _end(save: _Save) -> None:
     save.ended = True
+    save.job = None
     if save.snapshot is not None:
         save.snapshot.release()
 
 
 def _clean_up(save: _Save) -> None:
     """Remove the files of a save that will not commit."""
+    if _renamed_into_place(save):
+        _end(save)  # interrupted right after the rename (KeyboardInterrupt): committed, keep it
+        return
     if save.snapshot is not None:
         save.snapshot.cancel("save failed")
+    job, save.job = save.job, None
+    if job is not None and not job.done:
+        # Stop the engine now: its descriptors and the reserved blocks are given back,
+        # not when the last reference to the job (in a traceback) goes.
+        job.cancel("save failed")
+        job.seal()
+        try:
+            job.wait()
+        except OSError:
+            pass
     _end(save)
     if save.written_files:
         remove_if_present(save.written_files)
@@ -699,12 +722,15 @@ def _files_of_committed(path: str) -> list[str]:
     """Our rank files named by the committed checkpoint in ``path`` (to remove once replaced)."""
     md_path = os.path.join(path, METADATA_FILE)
     try:
-        with open(md_path, "rb") as f:
-            metadata, _ = decode_metadata(f.read(), md_path)  # safe mode: never runs code
+        metadata, _ = decode_metadata(read_checkpoint_file(md_path), md_path)  # safe mode: never runs code
     except Exception:  # noqa: BLE001 - not ours or unreadable: remove nothing
         return []
     layout = getattr(metadata, "storage_data", None)
     if not isinstance(layout, CheckpointLayout):
+        return []
+    try:
+        layout.validate(md_path)  # only our own rank-file names, never a path out of the directory
+    except Exception:  # noqa: BLE001 - damaged: remove nothing
         return []
     return [name for r in layout.ranks for name in (r.data_file, r.index_file)]
 

@@ -332,3 +332,19 @@ def test_error_after_the_rename_keeps_the_committed_checkpoint(tmp_path, monkeyp
     monkeypatch.undo()
     assert verify(path).ok
     assert_same(load(zeros_like(new), path), new)
+
+
+def test_failing_sync_saves_give_their_descriptors_back(tmp_path):
+    # An object that cannot be serialized fails the save after the data file was opened
+    # and its blocks reserved; the errors are kept alive, as a caller's log would.
+    state = {"w": torch.randn(1 << 16), "bad": lambda: None}
+    errors = []
+    fds = _fds()
+    for i in range(10):
+        try:
+            save(state, tmp_path / f"c{i}", **SMALL)
+        except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+            errors.append(exc)
+        assert data_files(tmp_path / f"c{i}") == []
+    assert len(errors) == 10
+    assert _fds() <= fds, (fds, _fds())

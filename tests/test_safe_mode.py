@@ -130,3 +130,92 @@ def test_metadata_stays_readable_by_dcps_plain_pickle(tmp_path):
     with open(tmp_path / "c" / ".metadata", "rb") as f:
         md = pickle.load(f)  # what DCP's own tools do; the trailer after the pickle is ignored
     assert "w" in md.state_dict_metadata
+
+
+# -- regressions from the review of safe mode ------------------------------------------------
+
+
+def _checksummed(pickled: bytes, ckpt):
+    (ckpt / ".metadata").write_bytes(_with_trailer(pickled))
+
+
+def test_build_on_an_allowed_global_is_refused(tmp_path):
+    # GLOBAL _MEM_FORMAT_ENCODING; REDUCE(0) -> the enum member; BUILD {'_value_': 99}
+    # would change the member for the whole process (every later save unreadable).
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    ckpt = tmp_path / "c"
+    save({"w": torch.arange(3.0)}, ckpt)
+    payload = (
+        b"\x80\x04ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n"
+        b"K\x00\x85R}\x8c\x07_value_Kcsb."
+    )
+    _checksummed(payload, ckpt)
+    with pytest.raises(UnsafeCheckpointError, match="sets the state"):
+        DataStatesReader(ckpt).read_metadata()
+    assert _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT.value == 0
+    # a function's __dict__ is refused the same way
+    _checksummed(b"\x80\x04ctorch.serialization\n_get_layout\n}\x8c\x01xK\x01sb.", ckpt)
+    with pytest.raises(UnsafeCheckpointError, match="function"):
+        DataStatesReader(ckpt).read_metadata()
+    assert "x" not in torch.serialization._get_layout.__dict__
+
+
+def test_huge_memo_index_does_not_allocate(tmp_path):
+    ckpt = tmp_path / "c"
+    save({"w": torch.arange(3.0)}, ckpt)
+    _checksummed(b"\x80\x02Nr\xff\xff\xff\xff.", ckpt)  # LONG_BINPUT 2**32-1: a 64 GiB memo in C
+    with open("/proc/self/statm") as f:
+        before = int(f.read().split()[1])
+    with pytest.raises(Exception) as info:
+        DataStatesReader(ckpt).read_metadata()
+    assert "not DCP Metadata" in str(info.value)
+    with open("/proc/self/statm") as f:
+        grown = (int(f.read().split()[1]) - before) * os.sysconf("SC_PAGE_SIZE")
+    assert grown < 64 << 20
+
+
+def test_overwrite_never_deletes_a_file_the_old_metadata_names_outside(tmp_path):
+    from dcp_datastates.format import RankFiles
+
+    ckpt, precious = tmp_path / "c", tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    save({"w": torch.arange(3.0)}, ckpt)
+    md = DataStatesReader(ckpt).read_metadata()
+    md.storage_data.ranks.append(RankFiles(7, str(precious), "../precious.txt"))
+    (ckpt / ".metadata").write_bytes(encode_metadata(md))
+    save({"w": torch.arange(4.0)}, ckpt, overwrite=True)
+    assert precious.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("kind", ["symlink to /dev/zero", "fifo", "symlink to a file"])
+@pytest.mark.parametrize("which", [".metadata", ".index", ".data"])
+def test_checkpoint_files_must_be_regular_files(tmp_path, kind, which):
+    from conftest import data_files, index_files
+
+    ckpt = tmp_path / "c"
+    state = {"w": torch.arange(300.0)}
+    save(state, ckpt)
+    name = {".metadata": ".metadata", ".index": index_files(ckpt)[0], ".data": data_files(ckpt)[0]}[which]
+    victim = ckpt / name
+    copy = tmp_path / "elsewhere"
+    copy.write_bytes(victim.read_bytes())
+    victim.unlink()
+    if kind == "fifo":
+        os.mkfifo(victim)
+    else:
+        victim.symlink_to("/dev/zero" if "zero" in kind else copy)
+    with raises_from_checkpoint((Exception,), match="regular file") as info:
+        load({"w": torch.zeros(300)}, ckpt)
+    assert name in str(info.value) or "symbolic link" in str(info.value)
+    assert not verify(ckpt).ok
+
+
+def test_chunks_that_do_not_cover_the_tensor_are_refused(tmp_path):
+    ckpt = tmp_path / "c"
+    save({"w": torch.arange(16.0)}, ckpt)
+    md = DataStatesReader(ckpt).read_metadata()
+    md.state_dict_metadata["w"].chunks = []
+    (ckpt / ".metadata").write_bytes(encode_metadata(md))
+    with pytest.raises(Exception, match="hold 0 elements of its 16"):
+        DataStatesReader(ckpt).read_metadata()
