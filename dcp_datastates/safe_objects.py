@@ -12,6 +12,7 @@ strings, tensors, and globals registered with
 from __future__ import annotations
 
 import io
+import pickle
 import re
 
 import torch
@@ -22,10 +23,20 @@ from .errors import CorruptCheckpointError, UnsafeCheckpointError
 _GLOBAL_RE = re.compile(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)")
 
 
+def _empty_bytes(*args):
+    """``builtins.bytes`` as the restricted unpickler sees it: ``torch.save`` pickles ``b""``
+    as a call of ``bytes()`` (protocol 2). Only that call is plain data; ``bytes(n)``
+    would let a pickle allocate any amount of memory."""
+    if args:
+        raise pickle.UnpicklingError("bytes() called with arguments is not plain data")
+    return b""
+
+
 def check_object_is_plain(blob: bytes | bytearray, key: str, where: str) -> None:
     """Raise unless ``blob`` (a ``torch.save`` of the object ``key``) loads with weights_only."""
     try:
-        torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
+        with torch.serialization.safe_globals([(_empty_bytes, "builtins.bytes")]):
+            torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - classified below
         message = str(exc)
         if "Weights only load failed" in message or "weights_only" in message:

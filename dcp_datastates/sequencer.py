@@ -44,7 +44,8 @@ class SaveSequencer:
         self._next_ticket = 0
         self._settled: set[int] = set()  # tickets that began their save or were abandoned
         self._floor = 0  # every ticket below this is settled
-        self._last_thread: threading.Thread | None = None
+        self._last: tuple[threading.Thread, int] | None = None  # the last save begun: thread, ticket
+        self._latest_ticket: dict[int, int] = {}  # thread ident -> ticket of its latest begin()
 
     def reserve(self) -> int:
         with self._cv:
@@ -64,18 +65,34 @@ class SaveSequencer:
 
     def begin(self, ticket: int) -> None:
         """Called by the thread about to run the save of ``ticket``, before any collective."""
-        self.wait_turn(ticket)
         me = threading.current_thread()
         with self._cv:
-            previous, self._last_thread = self._last_thread, me
+            if len(self._latest_ticket) > 64:  # executor threads come and go
+                alive = {t.ident for t in threading.enumerate()}
+                self._latest_ticket = {k: v for k, v in self._latest_ticket.items() if k in alive}
+            self._latest_ticket[me.ident] = ticket
+        self.wait_turn(ticket)
+        with self._cv:
+            previous, self._last = self._last, (me, ticket)
             self._settle(ticket)
-        self.wait_idle(previous)
+        if previous is not None:
+            self.wait_idle(*previous)
 
-    def wait_idle(self, thread: threading.Thread | None) -> None:
-        """Block until ``thread`` (another thread) has left DCP's save."""
-        if thread is not None and thread is not threading.current_thread():
-            while _inside_dcp_save(thread):
-                time.sleep(_POLL_S)
+    def wait_idle(self, thread: threading.Thread | None, ticket: int | None = None) -> None:
+        """Block until ``thread`` (another thread) has left DCP's save of ``ticket``.
+
+        A thread that has begun a later save has left the earlier one (a thread
+        runs its saves one after another), even though it is inside DCP's save
+        function again: without this a caller's ``dcp.save`` issued while an
+        earlier ``dcp.async_save`` had not begun would wait for that save, and
+        that save for it.
+        """
+        if thread is None or thread is threading.current_thread():
+            return
+        while _inside_dcp_save(thread):
+            if ticket is not None and self._latest_ticket.get(thread.ident, ticket) != ticket:
+                return
+            time.sleep(_POLL_S)
 
     def _settle(self, ticket: int) -> None:
         self._settled.add(ticket)

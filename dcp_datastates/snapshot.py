@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .errors import SnapshotMutatedError
+from .errors import CheckpointError, SnapshotMutatedError
 from .format import data_file_name, index_file_name
 from .layout import PAGE, align_up, new_save_id, place_tensors
 from .providers import TensorSource, finish_regions, local_tensor, tensor_source
@@ -53,13 +53,37 @@ class StagingFuture(Future):
     DCP's async executor calls ``result()`` on it in the thread that then
     runs the save, which is how the writer pairs a save with its snapshot.
     Our own waits (the fence) use ``concurrent.futures.wait`` instead.
+
+    Claiming (any ``result()`` call outside the staging monitor) and giving
+    the snapshot up (see ``_abandon_if_unclaimed``) exclude each other: a
+    snapshot whose save has begun is never given up, and a save whose
+    snapshot was given up fails instead of saving tensors that have moved on.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.consumer: int | None = None
+        self._claim_lock = threading.Lock()
+        self._claimed = False
+        self._abandoned = False
+
+    def try_abandon(self) -> bool:
+        with self._claim_lock:
+            if self._claimed or self.consumer is not None:
+                return False
+            self._abandoned = True
+            return True
 
     def result(self, timeout=None):
+        if threading.get_ident() != _MONITOR.ident:
+            with self._claim_lock:
+                if self._abandoned:
+                    raise CheckpointError(
+                        f"this asynchronous snapshot was given up: its save had not begun {ABANDON_AFTER_S:g} s "
+                        "after its staging completed while later saves waited, so nothing was saved (the "
+                        "tensors may have changed since); save again"
+                    )
+                self._claimed = True
         value = super().result(timeout)
         if self.consumer is None and threading.get_ident() != _MONITOR.ident:
             self.consumer = threading.get_ident()
@@ -266,9 +290,24 @@ def _abandon_if_unclaimed(snap: Snapshot) -> None:
         return
     if time.monotonic() - snap.resolved_at < ABANDON_AFTER_S:
         return
+    if _submitted_to_dcp(snap.future) or not snap.future.try_abandon():
+        return  # its save will run: a starved executor thread, not a dropped save
     snap.abandoned = True
     snap.cancel("dcp.async_save never ran the save of this snapshot")
     SEQUENCER.abandon(snap.ticket)
+
+
+def _submitted_to_dcp(future: StagingFuture) -> bool:
+    """Whether DCP's thread executor holds ``future`` for a save it has not started yet.
+
+    Its work item keeps the keyword arguments of ``save_wrapper``; a
+    dcp.async_save that raised after ``stage()`` never got that far.
+    """
+    import gc
+
+    return any(
+        isinstance(r, dict) and r.get("staging_future_or_state_dict") is future for r in gc.get_referrers(future)
+    )
 
 
 _MONITOR = _StagingMonitor()

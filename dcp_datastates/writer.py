@@ -116,6 +116,7 @@ class _Save:
     replaced_files: list[str] = dataclasses.field(default_factory=list)
     written_files: list[str] = dataclasses.field(default_factory=list)  # sync: this rank's files
     job: Any = None  # sync: the engine job writing this rank's data file
+    ticket: int = -1  # its place in the process-wide order of saves (sequencer)
     ended: bool = False
 
 
@@ -132,6 +133,9 @@ class _RankFile:
     tensor_end: int
     tensor_spans: Callable[[], list]  # (offset, end, fqn) of every tensor, built only for an error message
 
+
+# Held while a staged snapshot takes its ticket and joins the staging monitor's queue.
+_STAGE_ORDER = threading.Lock()
 
 # Errors of background saves not yet raised to the caller: (writer id, path, error).
 _unreported_lock = threading.Lock()
@@ -233,14 +237,17 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         except BaseException:
             snap.cancel("snapshot capture failed")
             raise
-        snap.ticket = SEQUENCER.reserve()
+        # The ticket and the monitor's queue must have the same order: the monitor
+        # resolves snapshots in queue order, each after every earlier ticket began.
+        with _STAGE_ORDER:
+            snap.ticket = SEQUENCER.reserve()
+            with self._lock:
+                self._pending.append(snap)
+                self._staged = [s for s in self._staged if not (s.ended or s.abandoned)]
+                self._staged.append(snap)
+            fence.track(snap.future)
+            snapshots.submit(snap)
         snap.stage_call_s = time.perf_counter() - t0
-        with self._lock:
-            self._pending.append(snap)
-            self._staged = [s for s in self._staged if not (s.ended or s.abandoned)]
-            self._staged.append(snap)
-        fence.track(snap.future)
-        snapshots.submit(snap)
         return snap.future
 
     def synchronize_staging(self) -> None:
@@ -265,10 +272,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"DataStatesWriter.close(): a save staged into {snap.directory} never began")
                 time.sleep(0.002)
-            SEQUENCER.wait_idle(snap.thread)
+            SEQUENCER.wait_idle(snap.thread, snap.ticket)
         save = self._save
         if save is not None:
-            SEQUENCER.wait_idle(save.thread)
+            SEQUENCER.wait_idle(save.thread, save.ticket)
             self._abandon_unfinished(save)
         self._closed = True
         _raise_unreported(id(self))
@@ -566,7 +573,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             self._abandon_unfinished(self._save)
         stats = SaveStats(asynchronous=snap is not None)
         path = snap.directory if snap is not None else self.path
-        save = _Save(path=path, save_id=new_save_id(), thread=me, snapshot=snap, stats=stats, writer_id=id(self))
+        save = _Save(
+            path=path, save_id=new_save_id(), thread=me, snapshot=snap, stats=stats, writer_id=id(self), ticket=ticket
+        )
         self._save = save
         if snap is not None:
             stats.stage_call_s = snap.stage_call_s

@@ -31,6 +31,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _no_error_leaks_between_tests():
+    """Every background save error must have been raised to the test that caused it:
+    one left unraised would otherwise surface in (and fail) an unrelated later test."""
+    import dcp_datastates.writer as writer_module
+
+    yield
+    with writer_module._unreported_lock:
+        leaked = list(writer_module._unreported)
+        writer_module._unreported.clear()
+    assert not leaked, f"background save errors never raised: {leaked}"
+
+
 def save(state, path, **writer_kwargs):
     writer = DataStatesWriter(path, **writer_kwargs)
     dcp.save(state, storage_writer=writer, no_dist=True)

@@ -455,13 +455,17 @@ def selftest_hang(rank, world_size):
 # ---------------------------------------------------------------------------
 
 
-def _worker_main(argv) -> int:
+def _worker_main(argv, cases: dict | None = None) -> int:
+    """One rank of a launch: ``cases`` (default: this module's) names the case functions."""
     case_name, rank, world_size, port, kwargs = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), json.loads(argv[4])
     torch.set_num_threads(1)
     import datetime
+    import faulthandler
+    import signal
 
     import torch.distributed as dist
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for stacks on a hang
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -470,7 +474,7 @@ def _worker_main(argv) -> int:
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )
     try:
-        CASES[case_name](rank, world_size, **kwargs)
+        (CASES if cases is None else cases)[case_name](rank, world_size, **kwargs)
         dist.barrier()  # nobody tears the store down while another rank still uses it
     except BaseException:
         traceback.print_exc()
@@ -496,24 +500,39 @@ class WorkersFailed(AssertionError):
     pass
 
 
-def run_ranks(case_name: str, world_size: int, log_dir, timeout: float = SPAWN_TIMEOUT_S, **kwargs) -> float:
-    """Run ``CASES[case_name]`` on ``world_size`` ranks; raise with every rank's output on failure.
+def run_ranks(
+    case_name: str,
+    world_size: int,
+    log_dir,
+    timeout: float = SPAWN_TIMEOUT_S,
+    *,
+    worker_script: str | None = None,
+    worker_cases: dict | None = None,
+    **kwargs,
+) -> float:
+    """Run ``case_name`` on ``world_size`` ranks; raise with every rank's output on failure.
 
-    Returns the wall time in seconds. A launch that lost the race for its TCP
-    port (another process bound it between our probe and rank 0's store) is
-    retried once on a new port.
+    The ranks run ``worker_script`` (default: this file), whose case table is
+    ``worker_cases`` (default: ``CASES``). Returns the wall time in seconds. A
+    launch that lost the race for its TCP port (another process bound it
+    between our probe and rank 0's store) is retried once on a new port; a
+    hang sends every rank SIGUSR1 (faulthandler: all stacks into the logs)
+    before the kill.
     """
-    if case_name not in CASES:
+    if case_name not in (CASES if worker_cases is None else worker_cases):
         raise KeyError(case_name)
+    script = worker_script or os.path.abspath(__file__)
     try:
-        return _run_ranks_once(case_name, world_size, log_dir, timeout, kwargs)
+        return _run_ranks_once(case_name, world_size, log_dir, timeout, kwargs, script)
     except WorkersFailed as exc:
         if "Address already in use" not in str(exc) and "EADDRINUSE" not in str(exc):
             raise
-    return _run_ranks_once(case_name, world_size, log_dir, timeout, kwargs)
+    return _run_ranks_once(case_name, world_size, log_dir, timeout, kwargs, script)
 
 
-def _run_ranks_once(case_name, world_size, log_dir, timeout, kwargs) -> float:
+def _run_ranks_once(case_name, world_size, log_dir, timeout, kwargs, script) -> float:
+    import signal
+
     os.makedirs(log_dir, exist_ok=True)
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -523,14 +542,14 @@ def _run_ranks_once(case_name, world_size, log_dir, timeout, kwargs) -> float:
     args = json.dumps({k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in kwargs.items()})
     procs, logs = [], []
     t0 = time.monotonic()
+    timed_out = False
     try:
         for rank in range(world_size):
-            log_path = os.path.join(log_dir, f"{case_name}-rank{rank}.log")
-            log = open(log_path, "w+b")
+            log = open(os.path.join(log_dir, f"{case_name}-rank{rank}.log"), "w+b")
             logs.append(log)
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, os.path.join(HERE, "dist_helpers.py"), case_name, str(rank), str(world_size), str(port), args],
+                    [sys.executable, script, case_name, str(rank), str(world_size), str(port), args],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
@@ -540,7 +559,6 @@ def _run_ranks_once(case_name, world_size, log_dir, timeout, kwargs) -> float:
             )
         deadline = t0 + timeout
         first_failure_at = None
-        timed_out = False
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
             if any(p.returncode not in (None, 0) for p in procs):
@@ -552,25 +570,29 @@ def _run_ranks_once(case_name, world_size, log_dir, timeout, kwargs) -> float:
                 break
             time.sleep(0.05)
     finally:
+        if timed_out:  # every thread's stack into the logs before the kill
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
     elapsed = time.monotonic() - t0
     codes = [p.returncode for p in procs]
-    if timed_out or any(c != 0 for c in codes):
-        outputs = []
-        order = sorted(range(world_size), key=lambda r: codes[r] in (0, -9))  # real failures first
-        for rank in order:
-            logs[rank].seek(0)
-            text = logs[rank].read().decode("utf-8", "replace")
-            outputs.append(f"----- rank {rank} (exit code {codes[rank]}) -----\n{text[-20000:]}")
+    try:
+        if timed_out or any(c != 0 for c in codes):
+            outputs = []
+            for rank in sorted(range(world_size), key=lambda r: codes[r] in (0, -9)):  # real failures first
+                logs[rank].seek(0)
+                text = logs[rank].read().decode("utf-8", "replace")
+                outputs.append(f"----- rank {rank} (exit code {codes[rank]}) -----\n{text[-20000:]}")
+            what = f"timed out after {timeout:.0f}s" if timed_out else f"failed (exit codes {codes})"
+            raise WorkersFailed(f"{case_name} on {world_size} ranks {what}:\n" + "\n".join(outputs))
+    finally:
         for log in logs:
             log.close()
-        what = f"timed out after {timeout:.0f}s" if timed_out else f"failed (exit codes {codes})"
-        raise WorkersFailed(f"{case_name} on {world_size} ranks {what}:\n" + "\n".join(outputs))
-    for log in logs:
-        log.close()
     return elapsed
 
 
