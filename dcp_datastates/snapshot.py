@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -75,6 +76,10 @@ class StagingFuture(Future):
             return True
 
     def result(self, timeout=None):
+        if _called_from_dcp_staging_callback():
+            # dcp.async_save's done-callback only forwards completion to the future it
+            # returns; it may run in the caller's thread, which does not run the save.
+            return super().result(timeout)
         if threading.get_ident() != _MONITOR.ident:
             with self._claim_lock:
                 if self._abandoned:
@@ -88,6 +93,11 @@ class StagingFuture(Future):
         if self.consumer is None and threading.get_ident() != _MONITOR.ident:
             self.consumer = threading.get_ident()
         return value
+
+
+def _called_from_dcp_staging_callback() -> bool:
+    code = sys._getframe(2).f_code
+    return code.co_name == "callback" and code.co_filename.endswith("state_dict_saver.py")
 
 
 class Snapshot:

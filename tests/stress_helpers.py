@@ -443,7 +443,7 @@ def _mutate(state, i):
     state["meta"]["log"].append(i)
 
 
-def _writer_thread(tag, root, saves, settings, fence, start, results, errors):
+def _writer_thread(tag, root, saves, settings, fence, start, results, errors, max_in_flight=None):
     import torch.distributed.checkpoint as dcp
 
     import dcp_datastates
@@ -455,6 +455,8 @@ def _writer_thread(tag, root, saves, settings, fence, start, results, errors):
         writer = DataStatesWriter(**settings)  # one writer per thread, reused with reset()
         responses = []
         for i in range(saves):
+            if max_in_flight and len(responses) >= max_in_flight:
+                responses[-max_in_flight].upload_completion.result()  # bound the saves in flight
             path = os.path.join(root, f"{tag}-{i:03d}")
             writer.reset(path)
             results.append((path, clone_state(state)))
@@ -473,12 +475,14 @@ def _writer_thread(tag, root, saves, settings, fence, start, results, errors):
         errors.append((tag, exc))
 
 
-def two_writers_main(root, engines, saves, stall_s):
+def two_writers_main(root, engines, saves, stall_s, max_in_flight=None):
     """Two threads, each with its own DataStatesWriter and state, saving asynchronously at once.
 
     Thread "a" waits for its own staging future before mutating, thread "b" uses
     ``wait_for_snapshots()``; ``engines`` is "shared" (same writer settings: one
-    engine and pool) or "separate". Every checkpoint is then loaded and compared.
+    engine and pool) or "separate"; ``max_in_flight`` bounds each thread's saves
+    not yet uploaded (default: none awaited until the end). Every checkpoint is
+    then loaded and compared.
     A watchdog prints every thread's stack and exits with code 3 if the saves
     have not ended after ``stall_s`` seconds. Prints "OK" on success.
     """
@@ -491,9 +495,9 @@ def two_writers_main(root, engines, saves, stall_s):
     results_a, results_b, errors = [], [], []
     start = threading.Barrier(2)
     threads = [
-        threading.Thread(target=_writer_thread, args=("a", root, saves, small, "staging", start, results_a, errors)),
+        threading.Thread(target=_writer_thread, args=("a", root, saves, small, "staging", start, results_a, errors, max_in_flight)),
         threading.Thread(
-            target=_writer_thread, args=("b", root, saves, other, "wait_for_snapshots", start, results_b, errors)
+            target=_writer_thread, args=("b", root, saves, other, "wait_for_snapshots", start, results_b, errors, max_in_flight)
         ),
     ]
     t0 = time.monotonic()

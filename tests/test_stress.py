@@ -14,9 +14,11 @@
   an async save after every step, none awaited until the end;
 * regressions for library bugs these tests found, each in a subprocess: a
   synchronous dcp.save issued while an async save has not begun (deadlock),
-  two threads staging at once (stall of every async save), and a save whose
+  two threads staging at once (stall of every async save), a save whose
   DCP thread starts late (it was given up, then saved from the live
-  tensors: a committed checkpoint with wrong values). All three are fixed.
+  tensors: a committed checkpoint with wrong values), and DCP's staging
+  callback run in the caller's thread (taken for the save's thread: stall).
+  All four are fixed.
 
 Afterwards every checkpoint is loaded in one process and compared bit-exactly
 with the state recorded when its save was called.
@@ -142,10 +144,13 @@ def test_100_async_saves_of_a_mutating_state_through_a_small_cache_long(tmp_path
 # ---------------------------------------------------------------------------
 
 
-def _two_writers(tmp_path, engines, saves, stall_s, switch_interval=None):
+def _two_writers(tmp_path, engines, saves, stall_s, switch_interval=None, max_in_flight=None):
     """Run :func:`stress_helpers.two_writers_main` in a subprocess: a stalled save stalls every
     later async save of its process, so it must not happen in the pytest process."""
-    code = f"import stress_helpers as sh; sh.two_writers_main({str(tmp_path)!r}, {engines!r}, {saves}, {stall_s})"
+    code = (
+        f"import stress_helpers as sh; "
+        f"sh.two_writers_main({str(tmp_path)!r}, {engines!r}, {saves}, {stall_s}, {max_in_flight})"
+    )
     if switch_interval is not None:
         code = f"import sys; sys.setswitchinterval({switch_interval}); " + code
     try:
@@ -168,7 +173,10 @@ def test_two_writers_in_two_threads_at_once(tmp_path, engines):
 @pytest.mark.parametrize("switch_interval", [None, 1e-5], ids=["default-switch", "10us-switch"])
 def test_two_writers_in_two_threads_at_once_long(tmp_path, engines, switch_interval):
     # A 10 us GIL switch interval makes thread interleavings (races) far more likely.
-    _two_writers(tmp_path, engines, saves=150, stall_s=60, switch_interval=switch_interval)
+    # With 300 saves in flight at a 10 us switch interval the sequencer's polling (every waiting
+    # save thread walks sys._current_frames() every 2 ms) takes minutes: bound the saves in flight.
+    max_in_flight = 8 if switch_interval else None
+    _two_writers(tmp_path, engines, saves=150, stall_s=60, switch_interval=switch_interval, max_in_flight=max_in_flight)
 
 
 # ---------------------------------------------------------------------------
@@ -387,3 +395,58 @@ def test_slow_executor_thread_does_not_get_its_save_abandoned(tmp_path):
     cancelled a snapshot whose save had just begun). Runs in a subprocess: it patches the module.
     """
     run_regression_script(ABANDON_SCRIPT, tmp_path, "WRONG", "checkpoint 'one' does not hold the state at its call")
+
+
+# ---------------------------------------------------------------------------
+# DCP's staging callback run in the caller's thread (it claims the staging future)
+# ---------------------------------------------------------------------------
+
+CONSUMER_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, threading, time, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint._async_thread_executor as executor
+    from dcp_datastates import DataStatesWriter, snapshot
+
+    real_wrapper = executor.save_wrapper
+
+    def slow_start_wrapper(*args, **kwargs):
+        time.sleep(0.5)  # DCP's executor thread gets the GIL late
+        return real_wrapper(*args, **kwargs)
+
+    real_add = snapshot.StagingFuture.add_done_callback
+
+    def late_add_done_callback(self, fn):
+        # dcp.async_save checks staging_future.done(), then calls add_done_callback(); the staging
+        # monitor resolves the future in between, so DCP's callback runs at once, in this thread,
+        # and calls StagingFuture.result() here.
+        while "async_save" in getattr(fn, "__qualname__", "") and not self.done():
+            time.sleep(0.001)
+        real_add(self, fn)
+
+    executor.save_wrapper = slow_start_wrapper
+    snapshot.StagingFuture.add_done_callback = late_add_done_callback
+    d = sys.argv[1]
+    state = {"w": torch.randn(16 << 20)}  # 64 MiB: staging still runs when DCP checks done()
+    r1 = dcp.async_save(state, storage_writer=DataStatesWriter(d + "/one"), no_dist=True)
+    snapshot.StagingFuture.add_done_callback = real_add
+    r2 = dcp.async_save(state, storage_writer=DataStatesWriter(d + "/two"), no_dist=True)
+    for r in (r1, r2):
+        try:
+            r.upload_completion.result(timeout=6)
+        except TimeoutError:
+            print("STALLED", flush=True)
+            os._exit(3)
+    print("OK" if os.path.exists(d + "/one/.metadata") and os.path.exists(d + "/two/.metadata") else "MISSING", flush=True)
+    os._exit(0)
+    """
+)
+
+
+def test_staging_callback_in_the_callers_thread_does_not_stall(tmp_path):
+    """Deterministic version of the stall test_two_writers_in_two_threads_at_once_long[10us-switch-*]
+    hits now and then (an executor thread in SEQUENCER.begin -> wait_turn from _begin_save, the
+    staging monitor in wait_turn). Runs in a subprocess: it patches DCP and the module."""
+    run_regression_script(CONSUMER_SCRIPT, tmp_path, "STALLED", "the async saves never completed")
