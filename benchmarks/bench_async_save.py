@@ -67,7 +67,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import logging
 import os
 import shutil
@@ -95,7 +94,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter  # n
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType  # noqa: E402
 
-from bench_common import fmt, init_gloo, make_scratch, median, mem_available, remove_scratch  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_common_args, fmt, init_gloo, make_scratch, median, mem_available, remove_scratch, write_json,
+)
 from bench_save_load import BLOCK, GB, GiB, MiB, check_equal, machine_info, make_big_state, state_bytes  # noqa: E402
 from dcp_datastates import DataStatesReader, DataStatesWriter  # noqa: E402
 from dcp_datastates import _engine  # noqa: E402
@@ -526,11 +527,7 @@ def print_report(meta: dict, summary: dict, first: dict, rat: list[dict], reps: 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="256 MiB state, 1 rep, stage sizes 100 MB vs 1 GB")
-    ap.add_argument("--dir", default=None, help="directory for checkpoints (a temporary subdirectory "
-                    "is created inside and removed at the end; default: ./bench_tmp)")
-    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3, --quick 1)")
-    ap.add_argument("--json", default=None, help="write every figure to this JSON file")
+    add_common_args(ap, "256 MiB state, 1 rep, stage sizes 100 MB vs 1 GB")
     ap.add_argument("--state-mib", type=int, default=None, help="state size in MiB (default 2048, --quick 256)")
     ap.add_argument("--cache-mib", type=int, default=256, help="ours: host_cache_bytes in MiB (default 256)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
@@ -634,9 +631,7 @@ def main() -> int:
         report["wall_s"] = time.perf_counter() - t_start
         print(f"total wall time {report['wall_s']:.0f}s")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1, default=str)
-            print(f"wrote {args.json}")
+            write_json(args.json, report)
     finally:
         runner.close()
         remove_scratch(base, root, created_base)

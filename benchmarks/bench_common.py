@@ -6,6 +6,7 @@ when the package under test fails to import.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -13,6 +14,21 @@ import socket
 import statistics
 import subprocess
 import tempfile
+
+
+def add_common_args(ap, quick_help: str, reps_help: str = "repetitions (default 3, --quick 1)") -> None:
+    """The options every benchmark script takes: --quick, --dir, --reps, --json."""
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--dir", default=None, help="directory for checkpoints (a temporary subdirectory "
+                    "is created inside and removed at the end; default: ./bench_tmp)")
+    ap.add_argument("--reps", type=int, default=None, help=reps_help)
+    ap.add_argument("--json", default=None, help="write every figure to this JSON file")
+
+
+def write_json(path: str, report: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    print(f"wrote {path}")
 
 
 def make_scratch(directory: str | None, prefix: str) -> tuple[str, str, bool]:

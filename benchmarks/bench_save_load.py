@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import random
 import shutil
@@ -60,7 +59,7 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter  # noqa: E402
 
-from bench_common import fmt, make_scratch, median, remove_scratch  # noqa: E402
+from bench_common import add_common_args, fmt, make_scratch, median, remove_scratch, write_json  # noqa: E402
 from bench_common import machine_info as common_machine_info  # noqa: E402
 from dcp_datastates import DataStatesReader, DataStatesWriter  # noqa: E402
 from dcp_datastates import _engine  # noqa: E402
@@ -383,11 +382,7 @@ def print_state(name: str, meta: dict, summary: dict, rat: list[dict], ours_stat
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="~256 MiB big state, 2,000 small tensors, 1 rep")
-    ap.add_argument("--dir", default=None, help="directory for checkpoints (a temporary subdirectory "
-                    "is created inside and removed at the end; default: ./bench_tmp)")
-    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3, --quick 1)")
-    ap.add_argument("--json", default=None, help="write every figure to this JSON file")
+    add_common_args(ap, "~256 MiB big state, 2,000 small tensors, 1 rep")
     ap.add_argument("--big-mib", type=int, default=None, help="override the big state's size in MiB")
     ap.add_argument("--small-count", type=int, default=None, help="override the small state's tensor count")
     ap.add_argument("--states", default="big,small", help="comma-separated subset of big,small")
@@ -457,9 +452,7 @@ def main() -> int:
         report["wall_s"] = time.perf_counter() - t_start
         print(f"total wall time {report['wall_s']:.0f}s")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
-            print(f"wrote {args.json}")
+            write_json(args.json, report)
     finally:
         remove_scratch(base, root, created_base)
     return 0

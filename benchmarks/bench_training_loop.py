@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
 import shutil
@@ -81,7 +80,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType  # noqa: E402
 
-from bench_common import fmt, init_gloo, machine_info, make_scratch, median, remove_scratch  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_common_args, fmt, init_gloo, machine_info, make_scratch, median, remove_scratch, write_json,
+)
 
 try:
     import dcp_datastates  # noqa: E402
@@ -319,13 +320,9 @@ class Bench:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="dim 256, 4 layers, 20 iterations, 1 rep")
-    ap.add_argument("--dir", default=None, help="directory for checkpoints (a temporary subdirectory "
-                    "is created inside and removed at the end; default: ./bench_tmp)")
+    add_common_args(ap, "dim 256, 4 layers, 20 iterations, 1 rep", reps_help="repetitions of every run (default 2, --quick 1)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per run (default 40, --quick 20)")
-    ap.add_argument("--reps", type=int, default=None, help="repetitions of every run (default 2, --quick 1)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed iterations at the start of every run")
-    ap.add_argument("--json", default=None, help="write every figure to this JSON file")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated subset of {','.join(ALL_VARIANTS)} (default {','.join(VARIANTS)})")
     ap.add_argument("--every", default="1,10", help="checkpoint intervals in iterations (default 1,10)")
@@ -444,9 +441,7 @@ def main() -> int:
                       "rows": rows, "fence": bench.fence_kind, "verified": sorted(bench.verified),
                       "failed": bench.failed, "skipped": skipped, "wall_s": wall,
                       "runs": {f"{v or 'none'}/{k}": rs for (v, k), rs in results.items()}}
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1, default=str)
-            print(f"wrote {args.json}")
+            write_json(args.json, report)
     finally:
         remove_scratch(base, root, created_base)
         if dist.is_initialized():
