@@ -61,6 +61,22 @@ def get_engine(
 crc32c = _engine.crc32c
 
 
+def stop_write_job(job, why: str) -> None:
+    """Cancel an unfinished write job and wait until the engine has let go of it.
+
+    Its descriptors and reserved blocks are given back now, not when the
+    last reference to the job (in a traceback, say) goes away.
+    """
+    if job is None or job.done:
+        return
+    job.cancel(why)
+    job.seal()
+    try:
+        job.wait()
+    except OSError:  # the cancellation itself, or the write error that failed the save
+        pass
+
+
 class gc_paused:
     """Pause Python's cyclic garbage collector for a block, restoring its state after.
 

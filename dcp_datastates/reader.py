@@ -254,7 +254,8 @@ class _ReadBatch:
 
     def __init__(self, reader: DataStatesReader) -> None:
         self.reader = reader
-        self.files: dict[str, int] = {}
+        self.files: dict[str, int] = {}  # relative path -> index into paths
+        self.paths: list[str] = []  # full paths of the files read
         self.requests: list[tuple] = []
         self.keys: list[str] = []
         self.keep: list[Any] = []
@@ -262,16 +263,16 @@ class _ReadBatch:
         self.temp_bytes = 0
 
     def _file(self, relative_path: str) -> int:
-        if relative_path not in self.files:
-            self.files[relative_path] = len(self.files)
-        return self.files[relative_path]
+        i = self.files.get(relative_path)
+        if i is None:
+            i = self.files[relative_path] = len(self.paths)
+            self.paths.append(os.path.join(self.reader.path, relative_path))
+        return i
 
     def _request(self, key: str, relative_path: str, offset: int, nbytes: int, pointer: int, idx: RankIndex) -> None:
-        if self.reader.verify:
-            checks = idx.checks_tiling(offset, nbytes, os.path.join(self.reader.path, relative_path), key)
-        else:
-            checks = []
-        self.requests.append((self._file(relative_path), offset, nbytes, pointer, checks))
+        file = self._file(relative_path)
+        checks = idx.checks_tiling(offset, nbytes, self.paths[file], key) if self.reader.verify else []
+        self.requests.append((file, offset, nbytes, pointer, checks))
         self.keys.append(key)
 
     def add(self, item: ReadItem, planner: LoadPlanner) -> None:
@@ -356,10 +357,7 @@ class _ReadBatch:
     def run(self) -> None:
         reader = self.reader
         if self.requests:
-            paths = [""] * len(self.files)
-            for rel, i in self.files.items():
-                paths[i] = os.path.join(reader.path, rel)
-            job = reader._engine.read(paths, self.requests, self.keep)
+            job = reader._engine.read(self.paths, self.requests, self.keep)
             failures = job.wait()
             if failures:
                 raise _read_error(failures[0], self.keys, len(failures))

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ._native import stop_write_job
 from .errors import CheckpointError, SnapshotMutatedError
 from .format import data_file_name, index_file_name
 from .layout import PAGE, align_up, new_save_id, place_tensors
@@ -76,22 +77,22 @@ class StagingFuture(Future):
             return True
 
     def result(self, timeout=None):
-        if _called_from_dcp_staging_callback():
-            # dcp.async_save's done-callback only forwards completion to the future it
-            # returns; it may run in the caller's thread, which does not run the save.
+        me = threading.get_ident()
+        if me == _MONITOR.ident or _called_from_dcp_staging_callback():
+            # The monitor, and dcp.async_save's done-callback (which only forwards
+            # completion and may run in the caller's thread), do not run the save.
             return super().result(timeout)
-        if threading.get_ident() != _MONITOR.ident:
-            with self._claim_lock:
-                if self._abandoned:
-                    raise CheckpointError(
-                        f"this asynchronous snapshot was given up: its save had not begun {ABANDON_AFTER_S:g} s "
-                        "after its staging completed while later saves waited, so nothing was saved (the "
-                        "tensors may have changed since); save again"
-                    )
-                self._claimed = True
+        with self._claim_lock:
+            if self._abandoned:
+                raise CheckpointError(
+                    f"this asynchronous snapshot was given up: its save had not begun {ABANDON_AFTER_S:g} s "
+                    "after its staging completed while later saves waited, so nothing was saved (the "
+                    "tensors may have changed since); save again"
+                )
+            self._claimed = True
         value = super().result(timeout)
-        if self.consumer is None and threading.get_ident() != _MONITOR.ident:
-            self.consumer = threading.get_ident()
+        if self.consumer is None:
+            self.consumer = me
         return value
 
 
@@ -205,13 +206,7 @@ class Snapshot:
         """Stop the engine job and remove this snapshot's files (the save failed)."""
         from .commit import remove_if_present
 
-        if self.job is not None and not self.job.done:
-            self.job.cancel(why)
-            self.job.seal()
-            try:
-                self.job.wait()
-            except OSError:
-                pass
+        stop_write_job(self.job, why)
         remove_if_present([self.data_path, self.index_path])
 
 

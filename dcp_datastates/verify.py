@@ -150,26 +150,23 @@ def _check_objects_are_plain(path: str, layout, indexes: dict[str, RankIndex], r
 
 
 def _check_items(reader: DataStatesReader, metadata, report: VerifyReport) -> None:
-    """Every item the metadata lists has a stored location of its size."""
+    """Every tensor chunk's stored length matches its dtype and shape.
+
+    ``read_metadata`` already checked that every item has a stored location
+    of the right kind (``CheckpointLayout.check_covers``).
+    """
     layout = reader._layout
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
             report.items += 1
-            loc = layout.location(MetadataIndex(fqn))
-            if loc is None or not loc.is_object:
-                report.problems.append(f"{reader.path}: object {fqn!r} has no stored location")
             continue
-        itemsize = md.properties.dtype.itemsize if isinstance(md.properties.dtype, torch.dtype) else 0
         for chunk in md.chunks:
             report.items += 1
             loc = layout.location(MetadataIndex(fqn, chunk.offsets))
-            where = f"{fqn!r} (chunk at {tuple(chunk.offsets)})"
-            if loc is None:
-                report.problems.append(f"{reader.path}: {where} has no stored location")
-            elif loc.is_object or loc.length != math.prod(chunk.sizes) * itemsize:
+            if loc.length != math.prod(chunk.sizes) * md.properties.dtype.itemsize:
                 report.problems.append(
-                    f"{reader.path}: {where} has {loc.length} stored bytes for a "
-                    f"{md.properties.dtype} chunk of shape {tuple(chunk.sizes)}"
+                    f"{reader.path}: {fqn!r} (chunk at {tuple(chunk.offsets)}) has {loc.length} stored bytes "
+                    f"for a {md.properties.dtype} chunk of shape {tuple(chunk.sizes)}"
                 )
 
 

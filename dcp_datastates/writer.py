@@ -678,16 +678,7 @@ def _clean_up(save: _Save) -> None:
         return
     if save.snapshot is not None:
         save.snapshot.cancel("save failed")
-    job, save.job = save.job, None
-    if job is not None and not job.done:
-        # Stop the engine now: its descriptors and the reserved blocks are given back,
-        # not when the last reference to the job (in a traceback) goes.
-        job.cancel("save failed")
-        job.seal()
-        try:
-            job.wait()
-        except OSError:
-            pass
+    _native.stop_write_job(save.job, "save failed")
     _end(save)
     if save.written_files:
         remove_if_present(save.written_files)
