@@ -130,3 +130,32 @@ def assert_same(a, b, path="state"):
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
+
+
+# ---------------------------------------------------------------------------
+# real checkpoints for the command-line tests (made once per session)
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def sharded_checkpoint(tmp_path_factory):
+    """A 2-rank DTensor checkpoint (ours): ``cli_checkpoints.SavedCheckpoint``."""
+    import cli_checkpoints
+
+    return cli_checkpoints.make_sharded(str(tmp_path_factory.mktemp("cli_sharded")))
+
+
+@pytest.fixture(scope="session")
+def dtype_checkpoints(tmp_path_factory):
+    """(ours, stock DCP) checkpoints of a state with every dtype: two ``SavedCheckpoint``."""
+    import cli_checkpoints
+
+    return cli_checkpoints.make_dtypes(str(tmp_path_factory.mktemp("cli_dtypes")))
+
+
+@pytest.fixture(scope="session")
+def run_checkpoints(tmp_path_factory):
+    """Three checkpoints (steps 10, 20, 30) of one training run: ``cli_checkpoints.SavedRun``."""
+    import cli_checkpoints
+
+    return cli_checkpoints.make_run(str(tmp_path_factory.mktemp("cli_run")))
