@@ -13,6 +13,11 @@
 
     # every checksum of a checkpoint, every problem listed
     print(dcp_datastates.verify(path))
+
+    # a run: step directories, an atomic "latest" pointer, retention, resume
+    mgr = dcp_datastates.CheckpointManager(root, keep_last=3)
+    start = mgr.load(state) or 0      # newest good checkpoint (None: fresh start)
+    mgr.save(step, state)             # asynchronous; optimizer.step() waits only while copying
 """
 
 try:
@@ -34,7 +39,8 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedFormatError,
 )
-from .fence import install_fence, snapshots_in_flight, wait_for_snapshots
+from .fence import install_fence, install_global_fence, snapshots_in_flight, wait_for_snapshots
+from .manager import CheckpointManager, ManagedSave, SkippedCheckpointWarning
 from .planner import DataStatesSavePlanner
 from .reader import DataStatesReader
 from .verify import VerifyReport, verify
@@ -43,6 +49,10 @@ from .writer import DataStatesWriter, SaveStats
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointManager",
+    "ManagedSave",
+    "SkippedCheckpointWarning",
+    "install_global_fence",
     "DataStatesWriter",
     "DataStatesReader",
     "DataStatesSavePlanner",

@@ -23,7 +23,6 @@ import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
-    Metadata,
     MetadataIndex,
     TensorStorageMetadata,
 )

@@ -9,14 +9,18 @@ What it runs (each "run" is a fresh set of spawned processes):
    every block and the root, AdamW) for all N steps without failure, and
    checkpoint every K steps with ``dcp.async_save`` and DCP's own
    ``FileSystemWriter`` (the baseline). Its losses are the reference loss curve.
-2. ``failed``: the same training on P ranks, checkpointing every K steps with
-   ``dcp.async_save`` and ``DataStatesWriter`` (the optimizer step waits in a
-   pre-hook only while a snapshot is still copying); at ``--fail-at`` every rank dies (``os._exit``, no
-   cleanup), so every step after the last committed checkpoint is lost.
-3. ``resumed``: M ranks (a different world size by default) find the newest
-   committed checkpoint (the newest ``step_*`` directory holding
-   ``.metadata``), load it with ``DataStatesReader`` (DCP reshards from P to
-   M ranks) and train to the end, still checkpointing with ``DataStatesWriter``.
+2. ``failed``: the same training on P ranks, checkpointing every K steps
+   through a ``CheckpointManager`` (``dcp.async_save`` with
+   ``DataStatesWriter`` into ``step_<N>`` directories, an atomic ``latest``
+   pointer, ``--keep-last`` retention; the optimizer step waits in a pre-hook
+   only while a snapshot is still copying); at ``--fail-at`` every rank dies
+   (``os._exit``, no cleanup), so every step after the last committed
+   checkpoint is lost.
+3. ``resumed``: M ranks (a different world size by default) open the same
+   root with a ``CheckpointManager``, which removes what the crash left
+   behind and loads the newest committed checkpoint that loads
+   (``DataStatesReader``; DCP reshards from P to M ranks), and train to the
+   end, still checkpointing through the manager.
 
 Then the parent compares the resumed loss curve with the reference (exact
 equality is required when M == P, a tight relative tolerance otherwise, and
@@ -44,7 +48,6 @@ import datetime
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -58,10 +61,9 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dcp_datastates.format import METADATA_FILE
+from dcp_datastates.checkpoint_root import is_committed, step_dir_name, step_dirs
 
 SIMULATED_FAILURE_EXIT = 75  # exit status of a rank that "crashed" on purpose
-STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
 
 
 # ---------------------------------------------------------------------------
@@ -90,7 +92,7 @@ class RunSpec:
     steps: int  # last step to train (inclusive)
     steps_total: int  # horizon of the learning-rate schedule (the same in every run)
     ckpt_every: int
-    ckpt_root: str  # step_XXXXXX directories go here
+    ckpt_root: str  # step_<N> directories go here
     writer: str  # "datastates" or "dcp"
     log_path: str  # rank 0 appends JSON lines (survives the simulated crash)
     global_batch: int
@@ -98,7 +100,8 @@ class RunSpec:
     lr: float
     warmup: int
     fail_at: int | None = None
-    resume_from: str | None = None  # checkpoint directory to load first
+    resume: bool = False  # start from the newest good checkpoint under ckpt_root
+    keep_last: int | None = None  # CheckpointManager retention (ours)
     store_port: int = 0
     pg_timeout_s: float = 120.0
     host_cache_bytes: int = 32 << 20
@@ -227,22 +230,13 @@ def reset_peak_rss() -> bool:
 
 
 def step_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:06d}")
+    return os.path.join(root, step_dir_name(step))
 
 
 def latest_committed_checkpoint(root: str) -> tuple[int, str] | None:
-    """The newest ``step_*`` directory that holds ``.metadata`` (a committed checkpoint)."""
-    best = None
-    if not os.path.isdir(root):
-        return None
-    for name in os.listdir(root):
-        m = STEP_DIR_RE.match(name)
-        path = os.path.join(root, name)
-        if m and os.path.isfile(os.path.join(path, METADATA_FILE)):
-            step = int(m.group(1))
-            if best is None or step > best[0]:
-                best = (step, path)
-    return best
+    """The newest committed ``step_*`` directory under ``root`` (what the parent expects a resume to load)."""
+    committed = [(s, os.path.join(root, n)) for s, n in step_dirs(root).items() if is_committed(os.path.join(root, n))]
+    return max(committed) if committed else None
 
 
 def dir_bytes(path: str) -> int:
@@ -276,21 +270,17 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo")
         self._pending: Any = None  # (upload future, record) of the save in flight
         self._fencing: dict | None = None  # the record whose snapshot may still be copying
-        optim.register_step_pre_hook(self._fence_hook)
+        self.manager = None
+        if spec.writer == "datastates":
+            from dcp_datastates import CheckpointManager
 
-    def _make_writer(self, path: str):
-        if self.spec.writer == "datastates":
-            from dcp_datastates import DataStatesWriter
-
-            return DataStatesWriter(
-                path,
-                host_cache_bytes=self.spec.host_cache_bytes,
-                io_threads=self.spec.io_threads,
-                direct_io=self.spec.direct_io,
+            # fence=False: the demo installs the same fence itself (below) to time its waits.
+            self.manager = CheckpointManager(
+                spec.ckpt_root, keep_last=spec.keep_last, async_save=True, process_group=self.group,
+                host_cache_bytes=spec.host_cache_bytes, io_threads=spec.io_threads, direct_io=spec.direct_io,
+                fence=False,
             )
-        from torch.distributed.checkpoint import FileSystemWriter
-
-        return FileSystemWriter(path)
+        optim.register_step_pre_hook(self._fence_hook)
 
     def _fence_hook(self, *_args) -> None:
         """Optimizer step pre-hook: wait while a snapshot still reads the parameters."""
@@ -315,10 +305,15 @@ class Checkpointer:
         t0 = time.perf_counter()
         state = build_state(step, model, optim, self.spec)
         t1 = time.perf_counter()
-        writer = self._make_writer(path)
-        resp = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+        if self.manager is not None:
+            upload = writer = self.manager.save(step, state)  # its future carries the writer's stats
+        else:
+            from torch.distributed.checkpoint import FileSystemWriter
+
+            writer = FileSystemWriter(path)
+            resp = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+            upload = getattr(resp, "upload_completion", resp)
         t2 = time.perf_counter()
-        upload = getattr(resp, "upload_completion", resp)
         record = {
             "step": step,
             "path": path,
@@ -432,22 +427,22 @@ def build_state(step: int, model: nn.Module, optim: torch.optim.Optimizer, spec:
     }
 
 
-def load_checkpoint(path: str, model: nn.Module, optim: torch.optim.Optimizer, spec: RunSpec) -> int:
-    import torch.distributed.checkpoint as dcp
+def load_checkpoint(manager, model: nn.Module, optim: torch.optim.Optimizer, spec: RunSpec) -> int:
+    """Resume: the manager loads the newest committed checkpoint that loads (every byte verified)."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    from dcp_datastates import DataStatesReader
 
     state = build_state(-1, model, optim, spec)  # template: shapes and shardings of this world
     state["data"] = {"seed": -1, "next_step": -1, "global_batch": -1, "samples_seen": -1}
-    dcp.load(state, storage_reader=DataStatesReader(path, verify=True))
+    found = manager.load(state)
+    path = manager.root
+    if found is None:
+        raise RuntimeError(f"no committed checkpoint under {path} to resume from")
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     torch.set_rng_state(state["rng"]["torch"])
     step = int(state["step"])
     data = state["data"]
-    m = STEP_DIR_RE.match(os.path.basename(os.path.normpath(path)))
-    if m and int(m.group(1)) != step:
-        raise RuntimeError(f"{path} holds step {step}, its directory name says {int(m.group(1))}")
+    if found != step:
+        raise RuntimeError(f"{manager.path_of(found)} holds step {step}, its directory name says {found}")
     if data["seed"] != spec.seed or data["global_batch"] != spec.global_batch or data["next_step"] != step + 1:
         raise RuntimeError(f"{path}: data position {data} does not match this run (seed {spec.seed})")
     return step
@@ -503,22 +498,23 @@ def _train(rank: int, spec: RunSpec, device: torch.device, log) -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
     n_params = sum(p.numel() for p in model.parameters())
 
+    ckpt = Checkpointer(spec, rank, log, optim)
     start = 1
-    if spec.resume_from is not None:
+    if spec.resume:
         t0 = time.perf_counter()
-        loaded = load_checkpoint(spec.resume_from, model, optim, spec)
+        loaded = load_checkpoint(ckpt.manager, model, optim, spec)
         load_s = time.perf_counter() - t0
         start = loaded + 1
-        log({"kind": "resumed", "from_step": loaded, "path": spec.resume_from, "load_s": load_s, "world": world})
+        path = ckpt.manager.path_of(loaded)
+        log({"kind": "resumed", "from_step": loaded, "path": path, "load_s": load_s, "world": world})
         if rank == 0:
-            print(f"[{spec.name} W={world}] loaded step {loaded} from {spec.resume_from} in {load_s:.2f} s", flush=True)
+            print(f"[{spec.name} W={world}] loaded step {loaded} from {path} in {load_s:.2f} s", flush=True)
     elif rank == 0:
         print(f"[{spec.name} W={world}] model: {n_params / 1e6:.2f} M parameters, device {device}", flush=True)
 
     per_rank = spec.data_shards // world
     rows = spec.global_batch // spec.data_shards
     my_shards = range(rank * per_rank, (rank + 1) * per_rank)
-    ckpt = Checkpointer(spec, rank, log, optim)
     t_last = time.perf_counter()
     for step in range(start, spec.steps + 1):
         for group in optim.param_groups:
@@ -547,6 +543,8 @@ def _train(rank: int, spec: RunSpec, device: torch.device, log) -> None:
         if step % spec.ckpt_every == 0:
             ckpt.save(step, model, optim)
     ckpt.wait()
+    if ckpt.manager is not None:
+        ckpt.manager.close()
     log({"kind": "done", "step": spec.steps, "lifetime_peak_rss_mb": peak_rss_mb()})
 
 
@@ -753,6 +751,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--host-cache-mb", type=int, default=32, help="DataStatesWriter host pool (default 32 MiB)")
     g.add_argument("--io-threads", type=int, default=2)
     g.add_argument("--direct-io", choices=("auto", "on", "off"), default="auto")
+    g.add_argument("--keep-last", type=int, default=3,
+                   help="CheckpointManager retention: the newest K checkpoints of ours are kept (0: all; default 3)")
     g = p.add_argument_group("checks")
     g.add_argument("--rtol", type=float, default=1e-5,
                    help="relative tolerance on every resumed loss when M != P (default 1e-5); M == P must be exact")
@@ -842,7 +842,7 @@ def _scenario(args: argparse.Namespace, device: str, root: str, t_start: float) 
             log_path=os.path.join(logs, f"{name}.jsonl"), global_batch=args.batch,
             data_shards=args.data_shards, lr=args.lr, warmup=max(1, args.steps // 10),
             host_cache_bytes=args.host_cache_mb << 20, io_threads=args.io_threads, direct_io=args.direct_io,
-            threads=threads, progress_every=args.ckpt_every,
+            threads=threads, progress_every=args.ckpt_every, keep_last=args.keep_last or None,
         )
         return dataclasses.replace(s, **kw) if kw else s
 
@@ -887,7 +887,17 @@ def _scenario(args: argparse.Namespace, device: str, root: str, t_start: float) 
     lost = (args.fail_at - 1) - resume_step
     print(f"\n== 3/3 resumed run: {M} rank(s) from {resume_dir} (step {resume_step}; "
           f"{lost} finished step(s) after it were lost) ==", flush=True)
-    res_spec = spec("resumed", M, ckpt_root=ours_root, writer="datastates", resume_from=resume_dir)
+    # our checkpoint of the resume step holds exactly what DCP's checkpoint of that step holds
+    same_ckpt, same_text = (None, "skipped (no DCP checkpoint of that step)")
+    if resume_step in ref_ckpts:
+        try:
+            same_ckpt, same_text = compare_checkpoints(resume_dir, step_dir(ref_root, resume_step))
+        except Exception as exc:  # report it, do not hide it
+            same_ckpt, same_text = False, f"comparison failed: {type(exc).__name__}: {exc}"
+        if same_ckpt is False:
+            problems.append(f"checkpoint of step {resume_step} differs from DCP's: {same_text}")
+
+    res_spec = spec("resumed", M, ckpt_root=ours_root, writer="datastates", resume=True)
     r = launch(res_spec, args.timeout)
     res_log = read_log(res_spec.log_path)
     if not r.ok:
@@ -898,6 +908,8 @@ def _scenario(args: argparse.Namespace, device: str, root: str, t_start: float) 
     res_ckpts = ckpts_of(res_log)
     resumed_rec = next(rec for rec in res_log if rec["kind"] == "resumed")
     res_s = r.seconds
+    if resumed_rec["from_step"] != resume_step:
+        problems.append(f"the resumed run loaded step {resumed_rec['from_step']}, the newest committed is {resume_step}")
 
     # -- checks -----------------------------------------------------------------
     print("\n== results ==")
@@ -937,15 +949,16 @@ def _scenario(args: argparse.Namespace, device: str, root: str, t_start: float) 
         problems.append(f"the resumed loss curve diverges from the reference (first at step {first_bad}, "
                         f"max |diff| {max_abs:.3e}, max rel {max_rel:.3e}; {tol_text})")
 
-    # c) our checkpoint of the resume step holds exactly what DCP's checkpoint of that step holds
-    same_ckpt, same_text = (None, "skipped (no DCP checkpoint of that step)")
-    if resume_step in ref_ckpts:
-        try:
-            same_ckpt, same_text = compare_checkpoints(resume_dir, step_dir(ref_root, resume_step))
-        except Exception as exc:  # report it, do not hide it
-            same_ckpt, same_text = False, f"comparison failed: {type(exc).__name__}: {exc}"
-        if same_ckpt is False:
-            problems.append(f"checkpoint of step {resume_step} differs from DCP's: {same_text}")
+    # the manager's root after both runs: retention applied, the pointer on the newest
+    from dcp_datastates.checkpoint_root import read_latest
+
+    kept = sorted(s for s, n in step_dirs(ours_root).items() if is_committed(os.path.join(ours_root, n)))
+    pointer = read_latest(ours_root)
+    if not kept or pointer != kept[-1] or sorted(step_dirs(ours_root)) != kept:
+        problems.append(f"checkpoint root {ours_root}: committed {kept}, directories {sorted(step_dirs(ours_root))}, "
+                        f"latest -> {pointer}")
+    if args.keep_last and len(kept) > args.keep_last:
+        problems.append(f"retention kept {len(kept)} checkpoints, --keep-last is {args.keep_last}")
 
     # -- report -----------------------------------------------------------------
     print(f"\nloss around the resume point (reference: {P} rank(s) uninterrupted; resumed: {M} rank(s) "
@@ -1021,6 +1034,8 @@ def _scenario(args: argparse.Namespace, device: str, root: str, t_start: float) 
     print(f"  before the failure the failing run matched the reference: "
           f"{'bit-exact' if pre_exact else f'NOT bit-exact (max |diff| {pre_diff:.3e})'} over {len(pre)} steps")
     print(f"  checkpoint of step {resume_step}, ours vs DCP's: {same_text}")
+    print(f"  ours on disk (CheckpointManager, keep_last={args.keep_last or 'all'}): steps {kept}, "
+          f"latest -> {pointer}")
     print(f"  resumed loss vs reference over steps {resume_step + 1}..{args.steps}: max |diff| {max_abs:.3e}, "
           f"max rel {max_rel:.3e}; bit-exact: {'yes' if bit_exact else 'no'}; checked with {tol_text}")
     if M != P and bit_exact:

@@ -71,3 +71,23 @@ def install_fence(target, timeout: float | None = None):
     if isinstance(target, torch.nn.Module):
         return target.register_forward_pre_hook(lambda _mod, _args: wait_for_snapshots(timeout))
     raise TypeError(f"install_fence expects a torch.optim.Optimizer or nn.Module, got {type(target).__name__}")
+
+
+_global_hook = None
+
+
+def install_global_fence(timeout: float | None = None):
+    """Make every optimizer's ``step()`` in this process wait for in-flight snapshots.
+
+    A process-wide step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``),
+    installed once however often this is called; ``CheckpointManager`` uses it so
+    that saving needs no handle on the optimizer. It costs one lock and a set
+    lookup per step when nothing is in flight. Returns the hook handle.
+    """
+    global _global_hook
+    with _lock:
+        if _global_hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _global_hook = register_optimizer_step_pre_hook(lambda _opt, _args, _kwargs: wait_for_snapshots(timeout))
+        return _global_hook

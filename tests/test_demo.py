@@ -43,6 +43,8 @@ def test_demo_crash_and_resume_on_fewer_ranks(tmp_path):
     assert "loaded 2-rank checkpoint on 1 rank(s)" in summary
     assert "failing run matched the reference: bit-exact" in summary
     assert "ours vs DCP's: " in summary and "identical" in summary
+    # the CheckpointManager kept the newest 3 (10, 20 of the failed run; 30 after the resume)
+    assert "keep_last=3): steps [10, 20, 30], latest -> 30" in summary
     # --dir was removed at the end (no --keep)
     assert not (tmp_path / "demo").exists()
 
@@ -54,7 +56,7 @@ def test_demo_resume_on_same_world_size_is_bit_exact(tmp_path):
     summary = _summary(proc.stdout)
     assert "RESULT: PASS" in summary
     assert "bit-exact: yes; checked with exact equality (M == P)" in summary
-    assert (tmp_path / "demo" / "datastates" / "step_000030" / ".metadata").is_file()
+    assert (tmp_path / "demo" / "datastates" / "step_00000030" / ".metadata").is_file()
 
 
 def test_latest_committed_checkpoint_skips_uncommitted(tmp_path):

@@ -1,0 +1,172 @@
+"""Child processes of tests/test_manager.py.
+
+* ``python manager_workers.py crash ROOT SCENARIO MODE``: one process saves
+  steps with a ``CheckpointManager`` and is killed (SIGKILL, by an armed
+  fault rule) at a chosen point after a commit: while writing the ``latest``
+  pointer, at its rename, or while retention deletes an old checkpoint.
+* the gloo rank cases (``@case``), launched by ``dist_helpers.run_ranks``
+  with this file as the worker script.
+
+The saved values are a deterministic function of the step
+(:func:`state_at`), so the pytest process checks loads bit-exactly without
+talking to the children.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import dist_helpers as dh  # noqa: E402
+import torch  # noqa: E402
+
+
+def state_at(step: int) -> dict:
+    """The state saved at ``step``: a few tensors (one 4 MiB) and objects, all functions of the step."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return {
+        "model": {
+            "w": torch.randn(1024, 1024, generator=g),
+            "b": torch.randn(1024, generator=g).to(torch.bfloat16),
+        },
+        "optim": {"m": torch.randn(257, 3, generator=g, dtype=torch.float64)},
+        "step": step,
+        "data": {"epoch": step // 10, "name": f"run@{step}"},
+    }
+
+
+def zeros_like_state() -> dict:
+    ref = state_at(0)
+    out = {"model": {k: torch.zeros_like(v) for k, v in ref["model"].items()},
+           "optim": {"m": torch.zeros_like(ref["optim"]["m"])}}
+    out["step"] = -1
+    out["data"] = {"epoch": -1, "name": ""}
+    return out
+
+
+# ---------------------------------------------------------------------------
+# crash child
+# ---------------------------------------------------------------------------
+
+
+def crash(root: str, scenario: str, mode: str) -> None:
+    from dcp_datastates._faults import arm
+    from dcp_datastates.manager import CheckpointManager
+
+    async_save = mode == "async"
+    mgr = CheckpointManager(root, keep_last=1 if scenario == "retention" else 3, async_save=async_save)
+    mgr.save(10, state_at(10))
+    mgr.wait()
+    if scenario == "pointer_write":  # the temporary pointer is being written
+        arm("write", path=os.path.join(root, "latest."), action="kill", offset=None)
+    elif scenario == "pointer_rename":  # the pointer is complete but not renamed over the old one
+        arm("rename", path=os.path.join(root, "latest"), action="kill")
+    elif scenario == "retention":  # step 10's .metadata is gone, its data files are not
+        arm("fsync", path=os.path.join(root, "step_00000010"), action="kill")
+    else:
+        raise ValueError(scenario)
+    print("armed", flush=True)
+    mgr.save(20, state_at(20))
+    mgr.wait()
+    print("survived", flush=True)  # the test fails if this is reached
+
+
+# ---------------------------------------------------------------------------
+# gloo rank cases
+# ---------------------------------------------------------------------------
+
+CASES: dict = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def _dtensor_state(step: int, mesh) -> dict:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = state_at(step)
+    full["model"] = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full["model"].items()}
+    return full
+
+
+@case
+def manager_async_saves(rank, world_size, root):
+    """Async saves of sharded state on every rank; rank 0 alone moves the pointer and applies retention."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dcp_datastates.checkpoint_root import read_latest
+    from dcp_datastates.manager import CheckpointManager
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    mgr = CheckpointManager(root, keep_last=2, keep_every=20, async_save=True)
+    for step in (10, 20, 30, 40):
+        state = _dtensor_state(step, mesh)
+        mgr.save(step, state)
+        # the fence: an optimizer step waits for the snapshot before mutating
+        opt = torch.optim.SGD([state["model"]["w"]], lr=1.0)
+        state["model"]["w"].grad = torch.ones_like(state["model"]["w"])
+        opt.step()
+    mgr.wait()  # on rank 0 this includes the pointer and retention
+    if rank == 0:
+        assert mgr.steps() == [20, 30, 40], mgr.steps()
+        assert read_latest(root) == 40
+    target = _dtensor_state(0, mesh)
+    for v in target["model"].values():
+        v.to_local().zero_()
+    target["optim"]["m"].zero_()
+    assert mgr.load(target) == 40
+    expect = state_at(40)
+    for k, v in target["model"].items():
+        assert torch.equal(v.full_tensor(), expect["model"][k]), k
+    assert torch.equal(target["optim"]["m"], expect["optim"]["m"])
+    assert target["step"] == 40 and target["data"] == expect["data"]
+    mgr.close()
+
+
+@case
+def manager_resume_skips_corrupt(rank, world_size, root):
+    """2 ranks resume from a root whose newest checkpoint is corrupt: both fall back to the same step."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dcp_datastates.manager import CheckpointManager, SkippedCheckpointWarning
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    mgr = CheckpointManager(root, keep_last=None, async_save=False)
+    target = _dtensor_state(0, mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = mgr.load(target)
+    assert step == 20, step
+    assert any(issubclass(w.category, SkippedCheckpointWarning) and "step 30" in str(w.message) for w in caught)
+    expect = state_at(20)
+    for k, v in target["model"].items():
+        assert torch.equal(v.full_tensor(), expect["model"][k]), k
+    # the skipped step is saved again: no refusal, it replaces the corrupt one
+    mgr.save(30, _dtensor_state(30, mesh))
+    assert mgr.load(_dtensor_state(0, mesh)) == 30
+    mgr.close()
+
+
+def _worker_main(argv) -> int:
+    return dh._worker_main(argv, CASES)
+
+
+def run_ranks(case_name: str, world_size: int, log_dir, **kwargs) -> float:
+    return dh.run_ranks(case_name, world_size, log_dir, worker_script=os.path.abspath(__file__), worker_cases=CASES, **kwargs)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "crash":
+        crash(*sys.argv[2:5])
+        sys.exit(0)
+    code = _worker_main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

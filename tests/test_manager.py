@@ -1,0 +1,401 @@
+"""CheckpointManager: step directories, the latest pointer, retention, resume, crash cleanup."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from conftest import assert_same
+from dcp_datastates import CheckpointError, CheckpointExistsError, CorruptCheckpointError, verify
+from dcp_datastates._faults import inject_fault
+from dcp_datastates.checkpoint_root import LATEST_FILE, is_committed, read_latest, step_dirs, write_latest
+from dcp_datastates.errors import CheckpointNotFoundError, IncompleteCheckpointError
+from dcp_datastates.format import METADATA_FILE
+from dcp_datastates.manager import CheckpointManager, SkippedCheckpointWarning
+from manager_workers import run_ranks, state_at, zeros_like_state
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODES = [pytest.param(True, id="async"), pytest.param(False, id="sync")]
+
+
+def saved_steps(root) -> list[int]:
+    return sorted(s for s, name in step_dirs(str(root)).items() if is_committed(os.path.join(root, name)))
+
+
+def data_file(path) -> str:
+    return os.path.join(path, next(n for n in sorted(os.listdir(path)) if n.endswith(".data")))
+
+
+def flip_byte(path: str, offset: int = 100) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def load_step(mgr, step=None, **kw):
+    target = zeros_like_state()
+    got = mgr.load(target, step, **kw)
+    return got, target
+
+
+# ---------------------------------------------------------------------------
+# saving, the pointer, retention
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_save", MODES)
+def test_save_layout_pointer_and_load(tmp_path, async_save):
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=None, async_save=async_save) as mgr:
+        for step in (0, 5, 12):
+            fut = mgr.save(step, state_at(step))
+            if not async_save:
+                assert fut.done()
+        mgr.wait()
+        assert sorted(os.listdir(root)) == [LATEST_FILE, "step_00000000", "step_00000005", "step_00000012"]
+        assert mgr.steps() == [0, 5, 12] and mgr.latest() == 12
+        assert json.loads((root / LATEST_FILE).read_text()) == {"step": 12, "dir": "step_00000012"}
+        for step in (0, 5, 12):
+            assert verify(mgr.path_of(step)).ok
+            got, target = load_step(mgr, step)
+            assert got == step
+            assert_same(target, state_at(step))
+        got, target = load_step(mgr)  # resume: the newest
+        assert got == 12
+        assert_same(target, state_at(12))
+
+
+def test_load_of_empty_root_returns_none_and_leaves_state(tmp_path):
+    mgr = CheckpointManager(tmp_path / "fresh")
+    target = zeros_like_state()
+    assert mgr.load(target) is None and mgr.latest() is None and mgr.steps() == []
+    assert_same(target, zeros_like_state())
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint of step 3"):
+        mgr.load(target, 3)
+
+
+@pytest.mark.parametrize("async_save", MODES)
+def test_retention_keep_last_and_keep_every(tmp_path, async_save):
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root, keep_last=2, keep_every=30, async_save=async_save)
+    history = []
+    for step in range(10, 110, 10):
+        mgr.save(step, state_at(step))
+        mgr.wait()
+        history.append(saved_steps(root))
+    mgr.close()
+    # keep_every=30 keeps 30, 60, 90 forever; keep_last=2 the two newest
+    assert history[-1] == [30, 60, 90, 100]
+    assert history[2] == [20, 30]  # after step 30: 10 went once 20 and 30 were committed
+    assert read_latest(str(root)) == 100
+    # never fewer than the newest committed one, at any point
+    assert all(h and h[-1] == s for h, s in zip(history, range(10, 110, 10)))
+
+
+def test_pointer_moves_only_after_commit_and_fsync(tmp_path, monkeypatch):
+    import dcp_datastates.manager as manager_module
+
+    root = str(tmp_path / "run")
+    events = []
+    real_fsync, real_write = manager_module.fsync_dir, manager_module.write_latest
+
+    def fsync_spy(path):
+        events.append(("fsync", os.path.relpath(path, root)))
+        real_fsync(path)
+
+    def write_spy(r, step):
+        path = os.path.join(r, f"step_{step:08d}")
+        # the checkpoint is committed and both its directory and its entry in root are durable
+        assert is_committed(path) and verify(path).ok
+        events.append(("pointer", step))
+        real_write(r, step)
+
+    monkeypatch.setattr(manager_module, "fsync_dir", fsync_spy)
+    monkeypatch.setattr(manager_module, "write_latest", write_spy)
+    with CheckpointManager(root, async_save=True) as mgr:
+        mgr.save(7, state_at(7))
+    assert events[-3:] == [("fsync", "step_00000007"), ("fsync", "."), ("pointer", 7)]
+
+
+@pytest.mark.parametrize("async_save", MODES)
+def test_failed_save_moves_no_pointer_and_deletes_nothing(tmp_path, async_save):
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root, keep_last=1, async_save=async_save)
+    mgr.save(10, state_at(10))
+    mgr.wait()
+    with inject_fault("write", path="step_00000020", offset=None, errno=errno.ENOSPC):
+        if async_save:
+            fut = mgr.save(20, state_at(20))
+            with pytest.raises(CheckpointError, match="step 20"):
+                mgr.wait()
+            assert fut.exception() is not None
+        else:
+            with pytest.raises(BaseException):  # noqa: B017 - DCP wraps the rank's OSError
+                mgr.save(20, state_at(20))
+    # keep_last=1, yet the last committed checkpoint survives a failed newer save
+    assert saved_steps(root) == [10] and read_latest(str(root)) == 10
+    got, target = load_step(mgr)
+    assert got == 10
+    assert_same(target, state_at(10))
+    mgr.save(20, state_at(20))  # the failed step can be saved again
+    mgr.wait()
+    assert saved_steps(root) == [20] and read_latest(str(root)) == 20
+    mgr.close()
+
+
+def test_retention_never_deletes_newer_steps(tmp_path):
+    """After resuming from an older step, a new (smaller-numbered) save must not delete newer ones."""
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=1, async_save=False) as mgr:
+        for step in (10, 20):
+            mgr.save(step, state_at(step), overwrite=False)
+    # keep_last=1 left only step 20; pretend a later run rolls back and saves step 15
+    with CheckpointManager(root, keep_last=1, async_save=False) as mgr:
+        mgr.save(15, state_at(15))
+        assert mgr.steps() == [15, 20]
+
+
+def test_committed_step_is_refused_unless_overwrite(tmp_path):
+    root = tmp_path / "run"
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(10, state_at(10))
+        with pytest.raises(CheckpointExistsError, match="step_00000010.*overwrite=True"):
+            mgr.save(10, state_at(11))
+        mgr.save(10, state_at(11), overwrite=True)
+        got, target = load_step(mgr, 10)
+        assert_same(target, state_at(11))
+        assert verify(mgr.path_of(10)).notes == []  # the replaced files are gone
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="keep_last"):
+        CheckpointManager(tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="keep_every"):
+        CheckpointManager(tmp_path, keep_every=-5)
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    with pytest.raises(ValueError, match="non-negative int"):
+        mgr.save(-1, state_at(0))
+    mgr.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        mgr.save(1, state_at(1))
+
+
+def test_async_save_fence_waits_before_optimizer_step(tmp_path):
+    """save() returns at once; an optimizer step right after it must not tear the snapshot."""
+    root = tmp_path / "run"
+    param = torch.nn.Parameter(torch.randn(8192, 1024))  # 32 MiB: still copying when the step runs
+    opt = torch.optim.SGD([param], lr=0.5)
+    expect = param.detach().clone()
+    with CheckpointManager(root, async_save=True, host_cache_bytes=16 << 20) as mgr:
+        mgr.save(1, {"p": param})
+        param.grad = torch.ones_like(param)
+        opt.step()  # the process-wide fence: waits while the snapshot still reads param
+    target = {"p": torch.zeros_like(expect)}
+    CheckpointManager(root).load(target)
+    assert torch.equal(target["p"], expect)
+
+
+# ---------------------------------------------------------------------------
+# resume: skipping bad checkpoints
+# ---------------------------------------------------------------------------
+
+
+def _three_steps(root) -> None:
+    with CheckpointManager(root, keep_last=None, async_save=False) as mgr:
+        for step in (10, 20, 30):
+            mgr.save(step, state_at(step))
+
+
+def _resume(root, **kw):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mgr = CheckpointManager(root, keep_last=None, async_save=False, **kw)
+        got, target = load_step(mgr)
+    skipped = [str(w.message) for w in caught if issubclass(w.category, SkippedCheckpointWarning)]
+    return mgr, got, target, skipped
+
+
+def test_resume_skips_corrupt_data_with_a_warning(tmp_path):
+    root = tmp_path / "run"
+    _three_steps(root)
+    flip_byte(data_file(root / "step_00000030"))
+    mgr, got, target, skipped = _resume(root)
+    assert got == 20
+    assert_same(target, state_at(20))
+    assert len(skipped) == 1 and "step 30" in skipped[0] and "checksum" in skipped[0].lower()
+    # the skipped step may be saved again without overwrite=True
+    mgr.save(30, state_at(30))
+    assert load_step(mgr)[0] == 30
+
+
+def test_resume_skips_corrupt_metadata_and_missing_rank_files(tmp_path):
+    root = tmp_path / "run"
+    _three_steps(root)
+    with open(root / "step_00000030" / METADATA_FILE, "r+b") as f:
+        f.truncate(50)
+    os.unlink(data_file(root / "step_00000020"))
+    _, got, target, skipped = _resume(root, cleanup=False)
+    assert got == 10
+    assert_same(target, state_at(10))
+    assert len(skipped) == 2 and "step 30" in skipped[0] and "step 20" in skipped[1]
+    assert "missing" in skipped[1]
+
+
+def test_resume_full_verify_finds_damage_a_load_would_not_read(tmp_path):
+    root = tmp_path / "run"
+    _three_steps(root)
+    flip_byte(data_file(root / "step_00000030"))
+    # a load of only "step" would not read the damaged tensor; full_verify checks everything
+    mgr = CheckpointManager(root, keep_last=None, async_save=False)
+    target = {"step": -1}
+    assert mgr.load(target) == 30  # only the damaged tensor is bad, and it is not read
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert mgr.load(target, full_verify=True) == 20
+    assert target["step"] == 20
+    assert any("step 30" in str(w.message) for w in caught)
+
+
+def test_resume_when_every_checkpoint_is_bad_raises_with_each_reason(tmp_path):
+    root = tmp_path / "run"
+    _three_steps(root)
+    for step in (10, 20, 30):
+        flip_byte(data_file(root / f"step_{step:08d}"))
+    mgr = CheckpointManager(root, keep_last=None, async_save=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedCheckpointWarning)
+        with pytest.raises(CorruptCheckpointError, match=r"could be loaded:\n  step 30: .*\n  step 20: .*\n  step 10: "):
+            load_step(mgr)
+    with pytest.raises(CorruptCheckpointError, match="cannot load step 20"):
+        load_step(mgr, 20)
+
+
+def test_explicit_uncommitted_step_is_refused(tmp_path):
+    root = tmp_path / "run"
+    _three_steps(root)
+    os.unlink(root / "step_00000030" / METADATA_FILE)
+    mgr = CheckpointManager(root, async_save=False, cleanup=False)
+    with pytest.raises(IncompleteCheckpointError, match="never committed"):
+        load_step(mgr, 30)
+    with pytest.warns(SkippedCheckpointWarning, match="never committed"):
+        assert load_step(mgr)[0] == 20
+
+
+# ---------------------------------------------------------------------------
+# crash leftovers and crashes around the pointer
+# ---------------------------------------------------------------------------
+
+
+def test_start_removes_crash_leftovers(tmp_path):
+    root = tmp_path / "run"
+    _three_steps(root)
+    # an uncommitted step directory (killed save), a stray rank file of a killed
+    # overwrite inside a committed checkpoint, a leftover metadata and pointer temporary
+    os.makedirs(root / "step_00000040")
+    (root / "step_00000040" / "rank00000-0123456789ab.data").write_bytes(b"x" * 4096)
+    (root / "step_00000020" / "rank00001-00000000beef.data").write_bytes(b"y" * 100)
+    (root / "step_00000020" / ".metadata.00000000beef.tmp").write_bytes(b"z")
+    (root / "latest.1a2b.tmp").write_text("{}")
+    named = sorted(os.listdir(root / "step_00000020"))
+    with pytest.warns(SkippedCheckpointWarning, match="step_00000040.*never committed"):
+        mgr = CheckpointManager(root, keep_last=None)
+    assert sorted(os.listdir(root)) == [LATEST_FILE, "step_00000010", "step_00000020", "step_00000030"]
+    assert sorted(os.listdir(root / "step_00000020")) == [
+        n for n in named if n not in ("rank00001-00000000beef.data", ".metadata.00000000beef.tmp")
+    ]
+    assert verify(root / "step_00000020").ok and verify(root / "step_00000020").notes == []
+    assert load_step(mgr)[0] == 30
+
+
+def test_start_leaves_a_damaged_checkpoint_alone(tmp_path):
+    root = tmp_path / "run"
+    _three_steps(root)
+    (root / "step_00000030" / METADATA_FILE).write_bytes(b"garbage")
+    (root / "step_00000030" / "rank00007-0123456789ab.data").write_bytes(b"?")
+    before = sorted(os.listdir(root / "step_00000030"))
+    CheckpointManager(root, keep_last=None)
+    assert sorted(os.listdir(root / "step_00000030")) == before
+
+
+def test_start_repairs_a_stale_or_damaged_pointer(tmp_path):
+    root = tmp_path / "run"
+    _three_steps(root)
+    write_latest(str(root), 10)
+    CheckpointManager(root)
+    assert read_latest(str(root)) == 30
+    (root / LATEST_FILE).write_text("not json")
+    with pytest.warns(SkippedCheckpointWarning, match="not a checkpoint pointer"):
+        CheckpointManager(root)
+    assert read_latest(str(root)) == 30
+
+
+def _crash_child(root, scenario, mode):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "manager_workers.py"), "crash", str(root), scenario, mode],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
+    assert "armed" in proc.stdout and "survived" not in proc.stdout
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize("scenario", ["pointer_write", "pointer_rename"])
+def test_crash_between_commit_and_pointer_update(tmp_path, scenario, mode):
+    root = tmp_path / "run"
+    _crash_child(root, scenario, mode)
+    # the kill came after step 20 committed and before the pointer moved
+    assert read_latest(str(root)) == 10
+    assert is_committed(str(root / "step_00000020"))
+    mgr = CheckpointManager(root)  # start: the pointer is repaired, the temporary removed
+    assert read_latest(str(root)) == 20
+    assert sorted(os.listdir(root)) == [LATEST_FILE, "step_00000010", "step_00000020"]
+    got, target = load_step(mgr)
+    assert got == 20
+    assert_same(target, state_at(20))
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_crash_during_retention(tmp_path, mode):
+    root = tmp_path / "run"
+    _crash_child(root, "retention", mode)
+    # step 10 was being deleted: its .metadata went first, so it is not a checkpoint any more
+    assert not is_committed(str(root / "step_00000010")) and os.listdir(root / "step_00000010")
+    assert read_latest(str(root)) == 20
+    with pytest.warns(SkippedCheckpointWarning, match="step_00000010"):
+        mgr = CheckpointManager(root, keep_last=1)
+    assert sorted(os.listdir(root)) == [LATEST_FILE, "step_00000020"]
+    got, target = load_step(mgr)
+    assert got == 20
+    assert_same(target, state_at(20))
+
+
+# ---------------------------------------------------------------------------
+# distributed (gloo)
+# ---------------------------------------------------------------------------
+
+
+def test_two_ranks_async_saves_retention_and_resume(tmp_path):
+    root = tmp_path / "run"
+    run_ranks("manager_async_saves", 2, tmp_path / "logs", root=str(root))
+    assert saved_steps(root) == [20, 30, 40] and read_latest(str(root)) == 40
+    # saved on 2 ranks, resumed on 1 (resharded)
+    got, target = load_step(CheckpointManager(root, keep_last=2))
+    assert got == 40
+    assert_same(target, state_at(40))
+
+
+def test_two_ranks_agree_to_skip_a_checkpoint_only_one_rank_finds_corrupt(tmp_path):
+    root = tmp_path / "run"
+    _three_steps(root)
+    flip_byte(data_file(root / "step_00000030"), offset=64)  # in the rows rank 0 reads
+    run_ranks("manager_resume_skips_corrupt", 2, tmp_path / "logs", root=str(root))
