@@ -94,6 +94,28 @@ class PyWriteJob {
     py::gil_scoped_release nogil;
     return job_->wait_staged();
   }
+  // wait_staged(), then drop this job's references to every buffer handed to
+  // it so far (write() and append() calls made before this one). Staged means
+  // the engine is done with the caller's memory: a host window counts as staged
+  // after the stager copied (or gathered) its pieces into a pool slot, and the
+  // I/O threads checksum and write from that slot only; a window with CUDA
+  // pieces counts as staged only after its device-to-host copy completed. So
+  // the buffers may be freed now, long before the job ends. On failure they
+  // are kept (a stager may still be copying from them) and False is returned.
+  bool release_staged() {
+    const size_t n = py::len(keep_);  // append() holds the GIL: these are all enqueued
+    bool ok;
+    {
+      py::gil_scoped_release nogil;
+      ok = job_->wait_staged();
+    }
+    if (ok) {
+      py::list rest;  // buffers appended by other threads while we waited
+      for (size_t i = n; i < py::len(keep_); ++i) rest.append(keep_[i]);
+      keep_ = rest;
+    }
+    return ok;
+  }
   py::list wait() {
     std::vector<Segment> segs;
     {
@@ -168,6 +190,9 @@ PYBIND11_MODULE(_engine, m) {
       .def("seal", &PyWriteJob::seal, "No more regions: the job fsyncs once all are written.")
       .def("wait_staged", &PyWriteJob::wait_staged,
            "Block until every region has left the caller's memory; False if the job failed.")
+      .def("release_staged", &PyWriteJob::release_staged,
+           "wait_staged(), then let go of every buffer given so far (the engine no longer "
+           "reads them); False (and nothing released) if the job failed.")
       .def("wait", &PyWriteJob::wait,
            "Block until written and fsynced; returns [(offset, nbytes, crc32c)] per piece.")
       .def("cancel", &PyWriteJob::cancel)

@@ -17,6 +17,7 @@ import dataclasses
 import io
 import math
 import os
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -160,7 +161,9 @@ class CheckpointView:
             o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, sizes, md.size)
         ):
             raise ValueError(f"{fqn!r}: box {offsets}+{sizes} is outside its shape {tuple(md.size)}")
-        dest = torch.empty(sizes, dtype=md.properties.dtype)
+        with warnings.catch_warnings():  # complex32: "ComplexHalf support is experimental", once per process
+            warnings.simplefilter("ignore", UserWarning)
+            dest = torch.empty(sizes, dtype=md.properties.dtype)
         if dest.numel() == 0:
             return dest
         items = create_read_items_for_chunk_list(fqn, md, [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))])

@@ -70,7 +70,7 @@ class VerifyReport:
         head = "OK" if self.ok else ("NOT COMMITTED" if not self.committed else "CORRUPT")
         lines = [
             f"{head}: {self.path}: {self.ranks} rank file(s), {self.items} item(s), "
-            f"{self.segments_checked} checksum segment(s) over {self.bytes_checked} bytes verified"
+            f"{self.segments_checked} checksum segment(s) over {self.bytes_checked} bytes checked"
         ]
         lines += [f"  problem: {p}" for p in self.problems]
         lines += [f"  note: {n}" for n in self.notes]

@@ -134,6 +134,9 @@ class _RankFile:
     tensor_spans: Callable[[], list]  # (offset, end, fqn) of every tensor, built only for an error message
 
 
+# The largest batch a ``resolve_creates_tensors`` planner's tensors are resolved in.
+_BATCH_BYTES_MAX = 256 << 20
+
 # Held while a staged snapshot takes its ticket and joins the staging monitor's queue.
 _STAGE_ORDER = threading.Lock()
 
@@ -177,6 +180,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         window_bytes: size of one write window (one pool slot, one pwrite).
         direct_io: ``"auto"`` (O_DIRECT where the filesystem allows it),
             ``"on"`` (require it) or ``"off"`` (buffered writes).
+
+    A planner may set a truthy attribute ``resolve_creates_tensors`` when its
+    ``resolve_data`` materialises a new tensor on every call (as the
+    converter's does, reading each tensor from another checkpoint) instead of
+    returning tensors the caller holds anyway. Synchronous saves then resolve
+    and submit the tensors in batches of at most the host cache's bytes and
+    let go of each batch once the engine has copied it, so memory stays
+    bounded by one batch (or the largest tensor) plus the host cache.
     """
 
     _synchronize_after_execute = False  # stage() returns a future; the caller fences
@@ -454,20 +465,25 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         index_path = os.path.join(save.path, layout.index_file)
         save.written_files = [data_path, index_path]
         t0 = time.perf_counter()
-        placed, results = [], []
-        for item in plan.items:
-            loc = layout.locations[item.index]
-            if item.type == WriteItemType.BYTE_IO:
-                continue
-            source = tensor_source(planner.resolve_data(item), item.index.fqn)
-            check_planned(item, source, loc.length)
-            placed.append((source, loc.offset))
-            results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
-        regions, keep = finish_regions(placed)
-        del placed
-        job = self._engine.write(data_path, regions, keep, direct_io=self.direct_io, preallocate=layout.tensor_bytes_end)
-        save.job = job
-        del keep
+        if getattr(planner, "resolve_creates_tensors", False):
+            job, results = self._submit_in_batches(save, plan, planner, layout, data_path)
+        else:
+            placed, results = [], []
+            for item in plan.items:
+                loc = layout.locations[item.index]
+                if item.type == WriteItemType.BYTE_IO:
+                    continue
+                source = tensor_source(planner.resolve_data(item), item.index.fqn)
+                check_planned(item, source, loc.length)
+                placed.append((source, loc.offset))
+                results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
+            regions, keep = finish_regions(placed)
+            del placed
+            job = self._engine.write(
+                data_path, regions, keep, direct_io=self.direct_io, preallocate=layout.tensor_bytes_end
+            )
+            save.job = job
+            del keep
         save.stats.submit_s = time.perf_counter() - t0
         rank_file = _RankFile(
             job, info.rank, info.save_id, layout.data_file, index_path, layout.objects_base, layout.tensor_bytes_end,
@@ -475,6 +491,59 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         )
         self._finish_rank_file(save, plan, planner, rank_file, results, t0)
         return results
+
+    def _submit_in_batches(self, save: _Save, plan: SavePlan, planner: SavePlanner, layout, data_path: str):
+        """Resolve, submit and release the tensors a batch at a time (``resolve_creates_tensors``).
+
+        The normal path resolves every item before submitting, which is free
+        when ``resolve_data`` returns the caller's own tensors but would hold a
+        whole checkpoint when each call materialises a new tensor (the
+        converter reads each one from another checkpoint). Here a batch of at
+        most the pool's bytes (at least one item) is submitted, and once the
+        engine has staged it (copied it into the pool: it never reads those
+        buffers again) the job and this function drop their references before
+        the next batch is resolved. Batches split only at offsets the engine
+        accepts for an append (at or after the previous batch's aligned end),
+        so small tensors packed into one page stay in one batch.
+        """
+        limit = min(self._engine.pool_bytes, _BATCH_BYTES_MAX)
+        tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
+        tensor_items.sort(key=lambda item: layout.locations[item.index].offset)
+        job, results, batch, batch_bytes, batch_end = None, [], [], 0, 0
+
+        def submit() -> bool:
+            nonlocal job, batch_bytes
+            regions, keep = finish_regions(batch)
+            batch.clear()
+            batch_bytes = 0
+            if job is None:
+                job = self._engine.write(
+                    data_path, regions, keep, direct_io=self.direct_io, preallocate=layout.tensor_bytes_end
+                )
+                save.job = job
+            else:
+                job.append(regions, keep)
+            del keep, regions
+            return job.release_staged()  # False: the job failed; job.wait() raises its error
+
+        for item in tensor_items:
+            loc = layout.locations[item.index]
+            splittable = loc.offset >= align_up(batch_end, _native.ALIGNMENT)
+            if batch and splittable and batch_bytes + loc.length > limit:
+                if not submit():
+                    break
+            source = tensor_source(planner.resolve_data(item), item.index.fqn)
+            check_planned(item, source, loc.length)
+            batch.append((source, loc.offset))
+            del source
+            batch_bytes += loc.length
+            batch_end = loc.offset + loc.length
+            results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
+        else:
+            if batch or job is None:
+                submit()
+        batch.clear()
+        return job, results
 
     def _write_staged(self, save: _Save, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         """Asynchronous save: the snapshot already placed and is writing the tensors."""
