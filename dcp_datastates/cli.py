@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--block-bytes", type=_size, default=_size("256MiB"), help="largest block read at once (default 256MiB)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    allow_pickle(p)
     return parser
 
 
@@ -154,6 +155,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from ._memory import bound_heap
+
+    bound_heap()  # streaming commands: memory bounded by a block, not by the bytes streamed
     try:
         return _dispatch(args)
     except KeyboardInterrupt:
