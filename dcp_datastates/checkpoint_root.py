@@ -17,6 +17,7 @@ reader sees the old pointer or the new one, never a torn one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -58,6 +59,12 @@ def step_dirs(root: str) -> dict[int, str]:
     return out
 
 
+def is_link(root: str, name: str) -> bool:
+    """Whether ``root/name`` is a symbolic link (a step directory linked from elsewhere:
+    readable like any other, but never cleaned up or deleted through the link)."""
+    return os.path.islink(os.path.join(root, name))
+
+
 def is_committed(path: str) -> bool:
     """Whether the checkpoint directory ``path`` has been committed (its ``.metadata`` exists)."""
     return os.path.isfile(os.path.join(path, METADATA_FILE))
@@ -86,6 +93,58 @@ def read_latest(root: str) -> int | None:
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         raise ValueError(f"{path} is not a checkpoint pointer (expected {{\"step\": N, \"dir\": \"step_...\"}})") from None
     return step
+
+
+@dataclasses.dataclass
+class ResumeOrder:
+    """Which committed checkpoints a resume tries, in order, and which it must not.
+
+    ``candidates``: checkpoints committed after the pointer last moved (a crash
+    fell between their commit and the pointer update; newest commit first),
+    then the step the pointer names, then the steps below it, newest first.
+    ``abandoned``: steps above the pointer's that were committed before it
+    moved: a run resumed from an older step and went on from there (a
+    rollback, or a newer checkpoint skipped as corrupt), so they belong to a
+    trajectory that was given up. They are not resumed from, a new save may
+    replace them, and retention leaves them alone.
+    """
+
+    candidates: list[int]
+    abandoned: list[int]
+    pointer: int | None
+    pointer_error: str | None = None
+
+
+def resume_order(root: str) -> ResumeOrder:
+    """Order the committed checkpoints of ``root`` for a resume (see :class:`ResumeOrder`).
+
+    Commit times are the ``st_ctime`` of each ``.metadata`` (set by the rename
+    that committed it) and of ``latest`` (set by the rename that moved it).
+    """
+    dirs = step_dirs(root)
+    times: dict[int, int] = {}  # step -> when its .metadata appeared; a directory deleted meanwhile drops out
+    for step, name in dirs.items():
+        try:
+            times[step] = os.stat(os.path.join(root, name, METADATA_FILE)).st_ctime_ns
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+    committed = sorted(times)
+    try:
+        pointer = read_latest(root)
+        error = None
+        moved = os.stat(os.path.join(root, LATEST_FILE)).st_ctime_ns if pointer is not None else 0
+    except ValueError as exc:
+        pointer, error = None, str(exc)
+    except FileNotFoundError:  # replaced between the read and the stat: treat as no pointer
+        pointer, error = None, None
+    if pointer is None or pointer not in committed:
+        return ResumeOrder(committed[::-1], [], pointer, error)
+    committed_at = times.__getitem__
+
+    newer = sorted((s for s in committed if s != pointer and committed_at(s) > moved), key=committed_at, reverse=True)
+    abandoned = [s for s in committed if s > pointer and s not in newer]
+    below = [s for s in committed[::-1] if s < pointer and s not in newer]
+    return ResumeOrder(newer + [pointer] + below, abandoned, pointer, error)
 
 
 def write_latest(root: str, step: int) -> None:

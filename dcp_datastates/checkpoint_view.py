@@ -223,6 +223,19 @@ class CheckpointView:
             raise CorruptCheckpointError(f"{self.path}: reading {', '.join(map(repr, keys))} failed: {exc}") from exc
 
 
+def check_output_apart(out: str, sources: list[str]) -> None:
+    """Refuse an output path that is, contains, or lies inside a checkpoint being read.
+
+    Paths are compared resolved (symbolic links followed), so ``--overwrite``
+    can never replace a source or a file inside one (``CKPT/.metadata``).
+    """
+    target = os.path.realpath(out)
+    for src in sources:
+        real = os.path.realpath(src)
+        if target == real or target.startswith(real.rstrip(os.sep) + os.sep) or real.startswith(target.rstrip(os.sep) + os.sep):
+            raise ValueError(f"{out}: the output would overlap the checkpoint {src} being read; choose another output")
+
+
 def _split_box(offsets, sizes, itemsize: int, max_bytes: int):
     """Split a box along its leading dimensions into boxes of at most ``max_bytes`` (down to single rows)."""
     nbytes = math.prod(sizes) * itemsize

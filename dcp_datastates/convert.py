@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .checkpoint_view import FORMAT_DCP, CheckpointView, _split_box
+from .checkpoint_view import FORMAT_DCP, CheckpointView, _split_box, check_output_apart
 from .errors import CheckpointError, CheckpointExistsError
 
 FORMATS = ("torch", "safetensors", "dcp", "datastates")
@@ -110,8 +110,7 @@ def convert_checkpoint(
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     out = os.path.abspath(os.fspath(out))
     view = CheckpointView(src, allow_pickle=allow_pickle)
-    if os.path.realpath(out) == os.path.realpath(view.path):
-        raise ValueError(f"{out}: the output would replace the checkpoint being converted; choose another OUT")
+    check_output_apart(out, [view.path])
     _check_replaceable(out, overwrite)
     if to == "safetensors":
         _check_safetensors_dtypes(view)

@@ -40,7 +40,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from .checkpoint_root import is_committed, step_dirs
-from .checkpoint_view import DEFAULT_BLOCK_BYTES, CheckpointView
+from .checkpoint_view import DEFAULT_BLOCK_BYTES, CheckpointView, check_output_apart
 from .commit import fsync_dir
 from .errors import UnsafeCheckpointError
 
@@ -360,10 +360,7 @@ def _load_backend(fmt: str):
 
 def _check_out(out: str, paths: list[str], overwrite: bool) -> None:
     """Refuse an existing ``out`` without ``overwrite``, and anything ``overwrite`` must never delete."""
-    for p in paths:
-        src = os.path.abspath(p)
-        if src == out or src.startswith(out.rstrip(os.sep) + os.sep):
-            raise ValueError(f"{out}: the output would replace the checkpoint {p} being exported")
+    check_output_apart(out, paths)
     if not os.path.lexists(out):
         return
     if not overwrite:

@@ -38,6 +38,8 @@ the group alone touches the pointer, retention and cleanup.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import os
 import shutil
 import threading
@@ -54,7 +56,8 @@ from .checkpoint_root import (
     LATEST_FILE,
     LATEST_TMP_RE,
     is_committed,
-    read_latest,
+    is_link,
+    resume_order,
     step_dir_name,
     step_dirs,
     write_latest,
@@ -75,22 +78,34 @@ from .reader import DataStatesReader
 from .writer import DataStatesWriter
 
 
-class SkippedCheckpointWarning(UserWarning):
-    """A checkpoint was passed over on resume (incomplete or corrupt) or removed as a crash leftover."""
+class CheckpointManagerWarning(UserWarning):
+    """Something the manager did or could not do that the run should know about."""
 
 
-# Errors that mean "this checkpoint's files are bad", so resume tries an older one.
-# Anything else (a state dict that does not match, unsafe objects) is the caller's
-# problem and is raised: falling back would hide it.
-_DATA_ERRORS = (CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError, UnsupportedFormatError, OSError)
+class SkippedCheckpointWarning(CheckpointManagerWarning):
+    """A checkpoint was passed over on resume (incomplete, corrupt, abandoned) or removed as a crash leftover."""
+
+
+LOCK_FILE = ".manager.lock"
+
+# Resume skips a checkpoint for these, and a new save may replace it: its files are bad.
+_BAD_FILES = (CorruptCheckpointError, IncompleteCheckpointError)
+# Resume skips a checkpoint for these too, but leaves it alone: it may be fine (it vanished
+# while we looked, it is another format, the disk failed to read it this time).
+_UNREADABLE = (CheckpointNotFoundError, UnsupportedFormatError)
+_READ_ERRNOS = {errno.EIO, errno.ENOENT, errno.ESTALE, errno.ENODATA}
+# Anything else (a state dict that does not match, unsafe objects, EACCES, EMFILE) is
+# raised: falling back to an older checkpoint would hide it.
 
 
 class ManagedSave(Future):
     """The future :meth:`CheckpointManager.save` returns, with the step, its directory and,
-    once done, the writer's :class:`SaveStats` (``last_save_stats``)."""
+    once done, the writer's :class:`SaveStats` (``last_save_stats``). It cannot be cancelled:
+    the save runs to its end either way."""
 
     def __init__(self, step: int, path: str, writer: DataStatesWriter) -> None:
         super().__init__()
+        self.set_running_or_notify_cancel()
         self.step = step
         self.path = path
         self._writer = writer
@@ -106,10 +121,8 @@ class _PendingSave:
     path: str
     seq: int
     writer: DataStatesWriter
-    upload: Any  # DCP's upload future (torch.futures-like or concurrent.futures.Future)
     done: ManagedSave  # completes after the pointer and retention (rank 0) or the upload (others)
-    error: BaseException | None = None  # a pointer/retention failure after a committed save
-    reported: bool = False
+    upload: Any = None  # DCP's upload future, once dcp.async_save returned
 
 
 class CheckpointManager:
@@ -128,7 +141,13 @@ class CheckpointManager:
             for in-flight snapshots (asynchronous saves only).
         allow_pickle: load checkpoints whose objects need arbitrary unpickling
             (only checkpoints you trust; see :class:`DataStatesReader`).
-        cleanup: on start (rank 0), remove crash leftovers (see module docs).
+        cleanup: on start, remove crash leftovers (see module docs).
+
+    One manager owns a root at a time: rank 0 holds an exclusive lock on
+    ``root/.manager.lock`` until :meth:`close`. Another manager opened on the
+    same root meanwhile (an evaluation job, a notebook) may load, but does not
+    clean up, move the pointer or delete anything, and refuses to save, so it
+    can never remove a checkpoint the owner is writing.
     """
 
     def __init__(
@@ -166,23 +185,29 @@ class CheckpointManager:
         self._pending: list[_PendingSave] = []
         self._seq = 0
         self._pointed_seq = -1
-        self._replaceable: set[int] = set()  # committed steps a save may overwrite (skipped or abandoned)
+        self._replaceable: set[int] = set()  # committed steps a save may overwrite (skipped as bad)
         self._closed = False
-        os.makedirs(self.root, exist_ok=True)
-        if self._rank == 0 and cleanup:
-            self._recover()
-        self._barrier()
+        self._lock_fd: int | None = None
+
+        def start() -> str | None:
+            os.makedirs(self.root, exist_ok=True)
+            if self._take_ownership() and cleanup:
+                self._recover()
+            return "owner" if self._lock_fd is not None else None
+
+        self.owner = self._on_rank0(start, "opening the checkpoint root") == "owner"
 
     # -- public API -------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """The steps of every committed checkpoint under ``root``, ascending."""
+        """The steps of every committed checkpoint under ``root``, ascending (this rank's view)."""
         return sorted(step for step, name in step_dirs(self.root).items() if is_committed(os.path.join(self.root, name)))
 
     def latest(self) -> int | None:
-        """The newest committed step, or None. (Not verified: :meth:`load` skips a bad one.)"""
-        steps = self.steps()
-        return steps[-1] if steps else None
+        """The step a resume tries first: the newest commit (normally what ``root/latest`` names),
+        or None. Not verified: :meth:`load` skips it if it turns out bad."""
+        order = resume_order(self.root)
+        return order.candidates[0] if order.candidates else None
 
     def path_of(self, step: int) -> str:
         return os.path.join(self.root, step_dir_name(step))
@@ -195,44 +220,55 @@ class CheckpointManager:
         pointer and retention are done. Synchronous: returns after all that,
         with the future already done. A step that already has a committed
         checkpoint is refused unless ``overwrite`` (or the checkpoint was
-        skipped or abandoned by :meth:`load`); an overwrite is crash-safe.
+        skipped as corrupt, or abandoned by a resume from an older step); an
+        overwrite is crash-safe.
         """
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
+        if not self.owner:
+            raise CheckpointError(
+                f"another CheckpointManager owns {self.root} (it holds {os.path.join(self.root, LOCK_FILE)}); "
+                "this one may load but not save: two managers saving into one root would delete each other's checkpoints"
+            )
         self._raise_finished_errors()
         path = self.path_of(step)
-        replace = overwrite or step in self._replaceable
+        replace = overwrite or step in self._replaceable or step in resume_order(self.root).abandoned
         if not replace and is_committed(path):
             raise CheckpointExistsError(
                 f"{path} already holds a committed checkpoint of step {step}; pass overwrite=True to replace it"
             )
-        if any(p.step == step and not p.done.done() for p in self._pending):
-            raise CheckpointExistsError(f"a save of step {step} into {path} is still in flight")
-        writer = DataStatesWriter(path, overwrite=replace, **self._writer_options)
         with self._lock:
+            if any(p.step == step and not p.done.done() for p in self._pending):
+                raise CheckpointExistsError(f"a save of step {step} into {path} is still in flight")
             self._seq += 1
-            seq = self._seq
+            writer = DataStatesWriter(path, overwrite=replace, **self._writer_options)
+            pending = _PendingSave(step, path, self._seq, writer, ManagedSave(step, path, writer))
+            # Registered before the save starts: retention of an earlier save never deletes it.
+            self._pending.append(pending)
         if not self.async_save:
             try:
-                dcp.save(state, storage_writer=writer, checkpoint_id=path, **self._dcp_kwargs())
-            finally:
-                writer.close()
-            pending = _PendingSave(step, path, seq, writer, None, ManagedSave(step, path, writer), reported=True)
+                try:
+                    dcp.save(state, storage_writer=writer, checkpoint_id=path, **self._dcp_kwargs())
+                finally:
+                    writer.close()
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - one error type for both modes
+                self._forget(pending)
+                raise _save_error(step, path, exc) from _unwrap(exc)
             self._after_commit(pending)
             pending.done.set_result(None)
-            if pending.error is not None:
-                raise pending.error
+            self._forget(pending)
             self._replaceable.discard(step)
             return pending.done
         if self._fence:
             install_global_fence()
-        resp = dcp.async_save(state, storage_writer=writer, checkpoint_id=path, **self._dcp_kwargs())
-        upload = getattr(resp, "upload_completion", resp)
-        pending = _PendingSave(step, path, seq, writer, upload, ManagedSave(step, path, writer))
-        with self._lock:
-            self._pending.append(pending)
-        self._replaceable.discard(step)
-        upload.add_done_callback(lambda _f, p=pending: self._on_upload_done(p))
+        try:
+            resp = dcp.async_save(state, storage_writer=writer, checkpoint_id=path, **self._dcp_kwargs())
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001
+            self._forget(pending)
+            writer.close()
+            raise _save_error(step, path, exc) from _unwrap(exc)
+        pending.upload = getattr(resp, "upload_completion", resp)
+        pending.upload.add_done_callback(lambda _f, p=pending: self._on_upload_done(p))
         return pending.done
 
     def wait(self) -> None:
@@ -249,12 +285,14 @@ class CheckpointManager:
     def load(self, state: dict, step: int | None = None, *, full_verify: bool = False) -> int | None:
         """Load a checkpoint into ``state`` in place; return its step.
 
-        ``step=None`` resumes from the newest committed checkpoint that loads,
-        skipping incomplete and corrupt ones with a :class:`SkippedCheckpointWarning`,
-        and returns None (``state`` untouched) when the root has no committed
-        checkpoint at all. An explicit ``step`` is loaded or raises. Every byte
-        loaded is checksum-verified; ``full_verify`` first checks every byte of
-        the checkpoint (rank 0, with :func:`dcp_datastates.verify`).
+        ``step=None`` resumes: it tries the newest commit first (what
+        ``root/latest`` names, or a checkpoint committed after it when a crash
+        came between the commit and the pointer update), then older steps,
+        skipping incomplete and corrupt ones with a :class:`SkippedCheckpointWarning`.
+        It returns None (``state`` untouched) when the root has no committed
+        checkpoint. An explicit ``step`` is loaded or raises. Every byte
+        loaded is checksum-verified; ``full_verify`` first checks every byte
+        of the checkpoint (:func:`dcp_datastates.verify`).
 
         A load that fails part-way may have filled part of ``state``; the
         next candidate overwrites every entry, and if none loads, the error
@@ -262,50 +300,64 @@ class CheckpointManager:
         """
         self.wait()
         # Rank 0's view of the root, so every rank tries the same candidates in the same order.
-        committed, on_disk = self._from_rank0((self.steps(), sorted(step_dirs(self.root))) if self._rank == 0 else None)
+        order, uncommitted = self._on_rank0(
+            lambda: (resume_order(self.root), sorted(set(step_dirs(self.root)) - set(self.steps()))),
+            "listing the checkpoints",
+        )
         if step is not None:
-            if step not in committed:
+            if step not in order.candidates and step not in order.abandoned:
                 path = self.path_of(step)
-                if os.path.isdir(path):
+                if step in uncommitted:
                     raise IncompleteCheckpointError(
                         f"{path}: the checkpoint of step {step} was never committed (an interrupted or failed save)"
                     )
-                raise CheckpointNotFoundError(f"no checkpoint of step {step} under {self.root} (committed: {committed})")
+                raise CheckpointNotFoundError(
+                    f"no checkpoint of step {step} under {self.root} (committed: {sorted(order.candidates + order.abandoned)})"
+                )
             candidates = [step]
         else:
-            candidates = committed[::-1]
-            uncommitted = sorted(set(on_disk) - set(committed))
+            candidates = order.candidates
+            if order.pointer_error:
+                _warn(f"{order.pointer_error}; resuming from the newest committed checkpoint")
             for s in uncommitted:
                 if not candidates or s > candidates[0]:
                     _warn(f"skipping {self.path_of(s)}: it was never committed (an interrupted or failed save)")
+            for s in order.abandoned:
+                _warn(
+                    f"skipping the checkpoint of step {s}: it was committed before {LATEST_FILE} moved to step "
+                    f"{order.pointer} (a run resumed from an older step since); a new save of step {s} replaces it"
+                )
             if not candidates:
                 return None
         refused: list[str] = []
         for s in candidates:
             path = self.path_of(s)
-            why = self._agree(self._check(path, full_verify))
-            if why is None:
-                why = self._try_load(state, path)
-            if why is None:
-                self._replaceable.update(c for c in committed if c > s)
+            verdict = self._agree(self._check(path, full_verify))
+            if verdict is None:
+                verdict = self._try_load(state, path)
+            if verdict is None:
+                self._replaceable.update(c for c in order.candidates if c > s)
                 return s
+            why, bad_files = verdict
             if step is not None:
                 raise CorruptCheckpointError(f"cannot load step {s}: {why}")
             refused.append(f"step {s}: {why}")
-            self._replaceable.add(s)
+            if bad_files:
+                self._replaceable.add(s)
             _warn(f"skipping the checkpoint of step {s} ({path}): {why}; trying an older one")
         raise CorruptCheckpointError(
             f"no checkpoint under {self.root} could be loaded:\n  " + "\n  ".join(refused)
         )
 
     def close(self) -> None:
-        """Wait for the saves in flight (raising their errors); the manager cannot save afterwards."""
+        """Wait for the saves in flight (raising their errors), then give up the root."""
         if self._closed:
             return
         try:
             self.wait()
         finally:
             self._closed = True
+            self._release_ownership()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -319,6 +371,9 @@ class CheckpointManager:
             except Exception:  # noqa: BLE001 - the exception already propagating wins
                 pass
 
+    def __del__(self) -> None:
+        self._release_ownership()
+
     # -- saving -------------------------------------------------------------------
 
     def _dcp_kwargs(self) -> dict:
@@ -326,24 +381,31 @@ class CheckpointManager:
             return {"no_dist": True}
         return {"process_group": self._group}
 
+    def _forget(self, pending: _PendingSave) -> None:
+        with self._lock:
+            if pending in self._pending:
+                self._pending.remove(pending)
+
     def _on_upload_done(self, pending: _PendingSave) -> None:
         """Runs in DCP's save thread once the checkpoint is committed (or failed)."""
-        exc: BaseException | None = None
         try:
             exc = _future_exception(pending.upload)
             if exc is None:
                 self._after_commit(pending)
         except BaseException as unexpected:  # noqa: BLE001 - must reach the future, not the void
             exc = unexpected
-        finally:
-            exc = pending.error or exc
-            if exc is None:
-                pending.done.set_result(None)
-            else:
-                pending.done.set_exception(exc)
+        if exc is None:
+            pending.done.set_result(None)
+        else:
+            pending.done.set_exception(exc)
 
     def _after_commit(self, pending: _PendingSave) -> None:
-        """Rank 0: make the commit durable, move the pointer, apply retention."""
+        """Rank 0: make the commit durable, move the pointer, apply retention.
+
+        The checkpoint is committed already, so a failure here is a warning
+        (the next start repairs the pointer and retention catches up), never
+        a failed save: raising on rank 0 alone would also split the ranks.
+        """
         if self._rank != 0:
             return
         try:
@@ -353,143 +415,201 @@ class CheckpointManager:
                 if pending.seq > self._pointed_seq:
                     write_latest(self.root, pending.step)
                     self._pointed_seq = pending.seq
-                self._apply_retention(pending.step)
-        except BaseException as exc:  # noqa: BLE001 - the checkpoint itself is committed
-            pending.error = CheckpointError(
+                victims = self._retention_victims(pending.step)
+            for name in victims:
+                delete_checkpoint_dir(os.path.join(self.root, name))
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(
                 f"the checkpoint of step {pending.step} is committed in {pending.path}, but updating "
-                f"{os.path.join(self.root, LATEST_FILE)} or applying retention failed: {exc}"
+                f"{os.path.join(self.root, LATEST_FILE)} or applying retention failed: {exc}",
+                CheckpointManagerWarning,
+                stacklevel=2,
             )
-            pending.error.__cause__ = exc
 
-    def _apply_retention(self, committed_step: int) -> None:
-        """Delete committed checkpoints older than ``committed_step`` that the policy does not keep,
-        and uncommitted step directories older than it that no save of ours is writing."""
+    def _retention_victims(self, committed_step: int) -> list[str]:
+        """Directories to delete now that ``committed_step`` is committed (called under ``_lock``).
+
+        Candidates are steps below ``committed_step`` only: committed ones the
+        policy does not keep (``keep_last`` counts steps up to
+        ``committed_step``, so steps of an abandoned trajectory above it take
+        no slot) and uncommitted ones (failed saves) that no save of ours is
+        writing. Symbolic links are never followed into.
+        """
         dirs = step_dirs(self.root)
         committed = sorted(s for s, name in dirs.items() if is_committed(os.path.join(self.root, name)))
+        upto = [s for s in committed if s <= committed_step]
         keep = {committed_step}
-        if self.keep_last is None:
-            keep.update(committed)
-        else:
-            keep.update(committed[-self.keep_last:])
+        keep.update(upto if self.keep_last is None else upto[-self.keep_last:])
         if self.keep_every is not None:
             keep.update(s for s in committed if s % self.keep_every == 0)
         in_flight = {p.step for p in self._pending if not p.done.done()}
-        for s, name in sorted(dirs.items()):
-            if s >= committed_step or s in keep or s in in_flight:
-                continue
-            delete_checkpoint_dir(os.path.join(self.root, name))
+        return [
+            name for s, name in sorted(dirs.items())
+            if s < committed_step and s not in keep and s not in in_flight and not is_link(self.root, name)
+        ]
 
     def _raise_finished_errors(self) -> None:
         """Close the writers of finished saves; raise the first error not yet raised."""
         with self._lock:
-            finished = [p for p in self._pending if p.done.done()]
-            self._pending = [p for p in self._pending if not p.done.done()]
+            finished, running = [], []
+            for p in self._pending:
+                (finished if p.done.done() else running).append(p)
+            self._pending = running
         first: BaseException | None = None
         for p in finished:
             try:
-                p.writer.close()  # raises the writer's record of a failed background save
+                p.writer.close()  # raises (once) the writer's record of a failed background save
+                err = p.done.exception()
             except Exception as exc:  # noqa: BLE001
-                first = first or CheckpointError(f"the asynchronous save of step {p.step} into {p.path} failed: {exc}")
-                if first.__cause__ is None:
-                    first.__cause__ = exc
-                continue
-            err = p.done.exception()
+                err = exc
             if err is not None and first is None:
-                first = err if isinstance(err, CheckpointError) else CheckpointError(
-                    f"the asynchronous save of step {p.step} into {p.path} failed: {_describe(err)}"
-                )
+                first = _save_error(p.step, p.path, err, background=True)
+                first.__cause__ = _unwrap(err)
         if first is not None:
             raise first
 
     # -- loading ------------------------------------------------------------------
 
-    def _check(self, path: str, full_verify: bool) -> str | None:
-        """Why ``path`` cannot be loaded, found without reading tensor data (or all of it with
-        ``full_verify``, on rank 0); None when it looks loadable."""
+    def _check(self, path: str, full_verify: bool) -> tuple[str, bool] | None:
+        """Why ``path`` cannot be loaded (and whether its files are bad), found without
+        reading tensor data, or None. Each rank checks every W-th rank index; with
+        ``full_verify`` rank 0 reads every byte."""
         try:
-            if full_verify:
-                if self._rank == 0:
-                    from .verify import verify
+            if full_verify and self._rank == 0:
+                from .verify import verify
 
-                    report = verify(path, allow_pickle=self.allow_pickle)
-                    if not report.ok:
-                        return "; ".join(report.problems[:3]) or "not committed"
-                return None
+                report = verify(path, allow_pickle=self.allow_pickle)
+                if not report.ok:
+                    return "; ".join(report.problems[:3]) or "not committed", True
             reader = DataStatesReader(path, allow_pickle=self.allow_pickle)
             reader.read_metadata()
-            for files in reader._layout.ranks:
+            world = dist.get_world_size(self._group) if self._distributed else 1
+            for files in reader._layout.ranks[self._rank::world]:
                 reader.rank_index(files.data_file)
-        except UnsafeCheckpointError:
-            raise
-        except _DATA_ERRORS as exc:
-            return _describe(exc)
+        except BaseException as exc:  # noqa: BLE001 - classified; unknown errors travel to every rank
+            return _classify(exc)
         return None
 
-    def _try_load(self, state: dict, path: str) -> str | None:
+    def _try_load(self, state: dict, path: str) -> tuple[str, bool] | None:
         reader = DataStatesReader(path, allow_pickle=self.allow_pickle)
         kwargs = {"process_group": self._group} if self._distributed else {"no_dist": True}
         try:
             dcp.load(state, storage_reader=reader, checkpoint_id=path, **kwargs)
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - classified below
-            inner = _unwrap(exc)
-            if isinstance(inner, _DATA_ERRORS) and not isinstance(inner, UnsafeCheckpointError):
-                return _describe(inner)
-            if inner is exc:
-                raise
-            raise inner from exc
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP fails every rank alike
+            verdict = _classify(_unwrap(exc))
+            if verdict[0] is _RAISE:
+                inner = _unwrap(exc)
+                if inner is exc:
+                    raise
+                raise inner from exc
+            return verdict
         return None
 
-    def _agree(self, why: str | None) -> str | None:
-        """Every rank's verdict on a checkpoint, combined: bad on one rank is bad on all."""
-        if not self._distributed:
-            return why
-        verdicts: list[Any] = [None] * dist.get_world_size(self._group)
-        dist.all_gather_object(verdicts, why, group=self._group)
-        bad = [f"rank {r}: {v}" for r, v in enumerate(verdicts) if v is not None]
-        return "; ".join(bad) if bad else None
-
-    def _from_rank0(self, value: Any) -> Any:
-        if not self._distributed:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0) if self._group else 0, group=self._group)
-        return box[0]
-
-    def _barrier(self) -> None:
+    def _agree(self, verdict):
+        """Every rank's verdict on a checkpoint, combined: bad on one rank is bad on all,
+        and an error that must be raised is raised on every rank."""
         if self._distributed:
-            dist.barrier(group=self._group)
+            verdicts: list[Any] = [None] * dist.get_world_size(self._group)
+            dist.all_gather_object(verdicts, verdict, group=self._group)
+        else:
+            verdicts = [verdict]
+        for r, v in enumerate(verdicts):
+            if v is not None and v[0] is _RAISE:
+                raise CheckpointError(f"rank {r}: {v[1]}")
+        bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+        if not bad:
+            return None
+        why = "; ".join(f"rank {r}: {v[0]}" if self._distributed else v[0] for r, v in bad)
+        return why, any(v[1] for _r, v in bad)
 
-    # -- crash recovery -----------------------------------------------------------
+    def _on_rank0(self, fn, what: str):
+        """Run ``fn`` on rank 0 and hand its result (or its error, raised) to every rank."""
+        try:
+            result = (True, fn()) if self._rank == 0 else None
+        except Exception as exc:  # noqa: BLE001 - raised below on every rank
+            if not self._distributed:
+                raise
+            result = (False, f"{type(exc).__name__}: {exc}")
+        if self._distributed:
+            box = [result]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0) if self._group else 0, group=self._group)
+            result = box[0]
+        ok, value = result
+        if not ok:
+            raise CheckpointError(f"{self.root}: rank 0 failed {what}: {value}")
+        return value
+
+    # -- owning the root, crash recovery ------------------------------------------
+
+    def _take_ownership(self) -> bool:
+        fd = os.open(os.path.join(self.root, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            warnings.warn(
+                f"another CheckpointManager owns {self.root} (it holds {LOCK_FILE}); this one will load but "
+                "not save, clean up, move the pointer or delete checkpoints",
+                CheckpointManagerWarning,
+                stacklevel=4,
+            )
+            return False
+        self._lock_fd = fd
+        return True
+
+    def _release_ownership(self) -> None:
+        fd, self._lock_fd = getattr(self, "_lock_fd", None), None
+        if fd is not None:
+            os.close(fd)  # drops the flock
 
     def _recover(self) -> None:
-        """Remove what crashed saves left behind and repair a stale pointer (rank 0, at start)."""
+        """Remove what crashed saves left behind and repair a stale pointer (owner, at start)."""
         for name in os.listdir(self.root):
             if LATEST_TMP_RE.match(name):
                 remove_if_present([os.path.join(self.root, name)])
-        dirs = step_dirs(self.root)
-        committed = []
-        for s, name in sorted(dirs.items()):
+        for s, name in sorted(step_dirs(self.root).items()):
             path = os.path.join(self.root, name)
+            if is_link(self.root, name):
+                continue  # linked from elsewhere: not ours to clean
             if not is_committed(path):
                 _warn(f"removing {path}: a checkpoint that was never committed (left by an interrupted save)")
                 delete_checkpoint_dir(path)
                 continue
-            committed.append(s)
             for stray in stray_files(path, self.allow_pickle):
                 remove_if_present([os.path.join(path, stray)])
-        try:
-            pointed = read_latest(self.root)
-        except ValueError as exc:
-            _warn(f"{exc}; rewriting it")
-            pointed = None
-        if committed and pointed != committed[-1]:
-            newest = self.path_of(committed[-1])
+        order = resume_order(self.root)
+        if order.pointer_error:
+            _warn(f"{order.pointer_error}; rewriting it")
+        if order.candidates and order.pointer != order.candidates[0]:
+            newest = self.path_of(order.candidates[0])
             fsync_dir(newest)
             fsync_dir(self.root)
-            write_latest(self.root, committed[-1])
-        elif not committed and pointed is not None:
+            write_latest(self.root, order.candidates[0])
+        elif not order.candidates and (order.pointer is not None or order.pointer_error):
             remove_if_present([os.path.join(self.root, LATEST_FILE)])
             fsync_dir(self.root)
+
+
+_RAISE = object()  # a verdict that is not about the checkpoint's files: raise it
+
+
+def _classify(exc: BaseException) -> tuple:
+    """(why, the files are bad) for errors that make resume skip a checkpoint; (_RAISE, text) otherwise."""
+    if isinstance(exc, UnsafeCheckpointError):
+        return _RAISE, _describe(exc)
+    if isinstance(exc, _BAD_FILES):
+        return _describe(exc), True
+    if isinstance(exc, _UNREADABLE) or (isinstance(exc, OSError) and exc.errno in _READ_ERRNOS):
+        return _describe(exc), False
+    return _RAISE, f"{type(exc).__name__}: {_describe(exc)}"
+
+
+def _save_error(step: int, path: str, exc: BaseException, background: bool = False) -> CheckpointError:
+    inner = _unwrap(exc)
+    if isinstance(inner, CheckpointError) and not background:
+        return inner
+    what = "the asynchronous save" if background else "the save"
+    return CheckpointError(f"{what} of step {step} into {path} failed: {_describe(inner)}")
 
 
 def stray_files(path: str, allow_pickle: bool = False) -> list[str]:
@@ -521,6 +641,10 @@ def delete_checkpoint_dir(path: str) -> None:
     directory is an uncommitted leftover, which readers refuse and the next
     manager start removes.
     """
+    if os.path.islink(path):
+        raise CheckpointError(f"{path} is a symbolic link; checkpoints are never deleted through a link")
+    if not os.path.isdir(path):
+        return  # already gone (another cleanup got there first)
     remove_if_present([os.path.join(path, METADATA_FILE)])
     fsync_dir(path)
     shutil.rmtree(path)

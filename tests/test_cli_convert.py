@@ -392,6 +392,7 @@ def error_runs(sources, tmp_path_factory):
         "uncommitted": ["convert", str(uncommitted), "--to", "dcp", str(base / "u_out")],
         "complex": ["convert", sources["dtypes_ours"].path, "--to", "safetensors", str(base / "c_out")],
         "overwrite_home": ["convert", run, "--to", "dcp", str(notckpt), "--overwrite"],
+        "into_source": ["convert", run, "--to", "torch", os.path.join(run, ".metadata"), "--overwrite"],
         "bad_to": ["convert", run, "--to", "onnx", str(base / "x")],
     }
     procs = start_parallel(list(real.values()))
@@ -430,6 +431,12 @@ def test_overwrite_never_removes_a_directory_that_is_not_an_output(error_runs):
     line = assert_one_line_error(runs["overwrite_home"])
     assert "refusing to replace" in line
     assert (base / "notckpt" / "readme.txt").read_text() == "hello"
+
+
+def test_output_inside_the_source_is_refused(error_runs, sources):
+    line = assert_one_line_error(error_runs[1]["into_source"])
+    assert "would overlap the checkpoint" in line
+    assert verify(sources["run"].path).ok
 
 
 @pytest.mark.parametrize("case", ["missing", "notckpt", "uncommitted"])

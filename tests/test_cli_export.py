@@ -275,11 +275,13 @@ def test_existing_out_refused_unless_overwrite(run_checkpoints, tmp_path):
         (ckpt.path, "--format", "zarr", "--out", zarr),
         (ckpt.path, "--format", "zarr", "--out", precious, "--overwrite"),
         (ckpt.path, "--format", "zarr", "--out", ckpt.path, "--overwrite"),
+        (ckpt.path, "--format", "hdf5", "--out", os.path.join(ckpt.path, ".metadata"), "--overwrite"),
     )
     assert_one_line_error(refused[0], str(h5), "exists; pass --overwrite")
     assert_one_line_error(refused[1], str(zarr), "exists; pass --overwrite")
     assert_one_line_error(refused[2], "not a zarr store")
-    assert_one_line_error(refused[3], "would replace the checkpoint")
+    assert_one_line_error(refused[3], "would overlap the checkpoint")
+    assert_one_line_error(refused[4], "would overlap the checkpoint")  # a file inside the checkpoint
     assert h5.read_bytes() == b"old" and sorted(os.listdir(zarr)) == [".zgroup"]
     assert (precious / "notes.txt").read_text() == "keep me"
     export_batch(

@@ -16,10 +16,10 @@ import torch
 from conftest import assert_same
 from dcp_datastates import CheckpointError, CheckpointExistsError, CorruptCheckpointError, verify
 from dcp_datastates._faults import inject_fault
-from dcp_datastates.checkpoint_root import LATEST_FILE, is_committed, read_latest, step_dirs, write_latest
+from dcp_datastates.checkpoint_root import LATEST_FILE, is_committed, read_latest, step_dirs
 from dcp_datastates.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from dcp_datastates.format import METADATA_FILE
-from dcp_datastates.manager import CheckpointManager, SkippedCheckpointWarning
+from dcp_datastates.manager import LOCK_FILE, CheckpointManager, CheckpointManagerWarning, SkippedCheckpointWarning
 from manager_workers import run_ranks, state_at, zeros_like_state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,7 +62,7 @@ def test_save_layout_pointer_and_load(tmp_path, async_save):
             if not async_save:
                 assert fut.done()
         mgr.wait()
-        assert sorted(os.listdir(root)) == [LATEST_FILE, "step_00000000", "step_00000005", "step_00000012"]
+        assert sorted(os.listdir(root)) == [LOCK_FILE, LATEST_FILE, "step_00000000", "step_00000005", "step_00000012"]
         assert mgr.steps() == [0, 5, 12] and mgr.latest() == 12
         assert json.loads((root / LATEST_FILE).read_text()) == {"step": 12, "dir": "step_00000012"}
         for step in (0, 5, 12):
@@ -140,7 +140,7 @@ def test_failed_save_moves_no_pointer_and_deletes_nothing(tmp_path, async_save):
                 mgr.wait()
             assert fut.exception() is not None
         else:
-            with pytest.raises(BaseException):  # noqa: B017 - DCP wraps the rank's OSError
+            with pytest.raises(CheckpointError, match="step 20.*No space left"):
                 mgr.save(20, state_at(20))
     # keep_last=1, yet the last committed checkpoint survives a failed newer save
     assert saved_steps(root) == [10] and read_latest(str(root)) == 10
@@ -154,13 +154,12 @@ def test_failed_save_moves_no_pointer_and_deletes_nothing(tmp_path, async_save):
 
 
 def test_retention_never_deletes_newer_steps(tmp_path):
-    """After resuming from an older step, a new (smaller-numbered) save must not delete newer ones."""
+    """A save of a smaller step than existing ones (after an explicit older load) deletes nothing above it."""
     root = tmp_path / "run"
     with CheckpointManager(root, keep_last=1, async_save=False) as mgr:
         for step in (10, 20):
-            mgr.save(step, state_at(step), overwrite=False)
-    # keep_last=1 left only step 20; pretend a later run rolls back and saves step 15
-    with CheckpointManager(root, keep_last=1, async_save=False) as mgr:
+            mgr.save(step, state_at(step))
+        assert load_step(mgr, 20)[0] == 20
         mgr.save(15, state_at(15))
         assert mgr.steps() == [15, 20]
 
@@ -309,7 +308,7 @@ def test_start_removes_crash_leftovers(tmp_path):
     named = sorted(os.listdir(root / "step_00000020"))
     with pytest.warns(SkippedCheckpointWarning, match="step_00000040.*never committed"):
         mgr = CheckpointManager(root, keep_last=None)
-    assert sorted(os.listdir(root)) == [LATEST_FILE, "step_00000010", "step_00000020", "step_00000030"]
+    assert sorted(os.listdir(root)) == [LOCK_FILE, LATEST_FILE, "step_00000010", "step_00000020", "step_00000030"]
     assert sorted(os.listdir(root / "step_00000020")) == [
         n for n in named if n not in ("rank00001-00000000beef.data", ".metadata.00000000beef.tmp")
     ]
@@ -327,16 +326,83 @@ def test_start_leaves_a_damaged_checkpoint_alone(tmp_path):
     assert sorted(os.listdir(root / "step_00000030")) == before
 
 
-def test_start_repairs_a_stale_or_damaged_pointer(tmp_path):
+def test_start_rewrites_a_damaged_pointer(tmp_path):
     root = tmp_path / "run"
     _three_steps(root)
-    write_latest(str(root), 10)
-    CheckpointManager(root)
-    assert read_latest(str(root)) == 30
     (root / LATEST_FILE).write_text("not json")
     with pytest.warns(SkippedCheckpointWarning, match="not a checkpoint pointer"):
-        CheckpointManager(root)
+        CheckpointManager(root).close()
     assert read_latest(str(root)) == 30
+
+
+def test_rollback_abandons_newer_steps_across_restarts(tmp_path):
+    """Resume from an older step, train on: the newer steps are an abandoned trajectory.
+
+    They take no retention slot, a restart resumes the new trajectory (not the
+    larger step numbers), and the new trajectory's save of such a step replaces it.
+    """
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=2, async_save=False) as mgr:
+        for step in (10, 20):
+            mgr.save(step, state_at(step))
+        assert load_step(mgr, 10)[0] == 10  # roll back
+        for step in (11, 12, 13):
+            mgr.save(step, state_at(step))
+        assert mgr.steps() == [12, 13, 20]  # 20 took no slot of keep_last=2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mgr = CheckpointManager(root, keep_last=2, async_save=False)
+        got, target = load_step(mgr)
+    assert got == 13 and read_latest(str(root)) == 13
+    assert_same(target, state_at(13))
+    assert any("step 20" in str(w.message) and "resumed from an older step" in str(w.message) for w in caught)
+    assert mgr.latest() == 13
+    mgr.save(20, state_at(21))  # replaces the abandoned step 20 without overwrite=True
+    assert load_step(mgr)[0] == 20 and mgr.steps() == [13, 20]
+    assert_same(load_step(mgr, 20)[1], state_at(21))
+    mgr.close()
+
+
+def test_retention_and_cleanup_never_follow_symlinks(tmp_path):
+    elsewhere = tmp_path / "pretrained"
+    with CheckpointManager(elsewhere, async_save=False) as mgr:
+        mgr.save(100, state_at(100))
+    (elsewhere / "step_00000100" / "rank00009-0123456789ab.data").write_bytes(b"stray?")
+    root = tmp_path / "run"
+    root.mkdir()
+    os.symlink(elsewhere / "step_00000100", root / "step_00000000")  # warm start, linked
+    with CheckpointManager(root, keep_last=1, async_save=False) as mgr:
+        got, target = load_step(mgr)
+        assert got == 0
+        assert_same(target, state_at(100))
+        mgr.save(1, state_at(1))
+        mgr.save(2, state_at(2))
+    # the linked checkpoint and everything in it are untouched
+    assert os.path.islink(root / "step_00000000") and verify(elsewhere / "step_00000100").ok
+    assert (elsewhere / "step_00000100" / "rank00009-0123456789ab.data").exists()
+    assert saved_steps(root) == [0, 2]
+
+
+def test_a_second_manager_on_the_root_loads_but_never_deletes(tmp_path):
+    root = tmp_path / "run"
+    owner = CheckpointManager(root, keep_last=1, async_save=False)
+    owner.save(10, state_at(10))
+    # the owner's save of step 20 is under way: its directory has files, no .metadata yet
+    os.makedirs(root / "step_00000020")
+    (root / "step_00000020" / "rank00000-0123456789ab.data").write_bytes(b"in flight")
+    with pytest.warns(CheckpointManagerWarning, match="another CheckpointManager owns"):
+        reader = CheckpointManager(root, keep_last=1)
+    assert (root / "step_00000020" / "rank00000-0123456789ab.data").exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedCheckpointWarning)
+        assert load_step(reader)[0] == 10
+    with pytest.raises(CheckpointError, match="may load but not save"):
+        reader.save(30, state_at(30))
+    reader.close()
+    owner.close()
+    with pytest.warns(SkippedCheckpointWarning, match="step_00000020"):
+        CheckpointManager(root).close()  # the owner is gone: the leftover is cleaned now
+    assert not (root / "step_00000020").exists()
 
 
 def _crash_child(root, scenario, mode):
@@ -358,7 +424,7 @@ def test_crash_between_commit_and_pointer_update(tmp_path, scenario, mode):
     assert is_committed(str(root / "step_00000020"))
     mgr = CheckpointManager(root)  # start: the pointer is repaired, the temporary removed
     assert read_latest(str(root)) == 20
-    assert sorted(os.listdir(root)) == [LATEST_FILE, "step_00000010", "step_00000020"]
+    assert sorted(os.listdir(root)) == [LOCK_FILE, LATEST_FILE, "step_00000010", "step_00000020"]
     got, target = load_step(mgr)
     assert got == 20
     assert_same(target, state_at(20))
@@ -373,7 +439,7 @@ def test_crash_during_retention(tmp_path, mode):
     assert read_latest(str(root)) == 20
     with pytest.warns(SkippedCheckpointWarning, match="step_00000010"):
         mgr = CheckpointManager(root, keep_last=1)
-    assert sorted(os.listdir(root)) == [LATEST_FILE, "step_00000020"]
+    assert sorted(os.listdir(root)) == [LOCK_FILE, LATEST_FILE, "step_00000020"]
     got, target = load_step(mgr)
     assert got == 20
     assert_same(target, state_at(20))
