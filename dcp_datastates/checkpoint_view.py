@@ -17,8 +17,10 @@ import dataclasses
 import io
 import math
 import os
+import queue
+import threading
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, TypeVar
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -35,6 +37,8 @@ from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointE
 from .format import METADATA_FILE, CheckpointLayout
 from .metadata_file import decode_metadata
 from .reader import DataStatesReader
+
+T = TypeVar("T")
 
 DEFAULT_BLOCK_BYTES = 256 << 20  # the largest block tools read at once
 
@@ -221,6 +225,49 @@ class CheckpointView:
         except (OSError, RuntimeError, ValueError, EOFError) as exc:
             keys = sorted({i.storage_index.fqn for i in items})
             raise CorruptCheckpointError(f"{self.path}: reading {', '.join(map(repr, keys))} failed: {exc}") from exc
+
+
+def read_ahead(blocks: Iterable[T], depth: int = 1) -> Iterator[T]:
+    """Yield from ``blocks`` while a thread produces the next ``depth`` items.
+
+    Reads run in the engine with the GIL released, so reading the next block
+    overlaps the caller's work on this one (writing it out, comparing it).
+    At most ``depth + 1`` items are alive at once; an error of the producer
+    is raised here, at the item where it happened.
+    """
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    end = object()
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in blocks:
+                if stop.is_set():
+                    return
+                q.put((item, None))
+            q.put((end, None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            q.put((end, exc))
+
+    worker = threading.Thread(target=produce, name="dcp_datastates-read-ahead", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item, exc = q.get()
+            if item is end:
+                if exc is not None:
+                    raise exc
+                return
+            yield item
+            del item
+    finally:
+        stop.set()
+        while worker.is_alive():  # unblock a producer waiting to put, then let it see ``stop``
+            try:
+                q.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        worker.join()
 
 
 def check_output_apart(out: str, sources: list[str]) -> None:

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .checkpoint_view import FORMAT_DCP, CheckpointView, _split_box, check_output_apart
+from .checkpoint_view import FORMAT_DCP, CheckpointView, _split_box, check_output_apart, read_ahead
 from .errors import CheckpointError, CheckpointExistsError
 
 FORMATS = ("torch", "safetensors", "dcp", "datastates")
@@ -184,6 +184,17 @@ def _row_major_blocks(view: CheckpointView, fqn: str) -> Iterator[torch.Tensor]:
     itemsize = md.properties.dtype.itemsize
     for offsets, sizes in _split_box((0,) * len(shape), shape, itemsize, _block_bytes(view)):
         yield view.read_block(fqn, offsets, sizes)
+
+
+def _with_empty(view: CheckpointView, keys: list[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """``(key, block)`` for every block of every key, in order; ``(key, None)`` for an empty tensor."""
+    for fqn in keys:
+        yielded = False
+        for block in _row_major_blocks(view, fqn):
+            yielded = True
+            yield fqn, block
+        if not yielded:
+            yield fqn, None
 
 
 def _raw_bytes(block: torch.Tensor) -> memoryview:
@@ -346,14 +357,17 @@ def _write_safetensors(view: CheckpointView, tmp: str, summary: ConvertSummary, 
         path = os.path.join(tmp, name)
         with open(path, "xb") as f:
             f.write(safetensors_header(view, shard))
-            for fqn in shard:
-                for block in _row_major_blocks(view, fqn):
+            done = set()
+            for fqn, block in read_ahead(_with_empty(view, shard)):  # the next block is read meanwhile
+                if block is not None:
                     f.write(_raw_bytes(block))
                     tracker.add(block.numel() * block.element_size())
-                    del block  # before the next block is read, not after
-                weight_map[fqn] = name
-                summary.tensors += 1
-                summary.bytes += view.nbytes(fqn)
+                    del block
+                if fqn not in done:
+                    done.add(fqn)
+                    weight_map[fqn] = name
+                    summary.tensors += 1
+                    summary.bytes += view.nbytes(fqn)
             f.flush()
             os.fsync(f.fileno())
     index = {"metadata": {"total_size": summary.bytes}, "weight_map": weight_map}

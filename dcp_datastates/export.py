@@ -40,7 +40,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from .checkpoint_root import is_committed, step_dirs
-from .checkpoint_view import DEFAULT_BLOCK_BYTES, CheckpointView, check_output_apart
+from .checkpoint_view import DEFAULT_BLOCK_BYTES, CheckpointView, check_output_apart, read_ahead
 from .commit import fsync_dir
 from .errors import UnsafeCheckpointError
 
@@ -380,16 +380,20 @@ def _block_index(step: int, offsets: tuple[int, ...], sizes: tuple[int, ...]) ->
 
 def _write_blocks(views, datasets, block_bytes, progress, write) -> None:
     """Every block of every dataset of every checkpoint, handed to ``write(ds, index, array)``."""
-    for i, view in enumerate(views):
-        for ds in datasets:
-            for offsets, block in view.blocks(ds.key, block_bytes):
-                nbytes = block.numel() * ds.dtype.itemsize
-                if nbytes:
-                    write(ds, _block_index(i, offsets, tuple(block.shape)), as_stored(block))
-                del block
-                progress.add(nbytes)
-                if nbytes >= _TRIM_AFTER_BYTES:
-                    _release_freed_memory()
+    def every_block():
+        for i, view in enumerate(views):
+            for ds in datasets:
+                for offsets, block in view.blocks(ds.key, block_bytes):
+                    yield i, ds, offsets, block
+
+    for i, ds, offsets, block in read_ahead(every_block()):  # the next block is read while this one is written
+        nbytes = block.numel() * ds.dtype.itemsize
+        if nbytes:
+            write(ds, _block_index(i, offsets, tuple(block.shape)), as_stored(block))
+        del block
+        progress.add(nbytes)
+        if nbytes >= _TRIM_AFTER_BYTES:
+            _release_freed_memory()
 
 
 _TRIM_AFTER_BYTES = 1 << 20
