@@ -1,7 +1,8 @@
 """Helpers shared by the benchmark scripts: scratch directories, statistics, machine facts.
 
-Imports neither dcp_datastates nor DCP, so every script can use it even
-when the package under test fails to import.
+Imports neither dcp_datastates nor DCP at module level, so every script can
+use it even when the package under test fails to import (``drop_tree``
+imports the engine when it is called).
 """
 
 from __future__ import annotations
@@ -50,6 +51,27 @@ def remove_scratch(base: str, root: str, created_base: bool) -> None:
             os.rmdir(base)  # only when empty
         except OSError:
             pass
+
+
+def drop_tree(path: str) -> None:
+    """Evict every file under ``path`` from the page cache (the next read hits the disk)."""
+    from dcp_datastates._native import _engine
+
+    if os.path.isfile(path):
+        _engine.drop_page_cache(path)
+        return
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            _engine.drop_page_cache(os.path.join(root, name))
+
+
+def remove(path: str) -> None:
+    """Delete a file or tree, then sync (flush the unlink and ext4's discards before the next timed op)."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.remove(path)
+    os.sync()
 
 
 def median(xs):

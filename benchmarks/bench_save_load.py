@@ -46,7 +46,6 @@ import dataclasses
 import gc
 import os
 import random
-import shutil
 import sys
 import threading
 import time
@@ -59,7 +58,7 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter  # noqa: E402
 
-from bench_common import add_common_args, fmt, make_scratch, median, remove_scratch, write_json  # noqa: E402
+from bench_common import add_common_args, drop_tree, fmt, make_scratch, median, remove, remove_scratch, write_json  # noqa: E402
 from bench_common import machine_info as common_machine_info  # noqa: E402
 from dcp_datastates import DataStatesReader, DataStatesWriter  # noqa: E402
 from dcp_datastates import _engine  # noqa: E402
@@ -132,24 +131,6 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def drop_tree(path: str) -> None:
-    """Evict every file under `path` from the page cache (next read hits the disk)."""
-    if os.path.isfile(path):
-        _engine.drop_page_cache(path)
-        return
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            _engine.drop_page_cache(os.path.join(root, name))
-
-
-def remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.remove(path)
-    os.sync()  # flush the unlink (and ext4's discards) before the next timed op
 
 
 def check_equal(expected: dict, got: dict, what: str) -> None:

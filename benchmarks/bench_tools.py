@@ -29,7 +29,9 @@ import textwrap
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_common import add_common_args, fmt, machine_info, make_scratch, median, remove_scratch, write_json  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_common_args, drop_tree, fmt, machine_info, make_scratch, median, remove, remove_scratch, write_json,
+)
 
 BLOCK = 8 << 20
 
@@ -84,27 +86,6 @@ def tree_bytes(path: str) -> int:
     if os.path.isfile(path):
         return os.path.getsize(path)
     return sum(os.path.getsize(os.path.join(r, f)) for r, _d, fs in os.walk(path) for f in fs)
-
-
-def drop_tree(path: str) -> None:
-    from dcp_datastates._native import _engine
-
-    if os.path.isfile(path):
-        _engine.drop_page_cache(path)
-        return
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            _engine.drop_page_cache(os.path.join(root, name))
-
-
-def remove(path: str) -> None:
-    import shutil
-
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.remove(path)
-    os.sync()
 
 
 def run_child(kind: str, payload) -> dict:

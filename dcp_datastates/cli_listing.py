@@ -30,6 +30,7 @@ from typing import Any, Callable
 from .checkpoint_root import STEP_DIR_RE, read_latest
 from .errors import CheckpointNotFoundError
 from .format import DATA_FILE_RE, METADATA_FILE
+from .progress import LazyProgress
 
 PROG = "dcp-datastates"
 
@@ -443,24 +444,6 @@ def run_inspect(args) -> int:
 # ---------------------------------------------------------------------------
 
 
-class _LazyBar:
-    """A ``verify`` progress callback: the bar opens on the first call, when the total is known."""
-
-    def __init__(self, desc: str, quiet: bool) -> None:
-        self.desc, self.quiet, self.bar = desc, quiet, None
-
-    def __call__(self, done: int, total: int) -> None:
-        from .progress import progress_bar
-
-        if self.bar is None:
-            self.bar = progress_bar(total, self.desc, quiet=self.quiet)
-        self.bar.update(done - self.bar.n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def verify_one(path: str, *, allow_pickle: bool = False, quiet: bool = True) -> tuple[bool, str]:
     """``(ok, report text)`` for one path: never raises, so one bad path does not stop the others."""
     from .verify import verify as verify_checkpoint
@@ -470,7 +453,7 @@ def verify_one(path: str, *, allow_pickle: bool = False, quiet: bool = True) -> 
         return False, f"NOT FOUND: {path}: no such file or directory"
     if not os.path.isdir(path):
         return False, f"NOT FOUND: {path}: not a directory"
-    bar = _LazyBar(os.path.basename(os.path.normpath(path)) or path, quiet)
+    bar = LazyProgress(os.path.basename(os.path.normpath(path)) or path, quiet)
     try:
         report = verify_checkpoint(path, allow_pickle=allow_pickle, progress=bar)
     except Exception as exc:  # noqa: BLE001 - e.g. a permission error listing the directory

@@ -28,7 +28,6 @@ import json
 import math
 import mmap
 import os
-import shutil
 import signal
 import struct
 import sys
@@ -38,6 +37,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .commit import fsync_dir
+from .tool_output import move_into_place, remove_output
 from .checkpoint_view import FORMAT_DCP, CheckpointView, _split_box, check_output_apart, read_ahead
 from .errors import CheckpointError, CheckpointExistsError
 
@@ -124,7 +125,7 @@ def convert_checkpoint(
             _WRITERS[to](view, tmp, summary, tracker, max_shard_bytes)
         _move_into_place(tmp, out, overwrite)
     except BaseException:
-        _remove(tmp)
+        remove_output(tmp)
         raise
     return summary
 
@@ -376,7 +377,7 @@ def _write_safetensors(view: CheckpointView, tmp: str, summary: ConvertSummary, 
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     summary.skipped = list(view.objects)
     summary.files = names + [SAFETENSORS_INDEX]
 
@@ -492,7 +493,7 @@ def _write_dcp(view: CheckpointView, tmp: str, summary: ConvertSummary, tracker:
     writer = FileSystemWriter(tmp, single_file_per_rank=True, thread_count=1, per_thread_copy_ahead=0, overwrite=False)
     _dcp_save(view, writer, tracker, summary, release_previous=True)
     _check_dcp_output(view, tmp)
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     summary.files = sorted(os.listdir(tmp))
 
 
@@ -573,40 +574,8 @@ def _check_replaceable(out: str, overwrite: bool) -> None:
 
 
 def _move_into_place(tmp: str, out: str, overwrite: bool) -> None:
-    """Rename the finished output to ``out``; an existing ``out`` goes only after that."""
-    parent = os.path.dirname(out)
     _check_replaceable(out, overwrite)  # again: something may have appeared meanwhile
-    if not os.path.lexists(out):
-        os.rename(tmp, out)
-    elif os.path.isfile(tmp) and not (os.path.isdir(out) and not os.path.islink(out)):
-        os.replace(tmp, out)  # a file over a file: atomic
-    else:
-        old = os.path.join(parent, f".{os.path.basename(out)}.replaced-{uuid.uuid4().hex[:12]}")
-        os.rename(out, old)
-        try:
-            os.rename(tmp, out)
-        except BaseException:
-            os.rename(old, out)
-            raise
-        _fsync_dir(parent)
-        _remove(old)
-    _fsync_dir(parent)
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    move_into_place(tmp, out, overwrite)
 
 
 # ---------------------------------------------------------------------------
@@ -644,15 +613,9 @@ def _sigterm_as_interrupt():
 def run_cli(args) -> int:
     """``dcp-datastates convert``: convert, print a summary table; exit status 0."""
     from .cli import PROG
-    from .progress import progress_bar
+    from .progress import LazyProgress
 
-    bar = None
-
-    def progress(done: int, total: int) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = progress_bar(total, f"convert to {args.to}", quiet=args.quiet)
-        bar.update(done - bar.n)
+    progress = LazyProgress(f"convert to {args.to}", quiet=args.quiet)
 
     try:
         with _sigterm_as_interrupt():
@@ -661,8 +624,7 @@ def run_cli(args) -> int:
                 allow_pickle=args.allow_pickle, progress=progress,
             )
     finally:
-        if bar is not None:
-            bar.close()
+        progress.close()
     if summary.skipped:
         shown = ", ".join(summary.skipped[:8]) + (", ..." if len(summary.skipped) > 8 else "")
         print(

@@ -513,18 +513,12 @@ def plot_change_per_layer(report: DiffReport, out: str) -> list[tuple[str, float
 
 def run_cli(args) -> int:
     """``dcp-datastates diff``: the report as a table (or JSON), and the plot; exit status 0."""
-    from .progress import progress_bar
+    from .progress import LazyProgress
 
     warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
     if args.plot:
         require_matplotlib()
-    bar = None
-
-    def progress(done: int, total: int) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = progress_bar(total, "diff", quiet=args.quiet)
-        bar.update(done - bar.n)
+    progress = LazyProgress("diff", quiet=args.quiet)
 
     try:
         report = diff_checkpoints(
@@ -532,8 +526,7 @@ def run_cli(args) -> int:
             allow_pickle=args.allow_pickle,
         )
     finally:
-        if bar is not None:
-            bar.close()
+        progress.close()
     if args.plot:
         plot_change_per_layer(report, args.plot)
     if args.json:

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 import warnings
 from typing import Callable, Iterable, Sequence
@@ -40,6 +39,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from .checkpoint_root import is_committed, step_dirs
+from .tool_output import move_into_place, remove_output
 from .checkpoint_view import DEFAULT_BLOCK_BYTES, CheckpointView, check_output_apart, read_ahead
 from .commit import fsync_dir
 from .errors import UnsafeCheckpointError
@@ -146,9 +146,9 @@ def export_checkpoints(
             warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
             backend(tmp, views, datasets, steps, root_attrs, block_bytes, _Progress(total, progress))
         _fsync_tree(tmp)
-        _move_into_place(tmp, out, overwrite)
+        move_into_place(tmp, out, overwrite)
     except BaseException:
-        _remove(tmp)
+        remove_output(tmp)
         raise
     return ExportSummary(
         out=out, format=fmt, checkpoints=[os.path.abspath(p) for p in paths], steps=steps,
@@ -513,49 +513,14 @@ def _fsync_tree(path: str) -> None:
         fsync_dir(top)
 
 
-def _move_into_place(tmp: str, out: str, overwrite: bool) -> None:
-    """Rename the finished output to ``out``; an old ``out`` is replaced only now (with ``overwrite``)."""
-    parent = os.path.dirname(out)
-    if not os.path.lexists(out):
-        os.rename(tmp, out)
-    elif not overwrite:
-        raise FileExistsError(f"{out} appeared while exporting; pass --overwrite to replace it")
-    elif os.path.isfile(tmp) and os.path.isfile(out) and not os.path.islink(out):
-        os.replace(tmp, out)  # atomic: readers see the old file or the new one
-    else:
-        old = f"{out}.old-{os.getpid()}"
-        os.rename(out, old)
-        try:
-            os.rename(tmp, out)
-        except BaseException:
-            os.rename(old, out)
-            raise
-        _remove(old)
-    fsync_dir(parent)
-
-
-def _remove(path: str) -> None:
-    """Delete a file or directory tree we created, if it is there."""
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.unlink(path)
-
-
 # -- the command line -------------------------------------------------------------------------
 
 
 def run_cli(args) -> int:
     """``dcp-datastates export``: export, then print what was written (a short aligned table)."""
-    from .progress import progress_bar
+    from .progress import LazyProgress
 
-    bar = None
-
-    def progress(done: int, total: int) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = progress_bar(total, "export", quiet=args.quiet)
-        bar.update(done - bar.n)
+    progress = LazyProgress("export", quiet=args.quiet)
 
     try:
         summary = export_checkpoints(
@@ -563,8 +528,7 @@ def run_cli(args) -> int:
             overwrite=args.overwrite, progress=progress, allow_pickle=getattr(args, "allow_pickle", False),
         )
     finally:
-        if bar is not None:
-            bar.close()
+        progress.close()
     for path in summary.skipped:
         print(f"note: skipped {path}: not committed", file=sys.stderr)
     rows = [

@@ -18,3 +18,29 @@ def progress_bar(total: int, desc: str, *, unit: str = "B", quiet: bool = False)
         total=total, desc=desc, unit=unit, unit_scale=scaled, unit_divisor=1024 if scaled else 1000,
         file=sys.stderr, disable=True if quiet else None, dynamic_ncols=True,
     )
+
+
+class LazyProgress:
+    """A ``progress(done, total)`` callback for the library functions, drawing a bar.
+
+    The bar opens on the first call, when the total is known; ``close()``
+    (also as a context manager) ends it.
+    """
+
+    def __init__(self, desc: str, quiet: bool = False) -> None:
+        self.desc, self.quiet, self.bar = desc, quiet, None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = progress_bar(total, self.desc, quiet=self.quiet)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def __enter__(self) -> "LazyProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
