@@ -231,21 +231,29 @@ def read_ahead(blocks: Iterable[T], depth: int = 1) -> Iterator[T]:
     """Yield from ``blocks`` while a thread produces the next ``depth`` items.
 
     Reads run in the engine with the GIL released, so reading the next block
-    overlaps the caller's work on this one (writing it out, comparing it).
-    At most ``depth + 1`` items are alive at once; an error of the producer
-    is raised here, at the item where it happened.
+    overlaps the caller's work on this one (writing it out). At most
+    ``depth + 1`` items exist at once (the producer takes a slot before it
+    reads, and the caller gives it back by asking for the next item, so it
+    must drop its reference to an item before that); an error of the
+    producer is raised here, at the item where it happened.
     """
-    q: queue.Queue = queue.Queue(maxsize=depth)
+    q: queue.Queue = queue.Queue()
+    slots = threading.Semaphore(depth + 1)
     end = object()
     stop = threading.Event()
 
     def produce() -> None:
         try:
-            for item in blocks:
+            it = iter(blocks)
+            while True:
+                slots.acquire()
                 if stop.is_set():
                     return
+                item = next(it, end)
                 q.put((item, None))
-            q.put((end, None))
+                if item is end:
+                    return
+                del item
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             q.put((end, exc))
 
@@ -260,13 +268,10 @@ def read_ahead(blocks: Iterable[T], depth: int = 1) -> Iterator[T]:
                 return
             yield item
             del item
+            slots.release()
     finally:
         stop.set()
-        while worker.is_alive():  # unblock a producer waiting to put, then let it see ``stop``
-            try:
-                q.get(timeout=0.05)
-            except queue.Empty:
-                pass
+        slots.release()  # a producer waiting for a slot sees ``stop``
         worker.join()
 
 
