@@ -11,13 +11,28 @@ def progress_bar(total: int, desc: str, *, unit: str = "B", quiet: bool = False)
     Disabled with ``quiet`` and whenever stderr is not a terminal (tqdm's
     ``disable=None``), so piped and scripted runs print only their results.
     """
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:  # installed with --no-deps on a machine without tqdm: no bar, same results
+        return _NoBar()
 
     scaled = unit == "B"
     return tqdm(
         total=total, desc=desc, unit=unit, unit_scale=scaled, unit_divisor=1024 if scaled else 1000,
         file=sys.stderr, disable=True if quiet else None, dynamic_ncols=True,
     )
+
+
+class _NoBar:
+    """What ``progress_bar`` returns without tqdm: counts, draws nothing."""
+
+    n = 0
+
+    def update(self, k: int) -> None:
+        self.n += k
+
+    def close(self) -> None:
+        pass
 
 
 class LazyProgress:

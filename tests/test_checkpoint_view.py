@@ -63,3 +63,15 @@ def test_output_may_not_overlap_a_source(tmp_path):
         with pytest.raises(ValueError, match="overlap"):
             check_output_apart(str(bad), [str(src)])
     check_output_apart(str(tmp_path / "ckpt2"), [str(src)])  # a sibling sharing a prefix is fine
+
+
+def test_progress_without_tqdm_draws_nothing_and_still_counts(monkeypatch):
+    import sys
+
+    from dcp_datastates.progress import LazyProgress
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
+    with LazyProgress("x") as progress:
+        progress(10, 100)
+        progress(100, 100)
+        assert progress.bar.n == 100
