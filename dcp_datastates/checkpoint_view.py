@@ -18,6 +18,7 @@ import io
 import math
 import os
 import queue
+import re
 import threading
 import warnings
 from typing import Any, Iterable, Iterator, TypeVar
@@ -41,6 +42,7 @@ from .reader import DataStatesReader
 T = TypeVar("T")
 
 DEFAULT_BLOCK_BYTES = 256 << 20  # the largest block tools read at once
+_STEP_NAME_RE = re.compile(r"step_(\d+)")
 
 FORMAT_OURS = "dcp_datastates"
 FORMAT_DCP = "dcp"
@@ -136,6 +138,23 @@ class CheckpointView:
             return [METADATA_FILE] + [name for r in layout.ranks for name in (r.data_file, r.index_file)]
         names = sorted({info.relative_path for info in self.metadata.storage_data.values()})
         return [METADATA_FILE] + names
+
+    def training_step(self) -> int | None:
+        """The checkpoint's training step: its int ``step`` entry (an object, or an integer
+        scalar tensor), else ``step_<N>`` in its directory name, else None."""
+        try:
+            if "step" in self.objects:
+                value = self.read_object("step")
+                if isinstance(value, int) and not isinstance(value, bool):
+                    return value
+            elif "step" in self.tensors and self.tensors["step"].size.numel() == 1:
+                t = self.read_tensor("step")
+                if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
+                    return int(t.reshape(()).item())
+        except UnsafeCheckpointError:
+            pass  # not plain data: fall back to the directory name
+        m = _STEP_NAME_RE.search(os.path.basename(os.path.normpath(self.path)))
+        return int(m.group(1)) if m else None
 
     def _tensor_md(self, fqn: str) -> TensorStorageMetadata:
         md = self.tensors.get(fqn)

@@ -28,6 +28,7 @@ import sys
 from typing import Any, Callable
 
 from .checkpoint_root import STEP_DIR_RE, read_latest
+from .cli_text import dtype_name, format_table, human_bytes
 from .errors import CheckpointNotFoundError
 from .format import DATA_FILE_RE, METADATA_FILE
 from .progress import LazyProgress
@@ -42,31 +43,6 @@ _DISTCP_RE = re.compile(r"\.distcp$")
 # ---------------------------------------------------------------------------
 # shared helpers
 # ---------------------------------------------------------------------------
-
-
-def human_bytes(n: int | None) -> str:
-    """``1536`` -> ``1.5 KiB``: binary units, one decimal, for tables (JSON keeps exact bytes)."""
-    if n is None:
-        return "-"
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        value /= 1024
-        if value < 1024 or unit == "PiB":
-            return f"{value:.1f} {unit}"
-    raise AssertionError
-
-
-def format_table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
-    """Rows as aligned text lines; columns in ``right`` are right-aligned (numbers)."""
-    widths = [max(len(str(r[i])) for r in [headers] + rows) for i in range(len(headers))]
-
-    def line(cells):
-        parts = [str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
-        return "  ".join(parts).rstrip()
-
-    return [line(headers)] + [line(r) for r in rows]
 
 
 def _iso(mtime: float | None, sep: str = "T") -> str | None:
@@ -303,10 +279,6 @@ def _ls_footer(listing: Listing) -> str:
 # ---------------------------------------------------------------------------
 
 
-def _dtype_name(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def inspect_checkpoint(path: str) -> dict[str, Any]:
     """Everything about a committed checkpoint except its data, as JSON-ready values.
 
@@ -333,7 +305,7 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         if fqn in view.tensors:
             chunks = view.stored_chunks(fqn)
             entry.update(
-                kind="tensor", dtype=_dtype_name(item.properties.dtype), shape=list(item.size),
+                kind="tensor", dtype=dtype_name(item.properties.dtype), shape=list(item.size),
                 bytes=view.nbytes(fqn),
                 chunks=[dataclasses.asdict(c) | {"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in chunks],
                 files=sorted({c.file for c in chunks}),

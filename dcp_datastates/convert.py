@@ -37,7 +37,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .cli_text import human_bytes
 from .commit import fsync_dir
+from .progress import ByteCounter
 from .tool_output import move_into_place, remove_output
 from .checkpoint_view import FORMAT_DCP, CheckpointView, _split_box, check_output_apart, read_ahead
 from .errors import CheckpointError, CheckpointExistsError
@@ -116,7 +118,7 @@ def convert_checkpoint(
     if to == "safetensors":
         _check_safetensors_dtypes(view)
     summary = ConvertSummary(os.path.abspath(view.path), view.format, out, to)
-    tracker = _Tracker(sum(view.nbytes(k) for k in view.tensors), progress)
+    tracker = ByteCounter(sum(view.nbytes(k) for k in view.tensors), progress)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(out)}.convert-{uuid.uuid4().hex[:12]}")
@@ -139,20 +141,6 @@ def _quiet_torch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         warnings.filterwarnings("ignore", message=".*process group.*not.*initialized", category=UserWarning)
         yield
-
-
-class _Tracker:
-    """Counts tensor bytes written and reports them to the progress callback."""
-
-    def __init__(self, total: int, callback: Progress | None) -> None:
-        self.total = total
-        self.done = 0
-        self.callback = callback
-
-    def add(self, nbytes: int) -> None:
-        self.done += nbytes
-        if self.callback is not None:
-            self.callback(self.done, self.total)
 
 
 # ---------------------------------------------------------------------------
@@ -208,7 +196,7 @@ def _raw_bytes(block: torch.Tensor) -> memoryview:
 # ---------------------------------------------------------------------------
 
 
-def _write_torch(view: CheckpointView, tmp: str, summary: ConvertSummary, tracker: _Tracker, _shard: int) -> None:
+def _write_torch(view: CheckpointView, tmp: str, summary: ConvertSummary, tracker: ByteCounter, _shard: int) -> None:
     """One torch.save file: a data-less skeleton saved, mapped back shared, filled block by block.
 
     Only one block is in anonymous memory at a time; the file's pages go
@@ -345,7 +333,7 @@ def safetensors_header(view: CheckpointView, keys: list[str]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def _write_safetensors(view: CheckpointView, tmp: str, summary: ConvertSummary, tracker: _Tracker, max_shard_bytes: int) -> None:
+def _write_safetensors(view: CheckpointView, tmp: str, summary: ConvertSummary, tracker: ByteCounter, max_shard_bytes: int) -> None:
     """HF-style shards plus ``model.safetensors.index.json``; objects are skipped (listed)."""
     if sys.byteorder != "little":  # pragma: no cover - safetensors stores little-endian bytes
         raise CheckpointError("converting to safetensors needs a little-endian machine")
@@ -419,7 +407,7 @@ def _lazy_planner_class():
 
         resolve_creates_tensors = True
 
-        def __init__(self, view: CheckpointView, tracker: _Tracker, release_previous: bool) -> None:
+        def __init__(self, view: CheckpointView, tracker: ByteCounter, release_previous: bool) -> None:
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
             self.view = view
             self.tracker = tracker
@@ -469,7 +457,7 @@ def _skeleton(view: CheckpointView) -> dict[str, Any]:
     return flat
 
 
-def _dcp_save(view: CheckpointView, writer, tracker: _Tracker, summary: ConvertSummary, release_previous: bool) -> None:
+def _dcp_save(view: CheckpointView, writer, tracker: ByteCounter, summary: ConvertSummary, release_previous: bool) -> None:
     import torch.distributed.checkpoint as dcp
 
     planner = _lazy_planner_class()(view, tracker, release_previous)
@@ -483,7 +471,7 @@ def _dcp_save(view: CheckpointView, writer, tracker: _Tracker, summary: ConvertS
     summary.bytes = sum(view.nbytes(k) for k in view.tensors)
 
 
-def _write_dcp(view: CheckpointView, tmp: str, summary: ConvertSummary, tracker: _Tracker, _shard: int) -> None:
+def _write_dcp(view: CheckpointView, tmp: str, summary: ConvertSummary, tracker: ByteCounter, _shard: int) -> None:
     """DCP's stock FileSystemWriter format (one ``__0_0.distcp`` file plus ``.metadata``)."""
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -510,7 +498,7 @@ def _check_dcp_output(view: CheckpointView, tmp: str) -> None:
             )
 
 
-def _write_datastates(view: CheckpointView, tmp: str, summary: ConvertSummary, tracker: _Tracker, _shard: int) -> None:
+def _write_datastates(view: CheckpointView, tmp: str, summary: ConvertSummary, tracker: ByteCounter, _shard: int) -> None:
     """Our format, through DataStatesWriter (which commits with its own fsyncs)."""
     from .writer import DataStatesWriter
 
@@ -581,14 +569,6 @@ def _move_into_place(tmp: str, out: str, overwrite: bool) -> None:
 # ---------------------------------------------------------------------------
 # command line
 # ---------------------------------------------------------------------------
-
-
-def human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .checkpoint_view import DEFAULT_BLOCK_BYTES, CheckpointView
+from .cli_text import dtype_name, format_table, human_bytes
 from .errors import UnsafeCheckpointError
 
 # Elements widened to float64 at once: bounds the working memory of a block
@@ -216,7 +217,7 @@ def diff_checkpoints(
     in_a = set(keys_a)
     return DiffReport(
         a=view_a.path, b=view_b.path, format_a=view_a.format, format_b=view_b.format,
-        step_a=_step_of(view_a), step_b=_step_of(view_b), keys=list(keys) if keys else None,
+        step_a=view_a.training_step(), step_b=view_b.training_step(), keys=list(keys) if keys else None,
         tensors=tensors,
         only_a=[k for k in keys_a if k not in in_b], only_b=[k for k in keys_b if k not in in_a],
         mismatched=mismatched, objects_changed=changed, objects_same=same, objects_skipped=skipped,
@@ -248,11 +249,7 @@ def _classify(view_a: CheckpointView, view_b: CheckpointView, common: list[str])
 def _describe(md) -> str:
     if md is None:
         return "object"
-    return f"{_dtype_name(md.properties.dtype)} {tuple(md.size)}"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return f"{dtype_name(md.properties.dtype)} {tuple(md.size)}"
 
 
 def compare_tensor(
@@ -271,7 +268,7 @@ def compare_tensor(
         if advance is not None:
             advance(x.numel() * itemsize)
     return TensorDiff(
-        key=key, dtype=_dtype_name(md.properties.dtype), shape=tuple(md.size), numel=math.prod(md.size),
+        key=key, dtype=dtype_name(md.properties.dtype), shape=tuple(md.size), numel=math.prod(md.size),
         norm_a=acc.norm_a, norm_b=acc.norm_b, delta=acc.delta, rel=_relative(acc.delta, acc.norm_a),
         max_abs=acc.max_abs, changed=acc.changed, nan_a=acc.nan_a, nan_b=acc.nan_b,
     )
@@ -385,19 +382,6 @@ _REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = 6
 def short_repr(value: Any) -> str:
     """A one-line repr of at most a few dozen characters (``10``, ``'run-a'``, ``[0.9, 0.95]``)."""
     return " ".join(_REPR.repr(value).split())
-
-
-def _step_of(view: CheckpointView) -> int | None:
-    """The training step: the saved ``step`` object when it is an int, else the step_<N> dir name."""
-    if "step" in view.objects:
-        try:
-            value = view.read_object("step")
-        except UnsafeCheckpointError:
-            value = None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    m = re.fullmatch(r"step_(\d+)", os.path.basename(os.path.normpath(view.path)))
-    return int(m.group(1)) if m else None
 
 
 def checkpoint_label(path: str, step: int | None) -> str:
@@ -541,26 +525,6 @@ def _fmt(x: float) -> str:
     return f"{x:.3e}"
 
 
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError
-
-
-def table(headers: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
-    """Aligned columns, two spaces apart; columns in ``right`` are right-aligned (numbers)."""
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-
-    def line(cells: list[str]) -> str:
-        padded = (c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-        return "  ".join(padded).rstrip()
-
-    return [line(headers)] + [line(r) for r in rows]
-
-
 def _delta_sign() -> str:
     """Δ, or D where stdout cannot encode it."""
     try:
@@ -590,7 +554,7 @@ def format_report(report: DiffReport, top: int, plot: str | None = None) -> str:
             [t.key, str(t.shape), t.dtype, _fmt(t.norm_a), _fmt(t.delta), _fmt(t.rel), _fmt(t.max_abs)]
             for t in movers
         ]
-        out += table(["KEY", "SHAPE", "DTYPE", "||A||", "||B-A||", "REL", f"MAX|{_delta_sign()}|"], rows, {3, 4, 5, 6})
+        out += format_table(["KEY", "SHAPE", "DTYPE", "||A||", "||B-A||", "REL", f"MAX|{_delta_sign()}|"], rows, {3, 4, 5, 6})
         out.append("")
     out.append(f"unchanged: {report.unchanged} of {n} tensors bit-identical")
     with_nan = [t for t in report.tensors if t.nan_a or t.nan_b]

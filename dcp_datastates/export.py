@@ -31,7 +31,6 @@ import importlib
 import json
 import math
 import os
-import re
 import sys
 import warnings
 from typing import Callable, Iterable, Sequence
@@ -39,6 +38,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from .checkpoint_root import is_committed, step_dirs
+from .cli_text import dtype_name, human_bytes
+from .progress import ByteCounter
 from .tool_output import move_into_place, remove_output
 from .checkpoint_view import DEFAULT_BLOCK_BYTES, CheckpointView, check_output_apart, read_ahead
 from .commit import fsync_dir
@@ -50,7 +51,6 @@ FORMAT_VERSION = 1
 CHUNK_TARGET_BYTES = 4 << 20  # chunks of at most 4 MiB (1-4 MiB for tensors that large)
 H5_CHUNK_CACHE_BYTES = 2 * CHUNK_TARGET_BYTES  # the two partly written chunks at a block's ends
 
-_STEP_NAME_RE = re.compile(r"step_(\d+)")
 
 # torch dtypes numpy stores natively; every other dtype is stored as raw bits.
 _NATIVE = {
@@ -129,7 +129,7 @@ def export_checkpoints(
     views = [CheckpointView(p, allow_pickle=allow_pickle) for p in paths]
     globs = list(keys) if keys else None
     datasets = _plan_datasets(views, globs)
-    steps = [_step_of(v, i) for i, v in enumerate(views)]
+    steps = [i if (step := v.training_step()) is None else step for i, v in enumerate(views)]
     objects, omitted = _collect_objects(views, globs)
     root_attrs = {
         "format": FORMAT_NAME,
@@ -144,7 +144,7 @@ def export_checkpoints(
         with warnings.catch_warnings():
             # complex32 blocks are only moved as raw bits; torch's warning about them is noise here
             warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
-            backend(tmp, views, datasets, steps, root_attrs, block_bytes, _Progress(total, progress))
+            backend(tmp, views, datasets, steps, root_attrs, block_bytes, ByteCounter(total, progress))
         _fsync_tree(tmp)
         move_into_place(tmp, out, overwrite)
     except BaseException:
@@ -155,18 +155,6 @@ def export_checkpoints(
         keys=[d.key for d in datasets], objects=sum(len(o) for o in objects),
         objects_omitted=omitted, bytes=total, skipped=skipped,
     )
-
-
-class _Progress:
-    """Counts written bytes and forwards them to the caller's callback."""
-
-    def __init__(self, total: int, callback: Callable[[int, int], None] | None) -> None:
-        self.total, self.done, self.callback = total, 0, callback
-
-    def add(self, nbytes: int) -> None:
-        self.done += nbytes
-        if self.callback is not None:
-            self.callback(self.done, self.total)
 
 
 # -- choosing what to export ------------------------------------------------------------------
@@ -234,11 +222,6 @@ def _describe(md) -> str:
     return f"{dtype_name(md.properties.dtype)}{list(md.size)}"
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch's name without the module: ``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
 def stored_dtype(dtype: torch.dtype, key: str = "") -> str:
     """The numpy dtype a torch dtype is stored as: itself, or raw bits of the same width."""
     if dtype in _NATIVE:
@@ -285,23 +268,6 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, target: int = CHUNK_TARGE
             break
         out.append(1)
     return tuple(out)
-
-
-def _step_of(view: CheckpointView, index: int) -> int:
-    """The checkpoint's training step: its int ``step`` entry, else ``step_<N>`` in its name, else its index."""
-    try:
-        if "step" in view.objects:
-            value = view.read_object("step")
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-        elif "step" in view.tensors and view.tensors["step"].size.numel() == 1:
-            t = view.read_tensor("step")
-            if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
-                return int(t.reshape(()).item())
-    except UnsafeCheckpointError:
-        pass  # not plain data: fall back to the directory name
-    m = _STEP_NAME_RE.search(os.path.basename(os.path.normpath(view.path)))
-    return int(m.group(1)) if m else index
 
 
 def _collect_objects(views: list[CheckpointView], globs: list[str] | None) -> tuple[list[dict], list[str]]:
@@ -539,20 +505,9 @@ def run_cli(args) -> int:
         ("objects", f"{summary.objects} plain values in the 'objects' attribute (all steps)"
          + (f", {len(summary.objects_omitted)} not plain data: {', '.join(summary.objects_omitted)}"
             if summary.objects_omitted else "")),
-        ("written", _human_bytes(summary.bytes)),
+        ("written", human_bytes(summary.bytes)),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 0
-
-
-def _human_bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    value, unit = float(n), "B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if value < 1024:
-            break
-    return f"{value:.1f} {unit}"

@@ -232,8 +232,10 @@ class CheckpointManager:
             )
         self._raise_finished_errors()
         path = self.path_of(step)
-        replace = overwrite or step in self._replaceable or step in resume_order(self.root).abandoned
-        if not replace and is_committed(path):
+        committed = is_committed(path)
+        # resume_order lists and stats the root: only asked when the step is committed already
+        replace = overwrite or step in self._replaceable or (committed and step in resume_order(self.root).abandoned)
+        if not replace and committed:
             raise CheckpointExistsError(
                 f"{path} already holds a committed checkpoint of step {step}; pass overwrite=True to replace it"
             )
@@ -300,10 +302,11 @@ class CheckpointManager:
         """
         self.wait()
         # Rank 0's view of the root, so every rank tries the same candidates in the same order.
-        order, uncommitted = self._on_rank0(
-            lambda: (resume_order(self.root), sorted(set(step_dirs(self.root)) - set(self.steps()))),
-            "listing the checkpoints",
-        )
+        def listing():
+            order = resume_order(self.root)
+            return order, sorted(set(step_dirs(self.root)) - set(order.candidates) - set(order.abandoned))
+
+        order, uncommitted = self._on_rank0(listing, "listing the checkpoints")
         if step is not None:
             if step not in order.candidates and step not in order.abandoned:
                 path = self.path_of(step)

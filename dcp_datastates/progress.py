@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 
 def progress_bar(total: int, desc: str, *, unit: str = "B", quiet: bool = False):
@@ -59,3 +60,15 @@ class LazyProgress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class ByteCounter:
+    """Counts the bytes a library function has moved and reports ``(done, total)`` to its callback."""
+
+    def __init__(self, total: int, callback: Callable[[int, int], None] | None) -> None:
+        self.total, self.done, self.callback = total, 0, callback
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.callback is not None:
+            self.callback(self.done, self.total)

@@ -21,7 +21,8 @@ import pytest
 
 from dcp_datastates.checkpoint_root import write_latest
 from dcp_datastates.checkpoint_view import CheckpointView
-from dcp_datastates.cli_listing import _rank_numbers, human_bytes
+from dcp_datastates.cli_listing import _rank_numbers
+from dcp_datastates.cli_text import human_bytes
 
 FAKE_RANK_FILE = "rank00000-0123456789ab.data"
 
