@@ -52,7 +52,8 @@ from .errors import CorruptCheckpointError, UnsupportedFormatError
 FORMAT_NAME = "dcp_datastates"
 # 2: RankFiles may carry their own save id (files named by an asynchronous snapshot).
 # 3: .metadata ends with a checksum trailer (see metadata_file.py).
-FORMAT_VERSION = 3
+# 4: the trailer carries the commit sequence (CheckpointManager's order of commits).
+FORMAT_VERSION = 4
 METADATA_FILE = ".metadata"
 
 INDEX_MAGIC = b"DCPDSIDX"

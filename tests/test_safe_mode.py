@@ -120,9 +120,10 @@ def test_only_metadata_types_are_admitted(tmp_path, module, name):
 
 def _with_trailer(pickled: bytes) -> bytes:
     from dcp_datastates._native import crc32c
-    from dcp_datastates.metadata_file import _TRAILER, TRAILER_MAGIC
+    from dcp_datastates.metadata_file import _SEQUENCE, _TRAILER, TRAILER_MAGIC
 
-    return pickled + _TRAILER.pack(TRAILER_MAGIC, len(pickled), crc32c(pickled), 0)
+    crc = crc32c(_SEQUENCE.pack(0), crc32c(pickled))
+    return pickled + _TRAILER.pack(TRAILER_MAGIC, len(pickled), 0, crc, 0)
 
 
 def test_metadata_stays_readable_by_dcps_plain_pickle(tmp_path):
