@@ -12,6 +12,9 @@ by tests, see :mod:`_faults`), so crash and disk-full tests reach every step.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import os
 
 from ._native import _engine
@@ -66,6 +69,79 @@ def rename_into_place(tmp_path: str, final_path: str, directory: str) -> None:
     fsync_dir(directory)
     _fault_point(_RENAME, final_path)
     os.replace(tmp_path, final_path)
+
+
+def rename_without_replacing(tmp_path: str, final_path: str, directory: str) -> None:
+    """Like :func:`rename_into_place`, but never replace an existing ``final_path``.
+
+    Two saves may race into one directory; the commit is the step that
+    decides which one wins, so it must be atomic with the check: exactly one
+    rename succeeds and the other raises ``FileExistsError`` naming
+    ``final_path`` (its temporary is left for the caller to remove). In order
+    of preference:
+
+    1. ``renameat2(RENAME_NOREPLACE)`` (Linux 3.15+: ext4, xfs, btrfs, tmpfs, ...);
+    2. ``link()`` then ``unlink()`` of the temporary (filesystems without
+       RENAME_NOREPLACE, such as many network filesystems: ``link`` fails
+       with EEXIST atomically);
+    3. under an exclusive ``flock`` of the directory, a check and a rename
+       (filesystems that support neither; atomic against every writer of this
+       package, which all commit through this function).
+    """
+    fsync_dir(directory)
+    _fault_point(_RENAME, final_path)
+    if _rename_noreplace(tmp_path, final_path):
+        return
+    try:
+        os.link(tmp_path, final_path)
+    except FileExistsError:
+        raise _exists(final_path) from None
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS):
+            raise
+    else:
+        os.unlink(tmp_path)
+        return
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.path.lexists(final_path):
+            raise _exists(final_path)
+        os.rename(tmp_path, final_path)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _exists(final_path: str) -> FileExistsError:
+    return FileExistsError(errno.EEXIST, "another save committed first", final_path)
+
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+_renameat2 = None  # None: not looked up yet; False: this libc has none
+
+
+def _rename_noreplace(src: str, dst: str) -> bool:
+    """renameat2(RENAME_NOREPLACE); False where the libc or the filesystem lacks it."""
+    global _renameat2
+    if _renameat2 is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).renameat2
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _renameat2 = fn
+        except (AttributeError, OSError):
+            _renameat2 = False
+    if _renameat2 is False:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EEXIST:
+        raise _exists(dst)
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False  # the filesystem (or kernel) has no RENAME_NOREPLACE
+    raise OSError(err, os.strerror(err), src, None, dst)
 
 
 def remove_if_present(paths) -> None:

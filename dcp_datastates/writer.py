@@ -46,7 +46,7 @@ from torch.futures import Future
 
 from . import _native, fence
 from . import snapshot as snapshots
-from .commit import fsync_dir, remove_if_present, rename_into_place, write_new_file_durably
+from .commit import fsync_dir, remove_if_present, rename_into_place, rename_without_replacing, write_new_file_durably
 from .errors import CheckpointError, CheckpointExistsError
 from .format import METADATA_FILE, CheckpointLayout, ItemLocation, encode_index, location_key, metadata_tmp_name
 from .checkpoint_files import read_checkpoint_file
@@ -356,8 +356,6 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             # Checked again here (stage() did too): an earlier save may have committed since.
             if not self.overwrite:
                 _refuse_committed(save.path)
-            elif is_coordinator and os.path.exists(os.path.join(save.path, METADATA_FILE)):
-                save.replaced_files = _files_of_committed(save.path)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         save = self._current()
@@ -422,7 +420,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 # The planner did not expose its metadata early: serialize now.
                 self._discard_metadata_tmp(save)
                 self._write_metadata_tmp(save, metadata, layout)
-            rename_into_place(save.metadata_tmp, os.path.join(save.path, METADATA_FILE), save.path)
+            if self.overwrite:  # read now: another save may have committed since this one began
+                save.replaced_files = _files_of_committed(save.path)
+            _commit_metadata(save, self.overwrite)
             # Committed from here on: nothing below may remove this checkpoint's files.
             save.metadata_tmp = None
             save.metadata_obj = None
@@ -727,10 +727,45 @@ def _refuse_committed(path: str) -> None:
         )
 
 
+def _commit_metadata(save: _Save, overwrite: bool) -> None:
+    """Rename the save's temporary metadata to ``.metadata``: the commit.
+
+    Without ``overwrite`` the rename never replaces a ``.metadata`` that
+    appeared since the save began (another save into the same directory,
+    in this process or another, committed first): exactly one of two racing
+    saves commits, and the other fails with :class:`CheckpointExistsError`
+    and removes its own files.
+    """
+    final = os.path.join(save.path, METADATA_FILE)
+    if overwrite:
+        rename_into_place(save.metadata_tmp, final, save.path)
+        return
+    try:
+        rename_without_replacing(save.metadata_tmp, final, save.path)
+    except FileExistsError:
+        raise CheckpointExistsError(
+            f"{save.path}: another save committed a checkpoint there while this one was writing; "
+            "this save was not committed and its files were removed (pass "
+            "DataStatesWriter(..., overwrite=True) to replace a committed checkpoint instead)"
+        ) from None
+
+
 def _renamed_into_place(save: _Save) -> bool:
-    """Whether this save's temporary metadata has already become ``.metadata`` (committed)."""
+    """Whether this save's temporary metadata has already become ``.metadata`` (committed).
+
+    The link-then-unlink commit (filesystems without RENAME_NOREPLACE) may be
+    interrupted between its two steps: both names then exist and are one file.
+    """
     tmp = save.metadata_tmp
-    return tmp is not None and not os.path.exists(tmp) and os.path.exists(os.path.join(save.path, METADATA_FILE))
+    if tmp is None:
+        return False
+    final = os.path.join(save.path, METADATA_FILE)
+    try:
+        if os.path.exists(tmp):
+            return os.path.samefile(tmp, final)
+    except FileNotFoundError:
+        return False
+    return os.path.exists(final)
 
 
 def _end(save: _Save) -> None:
