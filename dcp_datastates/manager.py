@@ -57,6 +57,7 @@ from .checkpoint_root import (
     LATEST_TMP_RE,
     is_committed,
     is_link,
+    newest_sequence,
     resume_order,
     step_dir_name,
     step_dirs,
@@ -183,19 +184,20 @@ class CheckpointManager:
         self._fence = fence and async_save
         self._lock = threading.Lock()
         self._pending: list[_PendingSave] = []
-        self._seq = 0
-        self._pointed_seq = -1
         self._replaceable: set[int] = set()  # committed steps a save may overwrite (skipped as bad)
         self._closed = False
         self._lock_fd: int | None = None
 
-        def start() -> str | None:
+        def start() -> tuple[bool, int]:
             os.makedirs(self.root, exist_ok=True)
             if self._take_ownership() and cleanup:
                 self._recover()
-            return "owner" if self._lock_fd is not None else None
+            return self._lock_fd is not None, newest_sequence(self.root)
 
-        self.owner = self._on_rank0(start, "opening the checkpoint root") == "owner"
+        self.owner, newest = self._on_rank0(start, "opening the checkpoint root")
+        # Commits are numbered from the newest one in the root (every rank gets rank 0's
+        # number, so every rank hands its writer the same sequence for the same save).
+        self._seq = self._pointed_seq = newest
 
     # -- public API -------------------------------------------------------------
 
@@ -243,7 +245,7 @@ class CheckpointManager:
             if any(p.step == step and not p.done.done() for p in self._pending):
                 raise CheckpointExistsError(f"a save of step {step} into {path} is still in flight")
             self._seq += 1
-            writer = DataStatesWriter(path, overwrite=replace, **self._writer_options)
+            writer = DataStatesWriter(path, overwrite=replace, sequence=self._seq, **self._writer_options)
             pending = _PendingSave(step, path, self._seq, writer, ManagedSave(step, path, writer))
             # Registered before the save starts: retention of an earlier save never deletes it.
             self._pending.append(pending)
@@ -416,7 +418,7 @@ class CheckpointManager:
                 fsync_dir(pending.path)
                 fsync_dir(self.root)  # the step directory's own entry
                 if pending.seq > self._pointed_seq:
-                    write_latest(self.root, pending.step)
+                    write_latest(self.root, pending.step, pending.seq)
                     self._pointed_seq = pending.seq
                 victims = self._retention_victims(pending.step)
             for name in victims:

@@ -180,6 +180,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         window_bytes: size of one write window (one pool slot, one pwrite).
         direct_io: ``"auto"`` (O_DIRECT where the filesystem allows it),
             ``"on"`` (require it) or ``"off"`` (buffered writes).
+        sequence: a commit sequence number recorded in ``.metadata``'s trailer
+            (0: none). :class:`CheckpointManager` numbers the commits in its
+            root with it, so that resume orders them without clocks.
 
     A planner may set a truthy attribute ``resolve_creates_tensors`` when its
     ``resolve_data`` materialises a new tensor on every call (as the
@@ -201,6 +204,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         io_threads: int = _native.DEFAULT_IO_THREADS,
         window_bytes: int = _native.DEFAULT_WINDOW_BYTES,
         direct_io: str = "auto",
+        sequence: int = 0,
     ) -> None:
         super().__init__()
         if direct_io not in _native.DIRECT_IO_MODES:
@@ -208,6 +212,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self.path = os.fspath(path) if path is not None else None
         self.overwrite = overwrite
         self.direct_io = direct_io
+        if not isinstance(sequence, int) or isinstance(sequence, bool) or not 0 <= sequence < 1 << 64:
+            raise ValueError(f"sequence must be an integer in [0, 2**64), got {sequence!r}")
+        self.sequence = sequence
         self._engine = _native.get_engine(host_cache_bytes, io_threads, window_bytes)
         self.is_coordinator = False
         self.last_save_stats = SaveStats()
@@ -695,7 +702,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         metadata.storage_meta = StorageMeta(checkpoint_id=save.path, save_id=layout.save_id)
         if CURRENT_DCP_VERSION is not None:
             metadata.version = CURRENT_DCP_VERSION
-        blob = encode_metadata(metadata)
+        blob = encode_metadata(metadata, self.sequence)
         tmp = os.path.join(save.path, metadata_tmp_name(layout.save_id))
         write_new_file_durably(tmp, blob)
         save.metadata_tmp = tmp

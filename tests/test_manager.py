@@ -19,6 +19,7 @@ from dcp_datastates._faults import inject_fault
 from dcp_datastates.checkpoint_root import LATEST_FILE, is_committed, read_latest, step_dirs
 from dcp_datastates.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from dcp_datastates.format import METADATA_FILE
+from dcp_datastates.metadata_file import read_commit_sequence
 from dcp_datastates.manager import LOCK_FILE, CheckpointManager, CheckpointManagerWarning, SkippedCheckpointWarning
 from manager_workers import run_ranks, state_at, zeros_like_state
 
@@ -64,7 +65,7 @@ def test_save_layout_pointer_and_load(tmp_path, async_save):
         mgr.wait()
         assert sorted(os.listdir(root)) == [LOCK_FILE, LATEST_FILE, "step_00000000", "step_00000005", "step_00000012"]
         assert mgr.steps() == [0, 5, 12] and mgr.latest() == 12
-        assert json.loads((root / LATEST_FILE).read_text()) == {"step": 12, "dir": "step_00000012"}
+        assert json.loads((root / LATEST_FILE).read_text()) == {"step": 12, "dir": "step_00000012", "sequence": 3}
         for step in (0, 5, 12):
             assert verify(mgr.path_of(step)).ok
             got, target = load_step(mgr, step)
@@ -113,12 +114,12 @@ def test_pointer_moves_only_after_commit_and_fsync(tmp_path, monkeypatch):
         events.append(("fsync", os.path.relpath(path, root)))
         real_fsync(path)
 
-    def write_spy(r, step):
+    def write_spy(r, step, sequence=None):
         path = os.path.join(r, f"step_{step:08d}")
         # the checkpoint is committed and both its directory and its entry in root are durable
         assert is_committed(path) and verify(path).ok
         events.append(("pointer", step))
-        real_write(r, step)
+        real_write(r, step, sequence)
 
     monkeypatch.setattr(manager_module, "fsync_dir", fsync_spy)
     monkeypatch.setattr(manager_module, "write_latest", write_spy)
@@ -428,6 +429,88 @@ def test_crash_between_commit_and_pointer_update(tmp_path, scenario, mode):
     got, target = load_step(mgr)
     assert got == 20
     assert_same(target, state_at(20))
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_resume_orders_commits_by_sequence_not_by_clock(tmp_path, mode):
+    """A kill between a commit and the pointer update, where the pointer's clock says later.
+
+    Resume used to compare the ``st_ctime`` of ``.metadata`` and ``latest``;
+    their clock ticks in milliseconds, so a commit and the pointer update
+    often shared one value and the newest checkpoint was taken for abandoned
+    (5 of 30 SIGKILLs). Here the pointer's ctime is made later than the
+    commit (chmod, as a copy or a restore of the root would), which the old
+    order misread every time: the commit sequence must still win.
+    """
+    import time
+
+    root = tmp_path / "run"
+    _crash_child(root, "pointer_write", mode)
+    assert read_latest(str(root)) == 10 and is_committed(str(root / "step_00000020"))
+    time.sleep(0.01)
+    os.chmod(root / LATEST_FILE, 0o644)  # ctime of latest is now after step 20's commit
+    pointer = json.loads((root / LATEST_FILE).read_text())
+    assert pointer["sequence"] == 1
+    assert read_commit_sequence(str(root / "step_00000020" / METADATA_FILE)) == 2
+    mgr = CheckpointManager(root)
+    assert read_latest(str(root)) == 20 and json.loads((root / LATEST_FILE).read_text())["sequence"] == 2
+    got, target = load_step(mgr)
+    assert got == 20
+    assert_same(target, state_at(20))
+    mgr.save(30, state_at(30)).result()  # numbering goes on from the root's newest commit
+    mgr.close()
+    assert read_commit_sequence(str(root / "step_00000030" / METADATA_FILE)) == 3
+
+
+def _as_unsequenced(root) -> None:
+    """Rewrite a root as the previous version wrote it: version 3 metadata trailers and a
+    pointer without a sequence (each .metadata replaced in order, so ctimes keep their order)."""
+    import pickle
+    import time
+
+    from dcp_datastates._native import crc32c
+    from dcp_datastates.metadata_file import _TRAILER_V3, TRAILER_MAGIC_V3, split_trailer
+
+    for name in sorted(step_dirs(str(root)).values(), key=lambda n: os.stat(root / n / METADATA_FILE).st_ctime_ns):
+        md = root / name / METADATA_FILE
+        body, _ = split_trailer(md.read_bytes(), str(md))
+        metadata = pickle.loads(body)
+        metadata.storage_data.version = 3
+        blob = pickle.dumps(metadata)
+        tmp = root / name / "md.tmp"
+        tmp.write_bytes(blob + _TRAILER_V3.pack(TRAILER_MAGIC_V3, len(blob), crc32c(blob), 0))
+        os.replace(tmp, md)
+        time.sleep(0.01)
+    pointer = json.loads((root / LATEST_FILE).read_text())
+    tmp = root / "latest.tmp"
+    tmp.write_text(json.dumps({"step": pointer["step"], "dir": pointer["dir"]}))
+    os.replace(tmp, root / LATEST_FILE)
+
+
+def test_roots_written_before_sequences_still_resume(tmp_path):
+    """A root of the previous version (no sequences): rollback still abandons, a new save orders after."""
+    root = tmp_path / "run"
+    with CheckpointManager(root, async_save=False) as mgr:
+        for step in (10, 20, 30):
+            mgr.save(step, state_at(step))
+        assert load_step(mgr, 10)[0] == 10  # roll back
+        mgr.save(15, state_at(15))
+    _as_unsequenced(root)
+    assert "sequence" not in json.loads((root / LATEST_FILE).read_text())
+    assert read_commit_sequence(str(root / "step_00000015" / METADATA_FILE)) is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mgr = CheckpointManager(root, async_save=False)
+        got, target = load_step(mgr)
+    assert got == 15
+    assert_same(target, state_at(15))
+    assert any("step 20" in str(w.message) for w in caught)  # 20 and 30 stay abandoned
+    mgr.save(16, state_at(16))
+    assert json.loads((root / LATEST_FILE).read_text()) == {"step": 16, "dir": "step_00000016", "sequence": 1}
+    mgr.close()
+    mgr = CheckpointManager(root, async_save=False)
+    assert load_step(mgr)[0] == 16
+    mgr.close()
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
