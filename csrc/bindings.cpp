@@ -62,6 +62,14 @@ std::vector<Region> to_regions(const py::list& regions) {
   return out;
 }
 
+// Drops a reference without ever destroying what it points to: in a fork child
+// a job may still count waiters (threads of the parent) on its condition
+// variable, and destroying that would hang.
+template <class T>
+void leak(std::shared_ptr<T>& p) {
+  new std::shared_ptr<T>(std::move(p));
+}
+
 py::list segments_to_py(const std::vector<Segment>& segs) {
   py::list out;
   for (const auto& s : segs) out.append(py::make_tuple(s.offset, s.len, s.crc));
@@ -73,6 +81,11 @@ class PyWriteJob {
   PyWriteJob(std::shared_ptr<Engine> e, std::shared_ptr<WriteJob> j, py::list keep)
       : engine_(std::move(e)), job_(std::move(j)), keep_(std::move(keep)) {}
   ~PyWriteJob() {
+    if (!engine_->owned_here()) {  // a fork child: no thread of the engine reads that memory here
+      leak(job_);
+      leak(engine_);
+      return;
+    }
     // Never let the engine read memory Python is about to free.
     if (!job_->done()) {
       job_->cancel("write job for " + job_->path() + " was dropped before it finished");
@@ -91,6 +104,7 @@ class PyWriteJob {
   }
   void seal() { engine_->seal(job_); }
   bool wait_staged() {
+    owned("waiting for the staging of a write");
     py::gil_scoped_release nogil;
     return job_->wait_staged();
   }
@@ -103,6 +117,7 @@ class PyWriteJob {
   // the buffers may be freed now, long before the job ends. On failure they
   // are kept (a stager may still be copying from them) and False is returned.
   bool release_staged() {
+    owned("waiting for the staging of a write");
     const size_t n = py::len(keep_);  // append() holds the GIL: these are all enqueued
     bool ok;
     {
@@ -117,6 +132,7 @@ class PyWriteJob {
     return ok;
   }
   py::list wait() {
+    owned("waiting for a write");
     std::vector<Segment> segs;
     {
       py::gil_scoped_release nogil;
@@ -125,12 +141,22 @@ class PyWriteJob {
     keep_ = py::list();
     return segments_to_py(segs);
   }
-  void cancel(const std::string& why) { job_->cancel(why); }
-  bool done() { return job_->done(); }
+  void cancel(const std::string& why) {
+    owned("cancelling a write");
+    job_->cancel(why);
+  }
+  bool done() {
+    owned("asking whether a write is done");
+    return job_->done();
+  }
   bool direct() { return job_->direct(); }
   const std::string& path() { return job_->path(); }
 
  private:
+  // Every call that takes the job's lock or waits for the engine's threads
+  // checks the process first: in a fork child they would block forever.
+  void owned(const char* what) const { engine_->require_owner(what, job_->path()); }
+
   std::shared_ptr<Engine> engine_;
   std::shared_ptr<WriteJob> job_;
   py::list keep_;
@@ -141,6 +167,11 @@ class PyReadJob {
   PyReadJob(std::shared_ptr<Engine> e, std::shared_ptr<ReadJob> j, py::list keep)
       : engine_(std::move(e)), job_(std::move(j)), keep_(std::move(keep)) {}
   ~PyReadJob() {
+    if (!engine_->owned_here()) {  // a fork child: see ~PyWriteJob
+      leak(job_);
+      leak(engine_);
+      return;
+    }
     if (!job_->done()) {
       job_->cancel();
       py::gil_scoped_release nogil;
@@ -148,6 +179,7 @@ class PyReadJob {
     }
   }
   py::list wait() {
+    engine_->require_owner("waiting for a read");
     std::vector<ReadFailure> f;
     {
       py::gil_scoped_release nogil;
@@ -159,7 +191,10 @@ class PyReadJob {
       out.append(py::make_tuple(x.request, x.kind, x.err, x.path, x.offset, x.message));
     return out;
   }
-  bool done() { return job_->done(); }
+  bool done() {
+    engine_->require_owner("asking whether a read is done");
+    return job_->done();
+  }
 
  private:
   std::shared_ptr<Engine> engine_;
@@ -184,6 +219,8 @@ PYBIND11_MODULE(_engine, m) {
     }
   });
 
+  py::register_exception<ForkedEngineError>(m, "ForkedEngineError", PyExc_RuntimeError);
+
   py::class_<PyWriteJob>(m, "WriteJob")
       .def("append", &PyWriteJob::append, py::arg("regions"), py::arg("keep") = py::list(),
            "Add regions at or after every offset planned so far.")
@@ -206,8 +243,15 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("done", &PyReadJob::done);
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
-      .def(py::init<unsigned, uint64_t, uint64_t>(), py::arg("io_threads"), py::arg("pool_bytes"),
-           py::arg("window_bytes"))
+      // Engine::release, not delete: an engine that reaches its end in a fork
+      // child is leaked there instead of joining threads that do not exist.
+      .def(py::init([](unsigned io_threads, uint64_t pool_bytes, uint64_t window_bytes) {
+             return std::shared_ptr<Engine>(new Engine(io_threads, pool_bytes, window_bytes),
+                                            &Engine::release);
+           }),
+           py::arg("io_threads"), py::arg("pool_bytes"), py::arg("window_bytes"))
+      .def_property_readonly("owner_pid", &Engine::owner_pid,
+                             "The process that created the engine (the only one it works in).")
       .def(
           "write",
           [](std::shared_ptr<Engine> self, const std::string& path, const py::list& regions,

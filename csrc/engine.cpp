@@ -297,7 +297,7 @@ void ReadJob::run_piece(const Piece& p) {
 // ---------------------------------------------------------------- Engine
 
 Engine::Engine(unsigned io_threads, uint64_t pool_bytes, uint64_t window_bytes)
-    : window_bytes_(window_bytes), pool_(pool_bytes, window_bytes) {
+    : owner_pid_(::getpid()), window_bytes_(window_bytes), pool_(pool_bytes, window_bytes) {
   if (io_threads == 0 || io_threads > 256)
     throw std::invalid_argument("io_threads must be between 1 and 256, got " +
                                 std::to_string(io_threads));
@@ -321,6 +321,23 @@ Engine::~Engine() {
     for (auto& s : streams_) rt->stream_destroy(s.second);
     if (pinned_.load()) rt->host_unregister(pool_.base());
   }
+}
+
+void Engine::release(Engine* e) {
+  if (e != nullptr && e->owned_here()) delete e;
+}
+
+bool Engine::owned_here() const { return ::getpid() == owner_pid_; }
+
+void Engine::require_owner(const char* what, const std::string& path) const {
+  const pid_t here = ::getpid();
+  if (here == owner_pid_) return;
+  throw ForkedEngineError(
+      "dcp_datastates: this engine was created in process " + std::to_string(owner_pid_) +
+      " before a fork; its threads do not exist in process " + std::to_string(here) + ", so " +
+      what + (path.empty() ? std::string() : " (" + path + ")") +
+      " would wait forever. Writers and readers get a new engine in a forked process by "
+      "themselves; do not keep engines or jobs (dcp_datastates._native.get_engine()) across a fork");
 }
 
 void Engine::post_io(std::function<void()> fn) {
@@ -382,16 +399,19 @@ void Engine::enqueue_windows(const std::shared_ptr<WriteJob>& job, std::vector<R
 
 std::shared_ptr<WriteJob> Engine::start_write(const std::string& path, std::vector<Region> regions,
                                               DirectMode mode, uint64_t preallocate) {
+  require_owner("writing", path);
   auto job = std::make_shared<WriteJob>(path, mode, preallocate);
   enqueue_windows(job, regions);
   return job;
 }
 
 void Engine::append(const std::shared_ptr<WriteJob>& job, std::vector<Region> regions) {
+  require_owner("appending to a write", job->path());
   enqueue_windows(job, regions);
 }
 
 void Engine::seal(const std::shared_ptr<WriteJob>& job) {
+  require_owner("sealing a write", job->path());
   bool finish_now;
   {
     std::lock_guard<std::mutex> lk(job->mu_);
@@ -466,6 +486,7 @@ void* Engine::device_stream(int device) {
 }
 
 std::string Engine::pin_pool() {
+  require_owner("pinning the host pool");
   CudaRuntime* rt = CudaRuntime::get();
   if (rt == nullptr) return "no CUDA runtime is loaded";
   std::lock_guard<std::mutex> lk(cuda_mu_);
@@ -564,6 +585,7 @@ void Engine::io_loop() {
 
 std::shared_ptr<ReadJob> Engine::start_read(std::vector<std::string> paths,
                                             std::vector<ReadRequest> requests) {
+  require_owner("reading", paths.empty() ? std::string() : paths.front());
   auto job = std::make_shared<ReadJob>();
   job->paths_ = std::move(paths);
   job->requests_ = std::move(requests);

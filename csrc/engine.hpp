@@ -33,9 +33,12 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <sys/types.h>
 
 #include "host_pool.hpp"
 #include "io_error.hpp"
@@ -75,6 +78,14 @@ struct Segment {
 };
 
 class Engine;
+
+// An engine used in a process forked from the one that created it: its
+// threads do not exist there, so anything that waits for them would wait
+// forever. Raised instead (dcp_datastates._engine.ForkedEngineError).
+class ForkedEngineError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 
 class WriteJob {
  public:
@@ -203,6 +214,16 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
+  // Deletes `e` in the process that created it and leaks it anywhere else (a
+  // fork child): there its threads cannot be joined, and its condition
+  // variables still count the parent's waiters, so destroying them would hang.
+  static void release(Engine* e);
+  pid_t owner_pid() const { return owner_pid_; }
+  bool owned_here() const;
+  // Throws ForkedEngineError outside the creating process: `what` would wait
+  // for threads that do not exist there.
+  void require_owner(const char* what, const std::string& path = "") const;
+
   // Creates `path` (it must not exist) and starts writing `regions` (sorted by
   // offset, non-overlapping). More regions may be appended until seal().
   std::shared_ptr<WriteJob> start_write(const std::string& path, std::vector<Region> regions,
@@ -237,6 +258,7 @@ class Engine {
   void copy_from_devices(WriteJob& job, WriteJob::Window& w);
   void* device_stream(int device);
 
+  pid_t owner_pid_;
   uint64_t window_bytes_;
   HostPool pool_;
   std::mutex mu_;

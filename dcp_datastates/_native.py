@@ -3,6 +3,14 @@
 An engine owns a pre-faulted host pool and its threads. Creating one costs
 time and memory, so writers and readers with the same settings share one per
 process: every later save reuses the pool that the first save mapped.
+
+A forked process (DataLoader workers, ``multiprocessing`` with fork) inherits
+the engines but not their threads: there they would never finish a job, and
+destroying one would join threads that do not exist. The child therefore
+starts with an empty cache and creates its own engines on first use; the
+inherited ones stay referenced forever so they are never destroyed there
+(the native side refuses to wait for them, and leaks rather than deletes them,
+in any process but the one that created them).
 """
 
 from __future__ import annotations
@@ -30,8 +38,24 @@ DEFAULT_HOST_CACHE_BYTES = 256 * MiB
 ALIGNMENT = _engine.ALIGNMENT
 DIRECT_IO_MODES = ("auto", "on", "off")
 
+ForkedEngineError = _engine.ForkedEngineError
+
 _lock = threading.Lock()
 _engines: dict[tuple[int, int, int], _engine.Engine] = {}
+_engines_pid = os.getpid()  # the process the cached engines belong to
+_inherited: list[_engine.Engine] = []  # engines of a parent process: kept, never destroyed here
+
+
+def _forget_inherited_engines() -> None:
+    """In a fork child: leave the parent's engines unused (and alive), start a new cache."""
+    global _lock, _engines, _engines_pid
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    _inherited.extend(_engines.values())
+    _engines = {}
+    _engines_pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forget_inherited_engines)
 
 
 def get_engine(
@@ -50,6 +74,8 @@ def get_engine(
     if not 1 <= io_threads <= 256:
         raise ValueError(f"io_threads must be between 1 and 256, got {io_threads}")
     key = (int(host_cache_bytes), int(io_threads), int(window_bytes))
+    if _engines_pid != os.getpid():  # forked without os.fork's hooks (a fork() from C)
+        _forget_inherited_engines()
     with _lock:
         eng = _engines.get(key)
         if eng is None:

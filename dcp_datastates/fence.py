@@ -19,6 +19,7 @@ pre-hook instead.
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent import futures
 from concurrent.futures import Future
@@ -27,6 +28,17 @@ import torch
 
 _lock = threading.Lock()
 _in_flight: set[Future] = set()
+
+
+def _forget_parent_snapshots() -> None:
+    """In a fork child: the parent's snapshots complete in the parent only; waiting
+    for them here would wait forever. Their lock may have been held at the fork."""
+    global _lock, _in_flight
+    _lock = threading.Lock()
+    _in_flight = set()
+
+
+os.register_at_fork(after_in_child=_forget_parent_snapshots)
 
 
 def track(future: Future) -> None:

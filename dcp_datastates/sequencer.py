@@ -9,10 +9,14 @@ saves in this process: every save takes a ticket in program order (at
 a save may begin its collectives only once every earlier ticket has begun
 (or was abandoned) and the previous save's thread has left DCP's save
 function. Program order is the same on every rank, so the order is too.
+
+A forked child starts with an empty order: the parent's saves run (and
+settle their tickets) in the parent only, so the child must not wait for them.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -40,6 +44,10 @@ def _inside_dcp_save(thread: threading.Thread) -> bool:
 
 class SaveSequencer:
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        """No tickets; also a fork child's start (the parent's tickets settle in the parent)."""
         self._cv = threading.Condition()
         self._next_ticket = 0
         self._settled: set[int] = set()  # tickets that began their save or were abandoned
@@ -103,3 +111,7 @@ class SaveSequencer:
 
 
 SEQUENCER = SaveSequencer()
+
+# Reset in place: writer and snapshot hold this very object. A fresh condition
+# too, since another thread of the parent may have held its lock at the fork.
+os.register_at_fork(after_in_child=SEQUENCER._reset)
