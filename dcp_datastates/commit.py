@@ -29,11 +29,25 @@ def _fault_point(op: int, path: str, offset: int = 0, nbytes: int = 0) -> int:
     return _engine._fault_point(op, path, offset, nbytes)
 
 
+def _named(exc: OSError, path: str, what: str, offset: int = -1, nbytes: int = 0) -> OSError:
+    """``exc`` as the engine raises its I/O errors: the errno, what failed and where, the file
+    (``.filename``) and ``.offset`` (-1: none). ``os.write`` and ``os.fsync`` raise without a
+    file name: on a full disk the caller would read a bare "[Errno 28] No space left on device"."""
+    where = f" at offset {offset} ({nbytes} bytes)" if offset >= 0 else ""
+    named = OSError(exc.errno, f"{what} failed{where}: {exc.strerror or exc}", path)
+    named.offset = offset
+    return named
+
+
 def fsync_dir(path: str) -> None:
+    """fsync the directory ``path`` (its entries become durable); errors name it."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         _fault_point(_FSYNC, path)
-        os.fsync(fd)
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise _named(exc, path, "fsync of the directory") from None
     finally:
         os.close(fd)
 
@@ -41,7 +55,8 @@ def fsync_dir(path: str) -> None:
 def write_new_file_durably(path: str, data: bytes | memoryview) -> None:
     """Create ``path`` (it must not exist), write ``data`` and fsync it.
 
-    On failure (a full disk, an I/O error) the partial file is removed.
+    On failure (a full disk, an I/O error) the partial file is removed, and
+    the OSError names ``path`` (and the offset of a failed write).
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
@@ -49,9 +64,15 @@ def write_new_file_durably(path: str, data: bytes | memoryview) -> None:
         done = 0
         while done < len(view):
             want = _fault_point(_WRITE, path, done, len(view) - done)
-            done += os.write(fd, view[done : done + want])
+            try:
+                done += os.write(fd, view[done : done + want])
+            except OSError as exc:
+                raise _named(exc, path, "write", done, len(view) - done) from None
         _fault_point(_FSYNC, path)
-        os.fsync(fd)
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise _named(exc, path, "fsync") from None
     except BaseException:
         os.close(fd)
         remove_if_present([path])
@@ -145,6 +166,7 @@ def _rename_noreplace(src: str, dst: str) -> bool:
 
 
 def remove_if_present(paths) -> None:
+    """Unlink each of ``paths`` that exists (an error other than "not there" names its file)."""
     for p in paths:
         try:
             os.unlink(p)

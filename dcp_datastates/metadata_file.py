@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import io
 import math
 import os
 import pickle
@@ -37,12 +36,14 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
 
 from ._native import crc32c, gc_paused
-from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from .checkpoint_files import open_checkpoint_file
+from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from .format import show
 
 TRAILER_MAGIC = b"DCPDSMD4"
@@ -63,6 +64,9 @@ _ALLOWED = {
         "MetadataIndex",
         "_MEM_FORMAT_ENCODING",
     },
+    # Metadata written by older torch releases describes tensors with the sharded-tensor
+    # TensorProperties (plain data, same fields); DCP still loads it.
+    "torch.distributed._shard.sharded_tensor.metadata": {"TensorProperties", "MEM_FORMAT_ENCODING"},
     # A stock DCP checkpoint's storage data (so it is recognised and named, not refused).
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
@@ -130,7 +134,21 @@ def _buildable() -> frozenset:
             md.Metadata, md.TensorStorageMetadata, md.BytesStorageMetadata, md.ChunkStorageMetadata,
             md.TensorProperties, md.StorageMeta, md.MetadataIndex, CheckpointLayout, RankFiles, _StorageInfo,
         }
+        | set(_LEGACY_TENSOR_PROPERTIES)
     )
+
+
+def _legacy_tensor_properties() -> tuple:
+    """The sharded-tensor ``TensorProperties`` older torch wrote into ``.metadata`` (if this
+    torch still has it): a dataclass of the same five plain fields as DCP's own."""
+    try:
+        from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as Legacy
+    except ImportError:  # pragma: no cover - a torch without it cannot have written one either
+        return ()
+    return (Legacy,) if Legacy is not TensorProperties else ()
+
+
+_LEGACY_TENSOR_PROPERTIES = _legacy_tensor_properties()
 
 
 _BUILDABLE = _buildable()
@@ -236,22 +254,113 @@ def read_commit_sequence(path: str) -> int | None:
     return trailer.sequence or None if trailer is not None else None
 
 
+_PROTO = pickle.PROTO[0]  # the first byte of every pickle of protocol 2 or later
+_STOP = pickle.STOP[0]  # the last byte of every pickle
+
+
+def _check_pickle_shape(first: bytes, last: int | None, where: str) -> None:
+    """The bytes before a trailer must look like a pickle: PROTO and a protocol number first
+    (DCP and we write protocol 2 or later), and, without a trailer, STOP last."""
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where} is corrupt: it is not a pickle of DCP metadata: {why}")
+
+    if not first:
+        raise CorruptCheckpointError(f"{where} is corrupt: it is empty")
+    if len(first) < 2 or first[0] != _PROTO or not 2 <= first[1] <= pickle.HIGHEST_PROTOCOL:
+        raise bad(f"it starts with {bytes(first[:8])!r}")
+    if last is not None and last != _STOP:
+        raise bad(f"it ends with byte {last:#04x} and has no checksum trailer")
+
+
+def read_metadata_file(path: str, allow_pickle: bool = False) -> tuple[Metadata, bool]:
+    """Read, verify and unpickle the ``.metadata`` at ``path``: :func:`decode_metadata` for a
+    file, in memory bounded by its structure, not its size.
+
+    Before the file is held in memory: its first bytes must be a pickle's
+    header (a file of zeros or of anything else is refused after reading 2
+    bytes); a checksum trailer (format 3 and later) must match the size, and
+    its CRC-32C is streamed over the pickle through a 1 MiB buffer. Only then
+    is the pickle read, once, into one buffer of its size, checked against
+    the trailer again (the bytes unpickled are the bytes verified), and
+    unpickled from that buffer without a copy. A file without a trailer
+    (stock DCP, format 1 and 2) can be bounded only by its shape (it must
+    also end with a pickle's STOP byte): such a file costs its size in
+    memory once before the unpickler judges it.
+    FileNotFoundError when it does not exist.
+    """
+    with open_checkpoint_file(path) as f:
+        first = f.pread(min(f.size, 2), 0)
+        _check_pickle_shape(first, None, path)
+        tail = f.pread(min(f.size, _TRAILER.size), f.size - min(f.size, _TRAILER.size))
+        trailer = parse_trailer(tail, f.size, path)
+        if trailer is None:
+            _check_pickle_shape(first, tail[-1], path)
+            body = f.read(f.size)
+        else:
+            actual = trailer_crc(b"", trailer, f.crc32c(0, trailer.pickle_length))
+            if actual != trailer.crc:
+                raise _checksum_error(path, actual, trailer.crc)
+            body = f.read(trailer.pickle_length)
+            actual = trailer_crc(body, trailer)
+            if actual != trailer.crc:  # it changed since it was checked
+                raise _checksum_error(path, actual, trailer.crc)
+    return _unpickle_metadata(memoryview(body), path, allow_pickle), trailer is not None
+
+
+def _checksum_error(where: str, actual: int, stored: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{where} is corrupt: checksum {actual:08x} does not match the stored {stored:08x}")
+
+
+class _BufferReader:
+    """``read``/``readline`` over a buffer for the pure-Python unpickler (``io.BytesIO`` would
+    copy a buffer that is not ``bytes``: the whole pickle a second time)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.pos = view, 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self.view) if n is None or n < 0 else min(self.pos + n, len(self.view))
+        out = bytes(self.view[self.pos : end])
+        self.pos = end
+        return out
+
+    def readline(self) -> bytes:
+        end, size = self.pos, len(self.view)
+        while end < size:
+            chunk = self.view[end : end + 4096].tobytes()
+            i = chunk.find(b"\n")
+            if i >= 0:
+                end += i + 1
+                break
+            end += len(chunk)
+        return self.read(end - self.pos)
+
+
 def decode_metadata(blob: bytes, where: str, allow_pickle: bool = False) -> tuple[Metadata, bool]:
     """Verify and unpickle ``.metadata``; returns (metadata, had a checksum trailer).
 
     Every failure is a :class:`CheckpointError` naming ``where``: a corrupt or
     truncated file, a pickle that is not DCP ``Metadata``, or (unless
     ``allow_pickle``) a pickle that names a global outside the allowed set.
+    For a file, :func:`read_metadata_file` does the same in bounded memory.
     """
     body, checked = split_trailer(blob, where)
+    _check_pickle_shape(body[:2], None if checked or not len(body) else body[-1], where)
+    return _unpickle_metadata(body, where, allow_pickle), checked
+
+
+def _unpickle_metadata(body: memoryview, where: str, allow_pickle: bool) -> Metadata:
     try:
         with gc_paused():
             if allow_pickle:
                 metadata = pickle.loads(body)
             else:
-                metadata = _MetadataUnpickler(io.BytesIO(body), where).load()
+                metadata = _MetadataUnpickler(_BufferReader(body), where).load()
     except UnsafeCheckpointError:
         raise
+    except CheckpointError as exc:  # a layout's __setstate__ refusing its state
+        raise CorruptCheckpointError(f"{where}: {exc}") from exc
     except RecursionError as exc:
         raise CorruptCheckpointError(f"{where} cannot be decoded: nested too deeply") from exc
     except MemoryError as exc:
@@ -261,7 +370,7 @@ def decode_metadata(blob: bytes, where: str, allow_pickle: bool = False) -> tupl
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP Metadata")
     check_metadata(metadata, where)
-    return metadata, checked
+    return metadata
 
 
 def check_metadata(metadata: Metadata, where: str) -> None:
@@ -276,6 +385,8 @@ def check_metadata(metadata: Metadata, where: str) -> None:
         raise bad("it has no table of saved items")
     if not isinstance(getattr(metadata, "planner_data", None), (dict, type(None))):
         raise bad("its planner data is not a dict")
+    if not isinstance(getattr(metadata, "storage_meta", None), (StorageMeta, type(None))):
+        raise bad("its storage meta is not a StorageMeta")  # readers stamp their load_id into it
     for fqn, item in table.items():
         if not isinstance(fqn, str):
             raise bad(f"item key {show(fqn)} is not a string")
@@ -284,7 +395,9 @@ def check_metadata(metadata: Metadata, where: str) -> None:
         if not isinstance(item, TensorStorageMetadata):
             raise bad(f"{fqn!r} is described by a {type(item).__name__}")
         props, size, chunks = (getattr(item, n, None) for n in ("properties", "size", "chunks"))
-        if not isinstance(props, TensorProperties) or not isinstance(getattr(props, "dtype", None), torch.dtype):
+        if not isinstance(props, (TensorProperties, *_LEGACY_TENSOR_PROPERTIES)) or not isinstance(
+            getattr(props, "dtype", None), torch.dtype
+        ):
             raise bad(f"{fqn!r} has no valid dtype")
         if not isinstance(size, torch.Size) or not isinstance(chunks, list):
             raise bad(f"{fqn!r} has no valid size or chunk list")

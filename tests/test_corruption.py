@@ -145,11 +145,15 @@ def test_truncated_data_file(ckpt, keep):
     assert not report.ok and "truncated" in report.problems[0]
 
 
-def test_garbage_appended_to_data_file_is_harmless(ckpt):
-    with open(ckpt / data_files(ckpt)[0], "ab") as f:
+def test_garbage_appended_to_data_file_loads_but_fails_verify(ckpt):
+    """A load never reads past the data size; verify reports any change, appended bytes too."""
+    name = data_files(ckpt)[0]
+    with open(ckpt / name, "ab") as f:
         f.write(b"\xff" * 10000)
     assert load_outcome(ckpt) == "exact"
-    assert verify(ckpt).ok
+    report = verify(ckpt)
+    assert not report.ok and len(report.problems) == 1, report.summary()
+    assert name in report.problems[0] and "10000 bytes past" in report.problems[0]
 
 
 @pytest.mark.parametrize("which", ["data", "index"])

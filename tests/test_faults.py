@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import shutil
 import threading
 
 import pytest
@@ -348,3 +349,138 @@ def test_failing_sync_saves_give_their_descriptors_back(tmp_path):
         assert data_files(tmp_path / f"c{i}") == []
     assert len(errors) == 10
     assert _fds() <= fds, (fds, _fds())
+
+
+# -- a real full filesystem: every error names its file ------------------------------------
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 4 MiB tmpfs with 256 inodes, mounted for the test (root only); yields its path."""
+    import subprocess
+
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,nr_inodes=256", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _leave_free(mnt, blocks=None, inodes=None):
+    """Fill ``mnt`` so that exactly ``blocks`` 4 KiB blocks or ``inodes`` inodes stay free."""
+    fill = mnt / "fill"
+    fill.mkdir(exist_ok=True)
+    if blocks is not None:
+        with open(fill / "blocks", "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, (os.statvfs(mnt).f_bavail - blocks) * 4096)
+        assert os.statvfs(mnt).f_bavail == blocks
+    if inodes is not None:
+        n = 0
+        while os.statvfs(mnt).f_favail > inodes:
+            (fill / f"i{n}").touch()
+            n += 1
+        assert os.statvfs(mnt).f_favail == inodes
+
+
+def _user_errors(exc):
+    """The errors a caller sees: DCP's CheckpointException holds each rank's."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException):
+        return [e for e, _tb in exc.failures.values()]
+    return [exc]
+
+
+def _os_errors(exc):
+    """``exc`` and the errors it was raised from, as far as they are OSErrors."""
+    out, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError):
+            out.append(exc)
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return out
+
+
+def _save_on_full_fs(state, path, mode):
+    """Save and return the errors a caller would see ([] if it committed)."""
+    writer = DataStatesWriter(path, **SMALL)
+    errors = []
+    try:
+        if mode == "sync":
+            dcp.save(state, storage_writer=writer, no_dist=True)
+        else:
+            async_save(state, writer).upload_completion.result()
+    except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+        errors += _user_errors(exc)
+    try:
+        writer.close()  # raises an asynchronous save's error once more, if it was kept
+    except BaseException as exc:  # noqa: BLE001
+        errors += _user_errors(exc)
+    return errors
+
+
+def _full_fs_state(nbytes):
+    g = torch.Generator().manual_seed(nbytes)
+    state = {"w": torch.randn(nbytes // 4, generator=g), "b": torch.arange(7), "step": nbytes, "cfg": {"k": "v" * 100}}
+    if nbytes > 64 << 10:
+        state["m"] = torch.randn(64, 100, generator=g).t()  # strided: gathered by the engine
+    return state
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_every_error_on_a_full_filesystem_names_its_file(tiny_tmpfs, mode):
+    """ENOSPC at every step (directory, data, index, metadata temporary) names the file and
+    leaves nothing behind; states of 20 sizes, each with the free space just short of what it
+    needs, and with no inode left for each file in turn."""
+    sizes = [0] + [int(1000 * 1.45**i) for i in range(19)]  # 0 B .. ~1.2 MiB of tensor bytes
+    failed_files = set()
+    attempts = 0
+    for i, nbytes in enumerate(sizes):
+        state = _full_fs_state(nbytes)
+        probe = tiny_tmpfs / "probe"
+        before = os.statvfs(tiny_tmpfs).f_bavail
+        save(state, probe, **SMALL)
+        need = before - os.statvfs(tiny_tmpfs).f_bavail  # blocks a committed save of it takes
+        shutil.rmtree(probe)
+        cases = [dict(blocks=b) for b in sorted({0, 1, need // 2, need - 3, need - 2, need - 1}) if 0 <= b < need]
+        if i % 7 == 0:
+            cases += [dict(inodes=n) for n in range(4)]  # the directory, data, index, metadata temporary
+        for j, free in enumerate(cases):
+            path = tiny_tmpfs / f"ck{i}_{j}"
+            _leave_free(tiny_tmpfs, **free)
+            errors = _save_on_full_fs(state, path, mode)
+            attempts += 1
+            assert errors, (nbytes, free, "the save committed on a full filesystem")
+            for err in errors:
+                oserrs = _os_errors(err)
+                assert oserrs, (nbytes, free, f"{type(err).__name__}: {err}")
+                for e in oserrs:
+                    assert e.errno == errno.ENOSPC, (nbytes, free, repr(e))
+                    assert e.filename and str(tiny_tmpfs) in str(e.filename), (nbytes, free, mode, repr(e))
+                    failed_files.add(_step_of(str(e.filename)))
+                assert str(oserrs[0].filename) in str(err), (nbytes, free, str(err))  # in the text the user reads
+            leftovers = sorted(os.listdir(path)) if path.exists() else []
+            assert leftovers == [], (nbytes, free, leftovers)
+            shutil.rmtree(tiny_tmpfs / "fill")
+            if path.exists():
+                path.rmdir()
+    assert attempts >= 100
+    assert failed_files >= {"directory", "data", "index", "metadata"}, failed_files
+
+
+def _step_of(filename):
+    name = os.path.basename(filename)
+    if name.endswith(".data") or name.endswith(".staging"):
+        return "data"
+    if name.endswith(".index"):
+        return "index"
+    if name.startswith(".metadata"):
+        return "metadata"
+    return "directory" if name.startswith("ck") else name
