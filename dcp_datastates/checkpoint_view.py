@@ -33,10 +33,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .checkpoint_files import read_checkpoint_file
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from .format import METADATA_FILE, CheckpointLayout
-from .metadata_file import decode_metadata
+from .metadata_file import read_metadata_file
 from .reader import DataStatesReader
 
 T = TypeVar("T")
@@ -76,10 +75,9 @@ class CheckpointView:
             raise CheckpointNotFoundError(f"no checkpoint at {self.path}: the directory does not exist")
         ours = DataStatesReader(self.path, allow_pickle=allow_pickle)
         try:
-            blob = read_checkpoint_file(md_path)
+            metadata, _ = read_metadata_file(md_path, allow_pickle)  # bounded by its structure, not its size
         except FileNotFoundError:
             raise ours._missing_checkpoint_error() from None
-        metadata, _ = decode_metadata(blob, md_path, allow_pickle)
         if isinstance(metadata.storage_data, CheckpointLayout):
             self.format = FORMAT_OURS
             self.reader = ours
@@ -92,6 +90,9 @@ class CheckpointView:
                     f"{md_path}: storage data is a {type(metadata.storage_data).__name__}; "
                     "neither a dcp_datastates nor a stock DCP checkpoint"
                 )
+            from .compression import check_stock_transforms
+
+            check_stock_transforms(metadata.storage_data, md_path)  # zstd items need zstandard here
             self.format = FORMAT_DCP
             self.reader = FileSystemReader(self.path)
             self.metadata = metadata
@@ -168,6 +169,12 @@ class CheckpointView:
             loc = self.reader._layout.location(index)
             if loc is None:
                 raise CorruptCheckpointError(f"{self.path}: no stored location for {index.fqn!r}")
+            if loc.is_compressed:  # stored bytes: the sum of its frames (offset -1: several places)
+                from .format import compressed_blocks
+
+                frames = self.reader.rank_index(loc.relative_path).objects
+                n = compressed_blocks(loc.length, self.reader._layout.compression[1])
+                return loc.relative_path, -1, sum(m for _, m in frames[loc.object_ordinal : loc.object_ordinal + n])
             return loc.relative_path, loc.offset, loc.length
         info = self.metadata.storage_data.get(index)
         if info is None:

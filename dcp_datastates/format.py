@@ -61,6 +61,8 @@ _HEADER = struct.Struct("<8sII16sQQQ")
 _SEGMENT = struct.Struct("<QQII")
 _OBJECT = struct.Struct("<QQ")
 _TRAILER = struct.Struct("<I")
+INDEX_HEADER, INDEX_TRAILER = _HEADER, _TRAILER
+SEGMENT_ALIGN = 64  # every checksum segment starts at a multiple of this (see max_segments)
 
 _SID_RE = re.compile(r"^[0-9a-f]{12}$")
 DATA_FILE_RE = re.compile(r"^rank(\d{5,})-([0-9a-f]{12})\.(data|index)$")
@@ -98,8 +100,11 @@ class ItemLocation(NamedTuple):
 
     Tensor chunks: ``length`` raw bytes at ``offset`` of ``relative_path``.
     Objects: ``offset == length == -1`` and ``object_ordinal`` indexes the
-    object table of the rank's index. A NamedTuple: built and compared for
-    every item of every save, so it must be cheap.
+    object table of the rank's index. Compressed tensor chunks (see
+    :mod:`compression`): ``offset == -1``, ``length`` raw bytes, and
+    ``object_ordinal`` is the first of their consecutive blocks in the object
+    table. A NamedTuple: built and compared for every item of every save, so
+    it must be cheap.
     """
 
     relative_path: str
@@ -109,7 +114,11 @@ class ItemLocation(NamedTuple):
 
     @property
     def is_object(self) -> bool:
-        return self.object_ordinal >= 0
+        return self.object_ordinal >= 0 and self.length < 0
+
+    @property
+    def is_compressed(self) -> bool:
+        return self.object_ordinal >= 0 and self.length >= 0
 
 
 @dataclasses.dataclass
@@ -123,8 +132,81 @@ class RankFiles:
     index_file: str
     save_id: str = ""
 
+    def __setstate__(self, state):
+        _set_fields_strictly(self, state, _RANK_FILES_KINDS)
+
     def files_save_id(self, checkpoint_save_id: str) -> str:
         return getattr(self, "save_id", "") or checkpoint_save_id
+
+
+_RANK_FILES_KINDS = {"rank": int, "data_file": str, "index_file": str, "save_id": str}
+_LAYOUT_KINDS = {
+    "format": str, "version": int, "save_id": str, "ranks": list, "entries": list, "compression": (tuple, type(None)),
+}
+
+
+def _set_fields_strictly(obj, state, kinds: dict) -> None:
+    """``__setstate__`` of our pickled dataclasses: only their fields, of the right kinds.
+
+    A state from a damaged or hostile ``.metadata`` fails here with a
+    :class:`CorruptCheckpointError` (the metadata reader adds the file's
+    name): not a dict, a name that is not a field (``_table``, ``validate``:
+    attributes that would shadow ours), a field of the wrong kind (checked
+    for the fields in ``kinds``; :meth:`CheckpointLayout.validate` checks
+    the contents), or a field without a default missing. A field with a
+    default that the state lacks was added by a later format version and
+    gets its default.
+    """
+    name = type(obj).__name__
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"the storage layout is corrupt: a {name} {why}")
+
+    if not isinstance(state, dict):
+        raise bad(f"has a {type(state).__name__} state, not a dict of its fields")
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    unknown = [k for k in state if k not in fields]
+    if unknown:
+        raise bad(f"has fields {show(unknown)}, which it does not have")
+    values = {}
+    for field_name, field in fields.items():
+        if field_name in state:
+            value = state[field_name]
+            kind = kinds.get(field_name)
+            if kind is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+                raise bad(f"has a {type(value).__name__} as its {field_name}")
+        elif field.default is not dataclasses.MISSING:
+            value = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            value = field.default_factory()
+        else:
+            raise bad(f"lacks its {field_name}")
+        values[field_name] = value
+    obj.__dict__.update(values)
+
+
+COMPRESSION_CODECS = ("zstd",)
+
+
+def check_compression(compression, where: str) -> None:
+    """A layout's ``compression``: None, or ``(codec, block_bytes)`` with a codec we can decode."""
+    if compression is None:
+        return
+    if not (isinstance(compression, tuple) and len(compression) == 2 and isinstance(compression[1], int)):
+        raise CorruptCheckpointError(f"{where}: the storage layout is corrupt: compression {show(compression)}")
+    codec, block_bytes = compression
+    if codec not in COMPRESSION_CODECS:
+        raise UnsupportedFormatError(
+            f"{where}: tensors are compressed with {show(codec)}; this dcp_datastates decodes "
+            f"{', '.join(COMPRESSION_CODECS)}. Upgrade dcp_datastates to load it."
+        )
+    if block_bytes <= 0:
+        raise CorruptCheckpointError(f"{where}: the storage layout is corrupt: compression block size {block_bytes}")
+
+
+def compressed_blocks(length: int, block_bytes: int) -> int:
+    """How many blocks a compressed chunk of ``length`` raw bytes is stored as."""
+    return -(-length // block_bytes)
 
 
 def location_key(fqn: str, offset) -> tuple:
@@ -148,12 +230,17 @@ class CheckpointLayout:
     save_id: str
     ranks: list[RankFiles]
     entries: list[tuple]
+    # None, or (codec, block_bytes) when large tensor chunks are stored compressed
+    # (see compression.py); layouts pickled by versions 1-3 get None.
+    compression: tuple | None = None
 
     def __getstate__(self):
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def __setstate__(self, state):
-        self.__dict__.update(state)
+        # Strict: a hostile pickle could otherwise set any attribute (a cached ``_table``,
+        # a method). Fields added later (with a default, e.g. compression) get the default.
+        _set_fields_strictly(self, state, _LAYOUT_KINDS)
 
     def _lookup(self) -> dict:
         table = self.__dict__.get("_table")
@@ -199,7 +286,9 @@ class CheckpointLayout:
                 f"{where}: written with format version {show(self.version)}; this dcp_datastates "
                 f"reads versions 1 to {FORMAT_VERSION}. Upgrade dcp_datastates to load it."
             )
-        check_save_id(self.save_id)
+        if not isinstance(self.save_id, str) or not _SID_RE.match(self.save_id):
+            raise UnsupportedFormatError(f"{where}: malformed save id {show(self.save_id)} in checkpoint metadata")
+        check_compression(self.compression, where)
         self._validate_structure(where)
 
     def _validate_structure(self, where: str) -> None:
@@ -237,8 +326,14 @@ class CheckpointLayout:
                 raise bad(f"{fqn!r} has chunk offsets {show(off)}")
             if not all(isinstance(x, int) for x in (rank, offset, length, ordinal)):
                 raise bad(f"{fqn!r} has a non-integer location")
+            if not all(-1 <= x < 1 << 63 for x in (rank, offset, length, ordinal)):
+                raise bad(f"{fqn!r} has a location out of range: {show(e[2:])}")
             if rank not in ranks:
                 raise bad(f"{fqn!r} is placed in rank {rank}, which has no files")
+            if ordinal >= 0 and length >= 0:  # a compressed tensor chunk: its blocks start at ordinal
+                if self.compression is None or off is None or offset != -1:
+                    raise bad(f"{fqn!r} is stored as compressed blocks, but the layout records no compression")
+                continue
             if ordinal >= 0:
                 continue
             if offset < 0 or length < 0:
@@ -322,15 +417,58 @@ def encode_index(
     return body + _TRAILER.pack(crc32c(body))
 
 
-def decode_index(blob: bytes, path: str) -> RankIndex:
-    """Parse and strictly validate an index; every inconsistency names ``path``."""
+class IndexLimits(NamedTuple):
+    """What a rank's index can claim, known before it is read (its header is checked against it).
+
+    ``data_file_size``: the size of the rank's data file (``data_size`` cannot
+    exceed it); ``objects``: the entries of the rank's object table that
+    ``.metadata`` refers to (its objects and the blocks of its compressed chunks).
+    """
+
+    data_path: str
+    data_file_size: int
+    objects: int
+
+
+def max_segments(data_size: int) -> int:
+    """The most checksum segments ``data_size`` bytes of a data file can have.
+
+    Segments are non-empty and do not overlap, and each starts at a multiple
+    of ``SEGMENT_ALIGN``: the engine cuts each stored region at its write
+    windows (csrc/engine.cpp), a region starts at a 64-byte boundary (small
+    tensors, objects and compressed frames are packed at 64 bytes, larger
+    tensors start at 4 KiB), and a window at a 4 KiB one. (The count of
+    tensors in ``.metadata`` does not bound it: an asynchronous save's data
+    file also holds replicated tensors the metadata takes from another rank.)
+    """
+    return -(-data_size // SEGMENT_ALIGN)
+
+
+def object_entries(layout: CheckpointLayout) -> dict[int, int]:
+    """``{rank: object-table entries the validated layout refers to}`` (for :class:`IndexLimits`)."""
+    objects = {r.rank: 0 for r in layout.ranks}
+    block = layout.compression[1] if layout.compression is not None else 0
+    for _fqn, _off, rank, _offset, length, ordinal in layout.entries:
+        if ordinal >= 0:
+            span = compressed_blocks(length, block) if length >= 0 and block else 1
+            objects[rank] = max(objects.get(rank, 0), ordinal + span)
+    return objects
+
+
+def check_index_header(header: tuple, file_size: int, path: str, limits: IndexLimits | None) -> None:
+    """Refuse an index by its header alone: before it is read, so a huge one costs nothing.
+
+    The header's counts must describe exactly ``file_size`` bytes, and stay
+    within what the checkpoint can hold: segments at most
+    :func:`max_segments` of ``data_size``; with ``limits``, ``data_size`` at
+    most the data file's size and objects at most the entries the layout
+    refers to.
+    """
 
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"rank index {path} is corrupt: {why}")
 
-    if len(blob) < _HEADER.size + _TRAILER.size:
-        raise bad(f"{len(blob)} bytes is shorter than the header")
-    magic, version, rank, sid, data_size, nseg, nobj = _HEADER.unpack_from(blob, 0)
+    magic, version, _rank, _sid, data_size, nseg, nobj = header
     if magic != INDEX_MAGIC:
         raise bad(f"bad magic {magic!r}")
     if version > FORMAT_VERSION or version < 1:
@@ -339,8 +477,36 @@ def decode_index(blob: bytes, path: str) -> RankIndex:
             f"versions 1 to {FORMAT_VERSION}"
         )
     expected = _HEADER.size + nseg * _SEGMENT.size + nobj * _OBJECT.size + _TRAILER.size
-    if len(blob) != expected:
-        raise bad(f"size {len(blob)} does not match {nseg} segments and {nobj} objects ({expected} bytes)")
+    if file_size != expected:
+        raise bad(f"size {file_size} does not match {nseg} segments and {nobj} objects ({expected} bytes)")
+    if nseg > max_segments(data_size):
+        raise bad(f"it lists {nseg} checksum segments; {data_size} bytes hold at most {max_segments(data_size)}")
+    if limits is None:
+        return
+    if data_size > limits.data_file_size:
+        raise CorruptCheckpointError(
+            f"data file {limits.data_path} is truncated: {limits.data_file_size} bytes, its index "
+            f"{path} says {data_size}"
+        )
+    if nobj > limits.objects:
+        raise bad(f"it lists {nobj} objects; the metadata refers to {limits.objects} in this rank")
+
+
+def decode_index(blob: bytes, path: str, limits: IndexLimits | None = None) -> RankIndex:
+    """Parse and strictly validate an index; every inconsistency names ``path``.
+
+    ``limits`` (what the layout and the data file allow) bounds its counts; a
+    file is read by :func:`checkpoint_files.read_rank_index`, which checks
+    the header and the checksum before it reads the file whole.
+    """
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"rank index {path} is corrupt: {why}")
+
+    if len(blob) < _HEADER.size + _TRAILER.size:
+        raise bad(f"{len(blob)} bytes is shorter than the header")
+    magic, version, rank, sid, data_size, nseg, nobj = header = _HEADER.unpack_from(blob, 0)
+    check_index_header(header, len(blob), path, limits)
     (stored_crc,) = _TRAILER.unpack_from(blob, len(blob) - _TRAILER.size)
     actual_crc = crc32c(memoryview(blob)[: len(blob) - _TRAILER.size])
     if stored_crc != actual_crc:
@@ -350,8 +516,8 @@ def decode_index(blob: bytes, path: str) -> RankIndex:
     pos = _HEADER.size
     prev_end = 0
     for o, n, c, _ in _SEGMENT.iter_unpack(blob[pos : pos + nseg * _SEGMENT.size]):
-        if o < prev_end or o + n > data_size:
-            raise bad(f"segment at offset {o} (+{n}) overlaps its predecessor or lies past the data size {data_size}")
+        if n == 0 or o < prev_end or o + n > data_size:
+            raise bad(f"segment at offset {o} (+{n}) is empty, overlaps its predecessor or lies past the data size {data_size}")
         prev_end = o + n
         seg_off.append(o)
         seg_len.append(n)

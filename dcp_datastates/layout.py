@@ -30,6 +30,7 @@ from .format import (
     CheckpointLayout,
     ItemLocation,
     RankFiles,
+    compressed_blocks,
     data_file_name,
     index_file_name,
     location_key,
@@ -63,6 +64,7 @@ class RankPlanData:
     rank: int
     tensor_bytes_end: int  # lets the rank check that its own layout matches the coordinator's
     item_count: int
+    compression: tuple | None = None  # the coordinator's choice (CheckpointLayout.compression)
 
 
 @dataclasses.dataclass
@@ -74,9 +76,10 @@ class RankLayout:
     locations: dict  # MetadataIndex -> ItemLocation, in plan order
     tensor_bytes_end: int
     objects_base: int
+    compression: tuple | None = None
 
     def plan_data(self) -> RankPlanData:
-        return RankPlanData(self.save_id, self.rank, self.tensor_bytes_end, len(self.locations))
+        return RankPlanData(self.save_id, self.rank, self.tensor_bytes_end, len(self.locations), self.compression)
 
 
 def place_tensors(sizes: list[int]) -> tuple[list[int], int]:
@@ -100,18 +103,32 @@ def place_tensors(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, offset
 
 
-def plan_rank_layout(items: list[WriteItem], rank: int, save_id: str) -> RankLayout:
+def is_compressible(nbytes: int, compression: tuple | None) -> bool:
+    """Whether a tensor chunk of ``nbytes`` is stored compressed: with compression on, every
+    chunk that is not small (small ones stay packed raw: a frame each would gain nothing)."""
+    return compression is not None and nbytes >= SMALL_TENSOR_BYTES
+
+
+def plan_rank_layout(items: list[WriteItem], rank: int, save_id: str, compression: tuple | None = None) -> RankLayout:
+    """Fixed offsets for raw chunks; with ``compression``, large chunks get ordinals of
+    their blocks in the object table instead (after the objects', in plan order)."""
     data_file = data_file_name(rank, save_id)
     sized = [(item, tensor_item_nbytes(item)) for item in items if item.type != WriteItemType.BYTE_IO]
-    offsets, offset = place_tensors([n for _, n in sized])
+    packed = [(item, n) for item, n in sized if not is_compressible(n, compression)]
+    offsets, offset = place_tensors([n for _, n in packed])
     locations: dict = {}
-    for (item, nbytes), off in zip(sized, offsets):
+    for (item, nbytes), off in zip(packed, offsets):
         locations[item.index] = ItemLocation(data_file, off, nbytes, -1)
     ordinal = 0
     for item in items:
         if item.type == WriteItemType.BYTE_IO:
             locations[item.index] = ItemLocation(data_file, -1, -1, ordinal)
             ordinal += 1
+    if compression is not None:
+        for item, nbytes in sized:
+            if is_compressible(nbytes, compression):
+                locations[item.index] = ItemLocation(data_file, -1, nbytes, ordinal)
+                ordinal += compressed_blocks(nbytes, compression[1])
     return RankLayout(
         rank=rank,
         save_id=save_id,
@@ -120,6 +137,7 @@ def plan_rank_layout(items: list[WriteItem], rank: int, save_id: str) -> RankLay
         locations=locations,
         tensor_bytes_end=offset,
         objects_base=align_up(offset, PAGE),
+        compression=compression,
     )
 
 
@@ -128,23 +146,25 @@ def has_layout(plans: list[SavePlan]) -> bool:
 
 
 def assign_checkpoint_layout(
-    plans: list[SavePlan], save_id: str
+    plans: list[SavePlan], save_id: str, compression: tuple | None = None
 ) -> tuple[list[SavePlan], CheckpointLayout, list[RankLayout]]:
     """Give every rank its files and offsets.
 
     Returns the plans (carrying :class:`RankPlanData`), the metadata's
     storage data and the per-rank layouts. Runs on the coordinator after
     deduplication, so replicated items take space in exactly one rank's file.
+    ``compression`` (the coordinator's) reaches every rank in its plan.
     """
     out_plans, ranks, entries, layouts = [], [], [], []
     for rank, plan in enumerate(plans):
-        layout = plan_rank_layout(plan.items, rank, save_id)
+        layout = plan_rank_layout(plan.items, rank, save_id, compression)
         out_plans.append(dataclasses.replace(plan, storage_data=layout.plan_data()))
         ranks.append(RankFiles(rank, layout.data_file, layout.index_file))
         for index, loc in layout.locations.items():
             entries.append((*location_key(index.fqn, index.offset), rank, loc.offset, loc.length, loc.object_ordinal))
         layouts.append(layout)
-    return out_plans, CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, save_id, ranks, entries), layouts
+    layout = CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, save_id, ranks, entries, compression)
+    return out_plans, layout, layouts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,10 +183,43 @@ class StagedRankData:
     index_file: str
     tensor_bytes_end: int
     tensors: dict
+    compression: tuple | None = None  # the rank's snapshot stages raw bytes to compress later
 
 
 def has_staged_layout(plans: list[SavePlan]) -> bool:
     return bool(plans) and all(isinstance(p.storage_data, StagedRankData) for p in plans)
+
+
+def staged_locations(items: list[WriteItem], tensors: dict, compression: tuple | None, rank: int) -> dict:
+    """``location_key -> (offset, length, ordinal)`` of a rank's final plan after a snapshot.
+
+    Objects get ordinals in plan order. Without compression a tensor stays where
+    the snapshot put it. With compression, small tensors keep their offsets (the
+    save copies the snapshot's packed small tensors as they are) and large ones
+    get block ordinals after the objects', in plan order. The coordinator (for
+    the metadata) and the rank (for its results) both compute it from the plan.
+    """
+    from .errors import CheckpointError
+
+    out: dict = {}
+    ordinal = 0
+    for item in items:
+        if item.type == WriteItemType.BYTE_IO:
+            out[location_key(item.index.fqn, item.index.offset)] = (-1, -1, ordinal)
+            ordinal += 1
+    for item in items:
+        if item.type == WriteItemType.BYTE_IO:
+            continue
+        key = location_key(item.index.fqn, item.index.offset)
+        placed = tensors.get(key)
+        if placed is None:
+            raise CheckpointError(f"rank {rank} planned {item.index.fqn!r} but its snapshot does not hold it")
+        if is_compressible(placed[1], compression):
+            out[key] = (-1, placed[1], ordinal)
+            ordinal += compressed_blocks(placed[1], compression[1])
+        else:
+            out[key] = (placed[0], placed[1], -1)
+    return out
 
 
 def assign_staged_layout(plans: list[SavePlan], save_id: str) -> CheckpointLayout:
@@ -178,19 +231,17 @@ def assign_staged_layout(plans: list[SavePlan], save_id: str) -> CheckpointLayou
     """
     from .errors import CheckpointError
 
+    compressions = {getattr(p.storage_data, "compression", None) for p in plans}
+    if len(compressions) > 1:
+        raise CheckpointError(
+            f"ranks staged with different compression settings ({sorted(map(str, compressions))}); "
+            "every rank's DataStatesWriter must use the same compression"
+        )
+    compression = compressions.pop() if compressions else None
     ranks, entries = [], []
     for rank, plan in enumerate(plans):
         staged: StagedRankData = plan.storage_data
         ranks.append(RankFiles(rank, staged.data_file, staged.index_file, staged.save_id))
-        ordinal = 0
-        for item in plan.items:
-            key = location_key(item.index.fqn, item.index.offset)
-            if item.type == WriteItemType.BYTE_IO:
-                entries.append((*key, rank, -1, -1, ordinal))
-                ordinal += 1
-                continue
-            placed = staged.tensors.get(key)
-            if placed is None:
-                raise CheckpointError(f"rank {rank} planned {item.index.fqn!r} but its snapshot does not hold it")
-            entries.append((*key, rank, placed[0], placed[1], -1))
-    return CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, save_id, ranks, entries)
+        for key, (offset, length, ordinal) in staged_locations(plan.items, staged.tensors, compression, rank).items():
+            entries.append((*key, rank, offset, length, ordinal))
+    return CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, save_id, ranks, entries, compression)

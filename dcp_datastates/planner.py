@@ -16,25 +16,22 @@ the layout inside the planner (for example when you subclass it further)::
 from __future__ import annotations
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from .format import check_save_id
 from .layout import assign_checkpoint_layout, assign_staged_layout, has_staged_layout, new_save_id
 
 
 class DataStatesSavePlanner(DefaultSavePlanner):
-    def set_up_planner(self, state_dict, storage_meta: StorageMeta | None = None, is_coordinator: bool = False) -> None:
-        super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
-        self._save_id = storage_meta.save_id if storage_meta is not None and storage_meta.save_id else None
-
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         if getattr(self, "_enable_plan_caching", False):
             raise NotImplementedError(
                 "DataStatesSavePlanner does not support enable_plan_caching: every save gets new files"
             )
         plans, metadata = super().create_global_plan(all_plans)
-        save_id = check_save_id(self._save_id) if self._save_id else new_save_id()
+        # Files get a new save id every save; storage_meta.save_id is DCP's id of the writer's
+        # save (kept until reset(), as FileSystemWriter's), so it cannot name files.
+        save_id = new_save_id()
         if has_staged_layout(plans):  # dcp.async_save: each rank's snapshot placed its tensors
             layout = assign_staged_layout(plans, save_id)
         else:

@@ -18,10 +18,11 @@ import io
 import math
 import os
 import stat
+import uuid
 from typing import Any, Callable
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -34,9 +35,9 @@ from .errors import (
     IncompleteCheckpointError,
     UnsupportedFormatError,
 )
-from .format import DATA_FILE_RE, METADATA_FILE, CheckpointLayout, RankIndex, decode_index
-from .checkpoint_files import read_checkpoint_file
-from .metadata_file import decode_metadata
+from .format import DATA_FILE_RE, METADATA_FILE, CheckpointLayout, IndexLimits, RankIndex, object_entries
+from .checkpoint_files import read_rank_index
+from .metadata_file import read_metadata_file
 from .safe_objects import check_object_is_plain
 
 TEMP_BUDGET_BYTES = 512 << 20  # temporaries alive at once while reading non-direct items
@@ -75,15 +76,30 @@ class DataStatesReader(StorageReader):
         self.allow_pickle = allow_pickle
         # Reads go straight into destinations: the engine's pool is not used,
         # so the reader's engine gets the smallest one (two windows).
-        self._engine = _native.get_engine(2 * window_bytes, io_threads, window_bytes)
+        self._engine_settings = (2 * window_bytes, io_threads, window_bytes)
+        self._engine_of = (os.getpid(), _native.get_engine(*self._engine_settings))
         self._metadata: Metadata | None = None
         self._layout: CheckpointLayout | None = None
         self._indexes: dict[str, RankIndex] = {}
         self._chunks: dict[str, dict[tuple, Any]] = {}
+        # DCP's id of this reader's load (StorageMeta.load_id), as FileSystemReader keeps it:
+        # made here and by every reset(); read_metadata() stamps it into the metadata.
+        self.load_id = str(uuid.uuid4())
+
+    @property
+    def _engine(self) -> _native._engine.Engine:
+        """This process's engine for the reader's settings (a reader made before a
+        fork gets the child's own engine there: the parent's has no threads in it)."""
+        pid, engine = self._engine_of
+        if pid != os.getpid():
+            engine = _native.get_engine(*self._engine_settings)
+            self._engine_of = (os.getpid(), engine)
+        return engine
 
     # -- StorageReader protocol -------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.load_id = str(uuid.uuid4())
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
         self._metadata = None
@@ -106,10 +122,9 @@ class DataStatesReader(StorageReader):
             raise ValueError("DataStatesReader has no path: pass one or give dcp.load a checkpoint_id")
         md_path = os.path.join(self.path, METADATA_FILE)
         try:
-            blob = read_checkpoint_file(md_path)
+            metadata, checksummed = read_metadata_file(md_path, self.allow_pickle)
         except FileNotFoundError:
             raise self._missing_checkpoint_error() from None
-        metadata, checksummed = decode_metadata(blob, md_path, self.allow_pickle)
         layout = metadata.storage_data
         if not isinstance(layout, CheckpointLayout):
             raise UnsupportedFormatError(
@@ -123,6 +138,9 @@ class DataStatesReader(StorageReader):
                 f"{md_path} is corrupt: format version {layout.version} ends with a checksum trailer, "
                 "and this file has none (truncated or edited?)"
             )
+        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader does
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
         self._metadata, self._layout = metadata, layout
         return metadata
 
@@ -171,7 +189,13 @@ class DataStatesReader(StorageReader):
         return CheckpointNotFoundError(f"no checkpoint at {self.path}: {METADATA_FILE} is missing")
 
     def rank_index(self, relative_path: str) -> RankIndex:
-        """The index of the rank whose data file is ``relative_path`` (loaded once, validated)."""
+        """The index of the rank whose data file is ``relative_path`` (loaded once, validated).
+
+        The data file is looked at first: its size, and the objects the layout
+        places in the rank, bound what the index may claim
+        (:func:`checkpoint_files.read_rank_index` refuses a hostile index by
+        its header and checksum before reading it whole).
+        """
         idx = self._indexes.get(relative_path)
         if idx is not None:
             return idx
@@ -180,19 +204,9 @@ class DataStatesReader(StorageReader):
             raise CorruptCheckpointError(f"{self.path}: metadata names data file {relative_path} of no rank")
         index_path = os.path.join(self.path, files.index_file)
         data_path = os.path.join(self.path, files.data_file)
-        try:
-            blob = read_checkpoint_file(index_path)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"rank {files.rank}'s index file {index_path} is missing; the checkpoint is damaged"
-            ) from None
-        idx = decode_index(blob, index_path)
-        expected_sid = files.files_save_id(self._layout.save_id)
-        if idx.save_id != expected_sid or idx.rank != files.rank:
-            raise CorruptCheckpointError(
-                f"{index_path} belongs to rank {idx.rank} of save {idx.save_id}, expected rank "
-                f"{files.rank} of save {expected_sid} (files from different checkpoints mixed?)"
-            )
+        missing = CorruptCheckpointError(f"rank {files.rank}'s index file {index_path} is missing; the checkpoint is damaged")
+        if not os.path.lexists(index_path):
+            raise missing
         try:
             st = os.lstat(data_path)
         except FileNotFoundError:
@@ -201,13 +215,26 @@ class DataStatesReader(StorageReader):
             ) from None
         if not stat.S_ISREG(st.st_mode):
             raise CorruptCheckpointError(f"{data_path} is not a regular file; checkpoint files must be regular files")
-        size = st.st_size
-        if size < idx.data_size:
+        try:
+            idx = read_rank_index(index_path, IndexLimits(data_path, st.st_size, self._object_entries()[files.rank]))
+        except FileNotFoundError:
+            raise missing from None
+        expected_sid = files.files_save_id(self._layout.save_id)
+        if idx.save_id != expected_sid or idx.rank != files.rank:
             raise CorruptCheckpointError(
-                f"data file {data_path} is truncated: {size} bytes, its index says {idx.data_size}"
+                f"{index_path} belongs to rank {idx.rank} of save {idx.save_id}, expected rank "
+                f"{files.rank} of save {expected_sid} (files from different checkpoints mixed?)"
             )
         self._indexes[relative_path] = idx
         return idx
+
+    def _object_entries(self) -> dict[int, int]:
+        """``format.object_entries`` of the current layout (computed once per layout)."""
+        layout, counts = getattr(self, "_object_entries_of", (None, None))
+        if layout is not self._layout:
+            counts = object_entries(self._layout)
+            self._object_entries_of = (self._layout, counts)
+        return counts
 
     def chunk_sizes(self, index: MetadataIndex) -> tuple[torch.dtype, tuple[int, ...]]:
         md = self._metadata.state_dict_metadata.get(index.fqn)
@@ -260,6 +287,7 @@ class _ReadBatch:
         self.keys: list[str] = []
         self.keep: list[Any] = []
         self.after: list[Callable[[], None]] = []
+        self.decode: list[Callable[[], None]] = []  # decompressions, run in parallel before ``after``
         self.temp_bytes = 0
 
     def _file(self, relative_path: str) -> int:
@@ -321,6 +349,11 @@ class _ReadBatch:
         if count == 0:
             self.after.append(lambda: planner.commit_tensor(item, target))
             return
+        if loc.is_compressed:
+            from .compression import add_compressed_read
+
+            add_compressed_read(self, item, planner, loc, idx, dtype, sizes, target, start, count, exact)
+            return
         offset = loc.offset + start * itemsize
         nbytes = count * itemsize
         # With verification on, a read that cuts through checksum segments
@@ -361,6 +394,10 @@ class _ReadBatch:
             failures = job.wait()
             if failures:
                 raise _read_error(failures[0], self.keys, len(failures))
+        if self.decode:
+            from .compression import decode_threads, run_parallel
+
+            run_parallel(self.decode, decode_threads())
         for fn in self.after:
             fn()
 

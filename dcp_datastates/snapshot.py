@@ -104,12 +104,17 @@ def _called_from_dcp_staging_callback() -> bool:
 class Snapshot:
     """One rank's lazy copy of a state dict, on its way into one data file."""
 
-    def __init__(self, directory: str, rank: int) -> None:
+    def __init__(self, directory: str, rank: int, compression=None) -> None:
         self.directory = directory
         self.rank = rank
         self.save_id = new_save_id()
         self.data_file = data_file_name(rank, self.save_id)
         self.index_file = index_file_name(rank, self.save_id)
+        # Compressed saves stage raw bytes into a file of their own (a rank file name with
+        # another save id, so a crash leaves a recognisable stray); the save compresses it
+        # into ``data_file`` and removes it (see compression.py).
+        self.compression = compression
+        self.staging_file = data_file_name(rank, new_save_id()) if compression is not None else None
         self.staged_dict: Any = None
         self.placed: dict[tuple, tuple[int, int]] = {}  # source_key -> (offset, nbytes)
         self.tensor_bytes_end = 0
@@ -132,6 +137,11 @@ class Snapshot:
     @property
     def index_path(self) -> str:
         return os.path.join(self.directory, self.index_file)
+
+    @property
+    def staging_path(self) -> str:
+        """The file the engine writes the snapshot's raw tensors to."""
+        return os.path.join(self.directory, self.staging_file or self.data_file)
 
     # -- capture (caller's thread) ----------------------------------------------
 
@@ -160,7 +170,7 @@ class Snapshot:
         self.placed = {k: (offsets[i], sources[i].nbytes) for k, i in index.items()}
         regions, keep = finish_regions(list(zip(sources, offsets)))
         self.job = engine.write(
-            self.data_path, regions, keep, direct_io=direct_io, preallocate=self.tensor_bytes_end
+            self.staging_path, regions, keep, direct_io=direct_io, preallocate=self.tensor_bytes_end
         )
 
     @property
@@ -207,7 +217,7 @@ class Snapshot:
         from .commit import remove_if_present
 
         stop_write_job(self.job, why)
-        remove_if_present([self.data_path, self.index_path])
+        remove_if_present([self.data_path, self.index_path, self.staging_path])
 
 
 def _copy_structure(obj: Any, on_tensor, name: str) -> Any:
@@ -320,3 +330,14 @@ _MONITOR = _StagingMonitor()
 
 def submit(snap: Snapshot) -> None:
     _MONITOR.submit(snap)
+
+
+def _new_monitor_after_fork() -> None:
+    """In a fork child: the parent's monitor thread, its queued snapshots (whose
+    engine jobs run in the parent) and its locks stay behind; start empty, and
+    forget the parent monitor's thread id, which a new thread here may reuse."""
+    global _MONITOR
+    _MONITOR = _StagingMonitor()
+
+
+os.register_at_fork(after_in_child=_new_monitor_after_fork)

@@ -11,6 +11,11 @@ and reports every problem it finds rather than stopping at the first:
 * every item's bytes are tiled by checksum segments, and every segment's
   CRC32C matches the bytes on disk (read in parallel by the engine, through
   a bounded buffer);
+* every byte no segment covers (alignment padding between items, after the
+  last tensor, after the objects) is zero, as the engine writes it, and the
+  data file ends at the data size its index records: so a change to any
+  byte of a checkpoint is reported, with the file, the offset and the key
+  before it;
 * unless ``allow_pickle``, every saved Python object loads as plain data
   (what a load in safe mode requires).
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 import os
 from typing import Callable
@@ -32,7 +38,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from . import _native
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from .format import DATA_FILE_RE, METADATA_FILE, RankIndex
+from .format import DATA_FILE_RE, METADATA_FILE, RankIndex, compressed_blocks
 from .reader import DataStatesReader
 from .safe_objects import check_object_is_plain
 
@@ -51,6 +57,7 @@ class VerifyReport:
     items: int = 0
     segments_checked: int = 0
     bytes_checked: int = 0
+    padding_bytes_checked: int = 0  # bytes no segment covers, checked to be zero
 
     @property
     def ok(self) -> bool:
@@ -123,6 +130,9 @@ def verify(
     done = 0
     for rel, idx in indexes.items():
         done = _check_segments(reader, rel, idx, spans.get(rel, []), report, done, total, progress)
+        _check_padding(reader, rel, idx, spans.get(rel, []), report)
+    if layout.compression is not None and not report.problems:
+        _check_frames_decompress(path, layout, indexes, report)
     if not allow_pickle and not report.problems:
         _check_objects_are_plain(path, layout, indexes, report)
     _note_strays(path, layout, report)
@@ -132,8 +142,8 @@ def verify(
 def _check_objects_are_plain(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
     """Safe mode: the objects a load would refuse (they need arbitrary unpickling) are problems."""
     files = {r.rank: r.data_file for r in layout.ranks}
-    for fqn, _off, rank, _offset, _length, ordinal in layout.entries:
-        if ordinal < 0:
+    for fqn, _off, rank, _offset, length, ordinal in layout.entries:
+        if ordinal < 0 or length >= 0:  # raw tensors, compressed tensors
             continue
         rel = files[rank]
         offset, length = indexes[rel].objects[ordinal]
@@ -147,6 +157,46 @@ def _check_objects_are_plain(path: str, layout, indexes: dict[str, RankIndex], r
             check_object_is_plain(blob, fqn, data_path)
         except CheckpointError as exc:
             report.problems.append(str(exc))
+
+
+def _check_frames_decompress(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
+    """Every frame of every compressed chunk decompresses to its block's raw size.
+
+    Their checksums already passed; this catches a frame that was written wrong.
+    Frames are read one batch at a time (bounded memory) and decompressed in parallel.
+    """
+    from .compression import decode_threads, decompress_block, run_parallel, zstd_module
+
+    try:
+        zstd_module()
+    except ImportError as exc:
+        report.notes.append(f"compressed frames were checksummed but not decompressed: {exc}")
+        return
+    block = layout.compression[1]
+    files = {r.rank: r.data_file for r in layout.ranks}
+    frames = []  # (data path, offset, length, raw bytes, what)
+    for fqn, _off, rank, _offset, length, ordinal in layout.entries:
+        if ordinal < 0 or length < 0:
+            continue
+        rel = files[rank]
+        entries = indexes[rel].objects[ordinal : ordinal + compressed_blocks(length, block)]
+        for b, (o, n) in enumerate(entries):
+            frames.append((os.path.join(path, rel), o, n, min(block, length - b * block), f"{os.path.join(path, rel)}: block {b} of {fqn!r}"))
+    def check(frame) -> None:
+        data_path, offset, length, raw, what = frame
+        fd = os.open(data_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            blob = os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+        try:
+            decompress_block(blob, raw, what)
+        except CheckpointError as exc:
+            report.problems.append(str(exc))
+
+    threads = decode_threads()
+    for i in range(0, len(frames), 4 * threads):
+        run_parallel([lambda f=f: check(f) for f in frames[i : i + 4 * threads]], threads)
 
 
 def _check_items(reader: DataStatesReader, metadata, report: VerifyReport) -> None:
@@ -172,10 +222,18 @@ def _check_items(reader: DataStatesReader, metadata, report: VerifyReport) -> No
 
 def _check_object_entries(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
     files = {r.rank: r for r in layout.ranks}
-    for fqn, _off, rank, _offset, _length, ordinal in layout.entries:
+    for fqn, _off, rank, _offset, length, ordinal in layout.entries:
         if ordinal < 0 or rank not in files:
             continue
         idx = indexes.get(files[rank].data_file)
+        if length >= 0:  # a compressed chunk: its blocks are consecutive entries
+            last = ordinal + compressed_blocks(length, layout.compression[1]) - 1
+            if idx is not None and last >= len(idx.objects):
+                report.problems.append(
+                    f"{os.path.join(path, files[rank].index_file)}: {fqn!r} is stored as blocks {ordinal}..{last} "
+                    f"of an object table with {len(idx.objects)} entries"
+                )
+            continue
         if idx is not None and ordinal >= len(idx.objects):
             report.problems.append(
                 f"{os.path.join(path, files[rank].index_file)}: object {fqn!r} refers to entry {ordinal} "
@@ -190,6 +248,12 @@ def _spans_by_file(layout, indexes: dict[str, RankIndex]) -> dict[str, list[tupl
     for fqn, _off, rank, offset, length, ordinal in layout.entries:
         rel = files.get(rank)
         if rel is None:
+            continue
+        if ordinal >= 0 and length >= 0:  # a compressed chunk: one span per frame
+            idx = indexes.get(rel)
+            n = compressed_blocks(length, layout.compression[1])
+            if idx is not None and ordinal + n <= len(idx.objects):
+                out.setdefault(rel, []).extend((o, o + m, fqn) for o, m in idx.objects[ordinal : ordinal + n])
             continue
         if ordinal >= 0:
             idx = indexes.get(rel)
@@ -258,6 +322,97 @@ def _check_segments(reader, rel, idx: RankIndex, spans, report, done, total, pro
         if progress is not None:
             progress(done, total)
     return done
+
+
+_ZEROS = bytes(1 << 20)
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros_crc(nbytes: int) -> int:
+    """CRC-32C of ``nbytes`` zero bytes (what every padding byte must be)."""
+    crc, left = 0, nbytes
+    while left:
+        n = min(left, len(_ZEROS))
+        crc = _native.crc32c(memoryview(_ZEROS)[:n], crc)
+        left -= n
+    return crc
+
+
+def _padding(idx: RankIndex, cap: int) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` pieces of ``[0, data_size)`` no segment covers, each at most ``cap``."""
+    out, pos = [], 0
+    for o, n in zip(idx.seg_offsets, idx.seg_lengths):
+        out += [(p, min(cap, o - p)) for p in range(pos, o, cap)]
+        pos = o + n
+    out += [(p, min(cap, idx.data_size - p)) for p in range(pos, idx.data_size, cap)]
+    return out
+
+
+def _check_padding(reader, rel, idx: RankIndex, spans, report: VerifyReport) -> None:
+    """Every byte of the data file that no segment covers is zero; it ends at ``data_size``.
+
+    The engine zero-fills the gaps it leaves (csrc/engine.cpp stage()), so a
+    non-zero byte there is a change to the checkpoint that no checksum would
+    see. Only those bytes are read, through the same bounded buffer, by the
+    engine, checked against the CRC of zeros; a piece that fails is read
+    again here to name its first non-zero byte.
+    """
+    path = os.path.join(reader.path, rel)
+    size = os.lstat(path).st_size
+    if size > idx.data_size:
+        report.problems.append(
+            f"{path}: {size - idx.data_size} bytes past offset {idx.data_size}, where its index says the "
+            "data ends (bytes were appended to it)"
+        )
+    pieces = _padding(idx, VERIFY_BUFFER_BYTES)
+    if not pieces:
+        return
+    buf = torch.empty(min(VERIFY_BUFFER_BYTES, sum(n for _, n in pieces)), dtype=torch.uint8)
+    batch: list[tuple[int, int]] = []
+    used = 0
+    for piece in pieces + [None]:
+        if piece is None or used + piece[1] > buf.numel():
+            requests, pos = [], 0
+            for o, n in batch:
+                requests.append((0, o, n, buf.data_ptr() + pos, [(0, n, _zeros_crc(n))]))
+                pos += n
+            for request, kind, _errno, fpath, _offset, message in reader._engine.read([path], requests, [buf]).wait():
+                o, n = batch[request]
+                if kind == "checksum":
+                    report.problems.append(_nonzero_padding(path, o, n, spans))
+                else:
+                    report.problems.append(f"{fpath}: reading the padding at offset {o} failed: {message}")
+            report.padding_bytes_checked += used
+            batch, used = [], 0
+        if piece is not None:
+            batch.append(piece)
+            used += piece[1]
+
+
+def _nonzero_padding(path: str, offset: int, nbytes: int, spans) -> str:
+    """The problem for a padding piece that is not all zeros: its first non-zero byte and the key before."""
+    found, value = offset + nbytes, None
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        pos = offset
+        while pos < offset + nbytes:
+            block = os.pread(fd, min(len(_ZEROS), offset + nbytes - pos), pos)
+            if not block:
+                break
+            zeros = len(block) - len(block.lstrip(b"\0"))
+            if zeros < len(block):
+                found, value = pos + zeros, block[zeros]
+                break
+            pos += len(block)
+    finally:
+        os.close(fd)
+    i = bisect.bisect_left(spans, (found,)) - 1
+    where = f"after {spans[i][2]!r}" if i >= 0 else "before the first item"
+    what = f"is {value:#04x}, not zero" if value is not None else "is not zero (it changed while read)"
+    return (
+        f"{path}: the byte at offset {found} {what}: it lies in padding {where}, which no checksum "
+        "covers and the engine writes as zeros (the data file was changed)"
+    )
 
 
 def _report_failures(failures, starts, spans, report: VerifyReport) -> None:

@@ -34,8 +34,10 @@ import dataclasses
 import os
 import threading
 import time
+import uuid
+import weakref
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -49,8 +51,7 @@ from . import snapshot as snapshots
 from .commit import fsync_dir, remove_if_present, rename_into_place, rename_without_replacing, write_new_file_durably
 from .errors import CheckpointError, CheckpointExistsError
 from .format import METADATA_FILE, CheckpointLayout, ItemLocation, encode_index, location_key, metadata_tmp_name
-from .checkpoint_files import read_checkpoint_file
-from .metadata_file import decode_metadata, encode_metadata
+from .metadata_file import encode_metadata, read_metadata_file
 from .layout import (
     PAGE,
     SMALL_ALIGN,
@@ -63,11 +64,14 @@ from .layout import (
     has_staged_layout,
     new_save_id,
     plan_rank_layout,
+    staged_locations,
     tensor_item_nbytes,
 )
 from .providers import check_planned, finish_regions, provide_object, tensor_source
+from . import plan_cache
 from .sequencer import SEQUENCER
 from .snapshot import Snapshot
+from .compression import resolve_compression
 
 try:  # DCP's own version tag for the metadata it writes
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -92,6 +96,7 @@ class SaveStats:
     data_write_s: float = 0.0  # sync: from handing regions to the engine until data fsynced
     index_s: float = 0.0
     commit_s: float = 0.0  # coordinator: finish()
+    plan_from_cache: bool = False  # DCP's plan cache (enable_plan_caching) supplied this rank's plan
 
 
 @dataclasses.dataclass
@@ -117,6 +122,9 @@ class _Save:
     written_files: list[str] = dataclasses.field(default_factory=list)  # sync: this rank's files
     job: Any = None  # sync: the engine job writing this rank's data file
     ticket: int = -1  # its place in the process-wide order of saves (sequencer)
+    dcp_save_id: str | None = None  # writer.save_id when the save began (StorageMeta.save_id)
+    plan_cached: bool = False  # coordinator: some plans came from DCP's cache; layout from results
+    report: Any = None  # the files this rank wrote (plan_cache.RankReport)
     ended: bool = False
 
 
@@ -132,6 +140,7 @@ class _RankFile:
     objects_base: int
     tensor_end: int
     tensor_spans: Callable[[], list]  # (offset, end, fqn) of every tensor, built only for an error message
+    blocks: list = dataclasses.field(default_factory=list)  # (offset, length, fqn) of compressed frames
 
 
 # The largest batch a ``resolve_creates_tensors`` planner's tensors are resolved in.
@@ -162,6 +171,24 @@ def _raise_unreported(writer_id: int | None = None) -> None:
         raise CheckpointError(f"an earlier asynchronous save to {path} failed{more}: {exc}") from exc
 
 
+# Writers alive in this process, so that a fork child can reset what they inherited.
+_live_writers: weakref.WeakSet = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A fork child starts with no save in flight: the parent's saves, their errors
+    and the locks their threads may have held at the fork stay with the parent."""
+    global _STAGE_ORDER, _unreported_lock
+    _STAGE_ORDER = threading.Lock()
+    _unreported_lock = threading.Lock()
+    _unreported.clear()
+    for writer in list(_live_writers):
+        writer._forget_parent_saves()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class DataStatesWriter(StorageWriter, AsyncStager):
     """Write DCP checkpoints as coalesced per-rank files through the native engine.
 
@@ -183,6 +210,13 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         sequence: a commit sequence number recorded in ``.metadata``'s trailer
             (0: none). :class:`CheckpointManager` numbers the commits in its
             root with it, so that resume orders them without clocks.
+        compression: ``"zstd"`` stores every tensor chunk of 64 KiB or more as
+            zstd frames of 4 MiB blocks (see :mod:`compression`); needs
+            ``pip install "dcp_datastates[zstd]"``. ``None`` (default): raw.
+        compression_level: the zstd level (default 3, DCP's).
+        _extensions: DCP's ``FileSystemWriter`` argument, accepted so that
+            switching is one argument: ``[ZStandard()]`` means ``compression="zstd"``;
+            any other extension is refused.
 
     A planner may set a truthy attribute ``resolve_creates_tensors`` when its
     ``resolve_data`` materialises a new tensor on every call (as the
@@ -205,17 +239,23 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         window_bytes: int = _native.DEFAULT_WINDOW_BYTES,
         direct_io: str = "auto",
         sequence: int = 0,
+        compression: str | None = None,
+        compression_level: int | None = None,
+        _extensions: Sequence[Any] | None = None,
     ) -> None:
         super().__init__()
         if direct_io not in _native.DIRECT_IO_MODES:
             raise ValueError(f"direct_io must be one of {_native.DIRECT_IO_MODES}, got {direct_io!r}")
+        self.compression = resolve_compression(compression, compression_level, _extensions)
         self.path = os.fspath(path) if path is not None else None
         self.overwrite = overwrite
         self.direct_io = direct_io
         if not isinstance(sequence, int) or isinstance(sequence, bool) or not 0 <= sequence < 1 << 64:
             raise ValueError(f"sequence must be an integer in [0, 2**64), got {sequence!r}")
         self.sequence = sequence
-        self._engine = _native.get_engine(host_cache_bytes, io_threads, window_bytes)
+        # The engine belongs to a process: see the _engine property (forks).
+        self._engine_settings = (host_cache_bytes, io_threads, window_bytes)
+        self._engine_of = (os.getpid(), _native.get_engine(*self._engine_settings))
         self.is_coordinator = False
         self.last_save_stats = SaveStats()
         self._lock = threading.Lock()
@@ -224,6 +264,32 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._reset_paths: dict[int, str] = {}  # thread ident -> path DCP gave reset()
         self._save: _Save | None = None  # the save in progress (or the last one)
         self._closed = False
+        # DCP's id of the save (StorageMeta.save_id), as FileSystemWriter keeps it: made here and
+        # by every reset(). Files are named by a separate id, new for every save.
+        self.save_id = _new_dcp_id()
+        _live_writers.add(self)
+
+    @property
+    def _engine(self) -> _native._engine.Engine:
+        """This process's engine for the writer's settings.
+
+        A writer made before a fork gets the child's own engine there: the
+        parent's has no threads in the child and would never finish a job.
+        """
+        pid, engine = self._engine_of
+        if pid != os.getpid():
+            engine = _native.get_engine(*self._engine_settings)
+            self._engine_of = (os.getpid(), engine)
+        return engine
+
+    def _forget_parent_saves(self) -> None:
+        """In a fork child: the saves this writer staged or ran in the parent go on
+        (and are cleaned up) in the parent only; here the writer starts idle."""
+        self._lock = threading.Lock()  # another thread may have held it at the fork
+        self._pending = collections.deque()
+        self._staged = []
+        self._reset_paths = {}
+        self._save = None
 
     # -- AsyncStager protocol ---------------------------------------------------
 
@@ -248,7 +314,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if not self.overwrite:
             _refuse_committed(self.path)
         os.makedirs(self.path, exist_ok=True)
-        snap = Snapshot(self.path, _global_rank())
+        snap = Snapshot(self.path, _global_rank(), self.compression)
         try:
             with _native.gc_paused():
                 snap.capture(state_dict, self._engine, self.direct_io)
@@ -330,7 +396,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     # -- StorageWriter protocol -------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """Set the path of the next checkpoint (DCP calls this with ``checkpoint_id``)."""
+        """Set the path of the next checkpoint (DCP calls this with ``checkpoint_id``).
+
+        Like FileSystemWriter's, every call also gives the writer a new ``save_id``.
+        """
+        self.save_id = _new_dcp_id()
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
             with self._lock:
@@ -347,7 +417,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def storage_meta(self) -> StorageMeta | None:
         # DCP's first call of every save: the save begins here.
         save = self._begin_save()
-        return StorageMeta(checkpoint_id=save.path, save_id=save.save_id)
+        save.dcp_save_id = self.save_id
+        return StorageMeta(checkpoint_id=save.path, save_id=save.dcp_save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         save = self._current()
@@ -366,13 +437,17 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         save = self._current()
+        if not plan.usable:  # DCP's plan cache: the plan is the one an earlier save wrote
+            save.stats.plan_from_cache = True
+            return plan
         if save.snapshot is None:
             return plan
         with self._failing(save), _native.gc_paused():
             snap = save.snapshot
             save.tensor_locations = _snapshot_locations(snap, plan)
             staged = StagedRankData(
-                save.rank, snap.save_id, snap.data_file, snap.index_file, snap.tensor_bytes_end, save.tensor_locations
+                save.rank, snap.save_id, snap.data_file, snap.index_file, snap.tensor_bytes_end, save.tensor_locations,
+                snap.compression.descriptor if snap.compression is not None else None,
             )
             return dataclasses.replace(plan, storage_data=staged)
 
@@ -380,27 +455,58 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         save = self._current()
         with self._failing(save), _native.gc_paused():
             if any(not p.usable for p in plans):
-                raise NotImplementedError("DataStatesWriter does not support DCP save-plan caching")
+                return self._prepare_cached_global_plan(save, plans)
             save.rank_layouts = {}
             if has_staged_layout(plans):  # asynchronous: every rank already placed its tensors
                 save.layout = assign_staged_layout(plans, save.save_id)
                 return plans
             if any(isinstance(p.storage_data, StagedRankData) for p in plans):
                 raise CheckpointError("some ranks saved asynchronously and others not; every rank must use the same call")
-            if has_layout(plans):  # DataStatesSavePlanner placed everything; its metadata holds the layout
+            compression = self.compression.descriptor if self.compression is not None else None
+            if has_layout(plans) and compression is None:  # DataStatesSavePlanner placed everything
                 save.layout = None
                 return plans
-            plans, save.layout, layouts = assign_checkpoint_layout(plans, save.save_id)
+            # (With compression, a planner's raw layout is replaced by one with compressed chunks.)
+            plans, save.layout, layouts = assign_checkpoint_layout(plans, save.save_id, compression)
             save.rank_layouts = {lay.rank: (lay, [item.index for item in p.items]) for lay, p in zip(layouts, plans)}
             return plans
+
+    def _prepare_cached_global_plan(self, save: _Save, plans: list[SavePlan]) -> list[SavePlan]:
+        """DCP's save-plan caching: unusable plans stand for plans cached by an earlier save.
+
+        Those ranks write the cached final plan again, in files of their own
+        (see :mod:`plan_cache`); changed synchronous plans get a layout as
+        usual. The checkpoint's layout is built from the write results in
+        ``finish``.
+        """
+        save.plan_cached = True
+        save.layout = None
+        save.rank_layouts = {}
+        if save.snapshot is not None:  # each rank's snapshot placed its tensors
+            return plans
+        compression = self.compression.descriptor if self.compression is not None else None
+        sent = [p if p.usable else SavePlan([]) for p in plans]
+        placed, _, _ = assign_checkpoint_layout(sent, save.save_id, compression)
+        return [new if old.usable else old for old, new in zip(plans, placed)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         save = self._current()
         with self._failing(save), _native.gc_paused():
             if save.snapshot is not None:
+                snap = save.snapshot
+                staged = plan.storage_data
+                if not (isinstance(staged, StagedRankData) and staged.save_id == snap.save_id):
+                    # DCP's plan cache: an earlier save's final plan; map its items to this snapshot
+                    save.stats.plan_from_cache = True
+                    save.tensor_locations = _snapshot_locations(snap, plan)
                 results = self._write_staged(save, plan, planner)
+                save.report = plan_cache.RankReport(
+                    snap.data_file, snap.index_file, snap.save_id,
+                    snap.compression.descriptor if snap.compression is not None else None,
+                )
             else:
                 results = self._write_now(save, plan, planner)
+            results.append(plan_cache.report_result(save.report))
         self.last_save_stats = save.stats
         if not save.is_coordinator:
             _end(save)  # the coordinator commits; nothing more happens on this rank
@@ -412,7 +518,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         save = self._current()
         t0 = time.perf_counter()
         with self._failing(save), _native.gc_paused():
+            results, reports = plan_cache.split_reports(results)
             layout = save.layout or metadata.storage_data
+            if save.plan_cached or (isinstance(layout, CheckpointLayout) and not plan_cache.reports_match(layout, reports)):
+                # Plans from DCP's cache named an earlier save's files: what the ranks wrote decides.
+                where = os.path.join(save.path, METADATA_FILE)
+                layout = save.layout = plan_cache.layout_from_results(results, reports, save.save_id, metadata, where)
+                save.rank_layouts = {}
+                self._discard_metadata_tmp(save)
             if not isinstance(layout, CheckpointLayout):
                 raise CheckpointError("finish() called without a dcp_datastates layout (prepare_global_plan skipped?)")
             for rank, rank_results in enumerate(results):
@@ -454,13 +567,16 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def _write_now(self, save: _Save, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         """Synchronous save: place, copy and write the plan's items now."""
         info = plan.storage_data
+        if plan_cache.is_stale(info):
+            info = self._replace_cached_plan_data(save, plan, info)
         if not isinstance(info, RankPlanData):
             raise CheckpointError("save plan carries no dcp_datastates layout; was prepare_global_plan skipped?")
+        plan_cache.mark_written(plan.storage_data)
         cached = save.rank_layouts.get(info.rank)
         if cached is not None and cached[0].save_id == info.save_id and cached[1] == [i.index for i in plan.items]:
             layout = cached[0]
         else:
-            layout = plan_rank_layout(plan.items, info.rank, info.save_id)
+            layout = plan_rank_layout(plan.items, info.rank, info.save_id, getattr(info, "compression", None))
         if layout.tensor_bytes_end != info.tensor_bytes_end or len(layout.locations) != info.item_count:
             raise CheckpointError(
                 f"rank {info.rank}: local layout disagrees with the coordinator's "
@@ -471,6 +587,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         data_path = os.path.join(save.path, layout.data_file)
         index_path = os.path.join(save.path, layout.index_file)
         save.written_files = [data_path, index_path]
+        save.report = plan_cache.RankReport(layout.data_file, layout.index_file, info.save_id, layout.compression)
         t0 = time.perf_counter()
         if getattr(planner, "resolve_creates_tensors", False):
             job, results = self._submit_in_batches(save, plan, planner, layout, data_path)
@@ -478,7 +595,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             placed, results = [], []
             for item in plan.items:
                 loc = layout.locations[item.index]
-                if item.type == WriteItemType.BYTE_IO:
+                if loc.object_ordinal >= 0:  # objects, and compressed chunks (below)
                     continue
                 source = tensor_source(planner.resolve_data(item), item.index.fqn)
                 check_planned(item, source, loc.length)
@@ -491,13 +608,73 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             )
             save.job = job
             del keep
+        blocks, objects_base = [], layout.objects_base
+        if layout.compression is not None:
+            blocks, objects_base = self._write_compressed(plan, planner, layout, job, results)
         save.stats.submit_s = time.perf_counter() - t0
         rank_file = _RankFile(
-            job, info.rank, info.save_id, layout.data_file, index_path, layout.objects_base, layout.tensor_bytes_end,
-            lambda: [(loc.offset, loc.offset + loc.length, idx.fqn) for idx, loc in layout.locations.items() if not loc.is_object],
+            job, info.rank, info.save_id, layout.data_file, index_path, objects_base, layout.tensor_bytes_end,
+            lambda: [(loc.offset, loc.offset + loc.length, idx.fqn) for idx, loc in layout.locations.items() if loc.object_ordinal < 0],
+            blocks,
         )
         self._finish_rank_file(save, plan, planner, rank_file, results, t0)
         return results
+
+    def _replace_cached_plan_data(self, save: _Save, plan: SavePlan, stale) -> RankPlanData:
+        """Storage data for a final plan DCP's cache returned (it names an earlier save):
+        the same items placed again, in files named by this rank's own new save id."""
+        save.stats.plan_from_cache = True
+        # This writer's own setting: DCP's cache is per planner class and process, so the
+        # cached plan may come from another writer (another compression, or FileSystemWriter).
+        compression = self.compression.descriptor if self.compression is not None else None
+        rank = getattr(stale, "rank", None)
+        if not isinstance(rank, int):
+            rank = save.rank
+        layout = plan_rank_layout(plan.items, rank, save.save_id, compression)
+        if isinstance(stale, RankPlanData) and (
+            layout.tensor_bytes_end != stale.tensor_bytes_end or len(layout.locations) != stale.item_count
+        ):
+            raise CheckpointError(f"rank {rank}: the cached plan no longer matches its own layout")
+        save.rank_layouts[rank] = (layout, [item.index for item in plan.items])
+        return layout.plan_data()
+
+    def _compression_for(self, descriptor: tuple):
+        """This writer's settings for the codec the coordinator chose (its level; defaults else)."""
+        from .compression import Compression
+
+        mine = self.compression
+        if mine is not None and mine.descriptor == tuple(descriptor):
+            return mine
+        return Compression(codec=descriptor[0], block_bytes=descriptor[1])
+
+    def _write_compressed(self, plan: SavePlan, planner: SavePlanner, layout, job, results: list):
+        """Compress the plan's compressed chunks into frames appended to ``job`` after the raw tensors.
+
+        Returns ``(frames, end)``: ``(offset, length, fqn)`` per frame in ordinal
+        order, and the aligned offset where the objects go.
+        """
+        from .compression import BlockAppender, submit_tensor
+
+        n_objects = sum(1 for item in plan.items if item.type == WriteItemType.BYTE_IO)
+        appender = BlockAppender(
+            job, self._compression_for(layout.compression), layout.objects_base, n_objects,
+            _native.ALIGNMENT, self._engine.window_bytes,
+        )
+        try:
+            for item in plan.items:
+                loc = layout.locations[item.index]
+                if not loc.is_compressed:
+                    continue
+                appender.check_ordinal(item.index.fqn, loc.object_ordinal)
+                source = tensor_source(planner.resolve_data(item), item.index.fqn)
+                check_planned(item, source, loc.length)
+                results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
+                submit_tensor(appender, item.index.fqn, source.tensor, loc.length)
+                del source
+            return appender.finish()
+        except BaseException:
+            appender.abandon()
+            raise
 
     def _submit_in_batches(self, save: _Save, plan: SavePlan, planner: SavePlanner, layout, data_path: str):
         """Resolve, submit and release the tensors a batch at a time (``resolve_creates_tensors``).
@@ -514,7 +691,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         so small tensors packed into one page stay in one batch.
         """
         limit = min(self._engine.pool_bytes, _BATCH_BYTES_MAX)
-        tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
+        tensor_items = [item for item in plan.items if layout.locations[item.index].object_ordinal < 0]  # raw chunks
         tensor_items.sort(key=lambda item: layout.locations[item.index].offset)
         job, results, batch, batch_bytes, batch_end = None, [], [], 0, 0
 
@@ -559,6 +736,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         stats = save.stats
         stats.items = len(plan.items)
         t0 = time.perf_counter()
+        if snap.compression is not None:
+            return self._write_staged_compressed(save, plan, planner, t0)
         results = []
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
@@ -574,6 +753,48 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             lambda: [(off, off + n, fqn) for (fqn, _), (off, n) in locations.items()],
         )
         self._finish_rank_file(save, plan, planner, rank_file, results, t0)
+        return results
+
+    def _write_staged_compressed(self, save: _Save, plan: SavePlan, planner: SavePlanner, t0: float) -> list[WriteResult]:
+        """Asynchronous compressed save: compress the snapshot's staging file into the data file.
+
+        The snapshot staged raw bytes (bounded by the host cache) into its staging
+        file; here, in DCP's background thread, its small tensors are copied as
+        they are, its large ones compressed block by block (read back with their
+        checksums verified), and the staging file is removed once the data file
+        and its index are durable.
+        """
+        from .compression import compress_staged
+
+        snap = save.snapshot
+        descriptor = snap.compression.descriptor
+        finals = staged_locations(plan.items, save.tensor_locations, descriptor, save.rank)
+        results = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                continue
+            offset, length, ordinal = finals[location_key(item.index.fqn, item.index.offset)]
+            loc = ItemLocation(snap.data_file, offset, length, ordinal)
+            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=loc))
+        snap.job.seal()
+        try:
+            staged_segments = snap.job.wait()  # the staging file is complete (and the snapshot's memory free)
+        except OSError as exc:
+            locations = save.tensor_locations
+            raise _with_key_context(exc, [(off, off + n, fqn) for (fqn, _), (off, n) in locations.items()]) from exc
+        if snap.staging_error is not None:
+            raise snap.staging_error
+        n_objects = sum(1 for item in plan.items if item.type == WriteItemType.BYTE_IO)
+        job, small_end, blocks, end = compress_staged(
+            self._engine, snap, staged_segments, plan, finals, n_objects, self.direct_io, save
+        )
+        rank_file = _RankFile(
+            job, save.rank, snap.save_id, snap.data_file, snap.index_path, end, small_end,
+            lambda: [(off, off + n, fqn) for (fqn, _), (off, n, o) in finals.items() if o < 0 and n >= 0],
+            blocks,
+        )
+        self._finish_rank_file(save, plan, planner, rank_file, results, t0)
+        remove_if_present([snap.staging_path])
         return results
 
     def _finish_rank_file(
@@ -614,12 +835,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             segments = job.wait()
         except OSError as exc:
             spans = rank_file.tensor_spans() + [(o, o + n, k) for (o, n), k in zip(object_table, object_keys)]
+            spans += [(o, o + n, k) for o, n, k in rank_file.blocks]
             raise _with_key_context(exc, spans) from exc
         t3 = time.perf_counter()
         stats.data_write_s = t3 - t0
         stats.direct_io = job.direct
         tensor_end = rank_file.tensor_end
-        data_size = align_up(max(offset, tensor_end), PAGE) if (tensor_end or objects) else 0
+        data_size = align_up(max(offset, tensor_end), PAGE) if (tensor_end or objects or rank_file.blocks) else 0
+        object_table += [(o, n) for o, n, _ in rank_file.blocks]  # compressed frames: ordinals after the objects'
         write_new_file_durably(
             rank_file.index_path, encode_index(rank_file.rank, rank_file.save_id, data_size, segments, object_table)
         )
@@ -699,7 +922,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def _write_metadata_tmp(self, save: _Save, metadata: Metadata, layout: CheckpointLayout) -> None:
         metadata.storage_data = layout
-        metadata.storage_meta = StorageMeta(checkpoint_id=save.path, save_id=layout.save_id)
+        metadata.storage_meta = StorageMeta(checkpoint_id=save.path, save_id=save.dcp_save_id)
         if CURRENT_DCP_VERSION is not None:
             metadata.version = CURRENT_DCP_VERSION
         blob = encode_metadata(metadata, self.sequence)
@@ -710,6 +933,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def _serialize_metadata_early(self, save: _Save, planner: SavePlanner) -> None:
         """Pickle and write the final metadata while the engine writes tensor bytes."""
+        if save.plan_cached:
+            return  # finish() builds the layout from what the ranks wrote
         metadata = getattr(planner, "metadata", None)
         if not isinstance(metadata, Metadata):
             return  # finish() will serialize it
@@ -726,11 +951,18 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             save.metadata_tmp = None
 
 
+def _new_dcp_id() -> str:
+    """A save or load id the way DCP's FileSystemWriter/Reader make them (a uuid4 string)."""
+    return str(uuid.uuid4())
+
+
 def _refuse_committed(path: str) -> None:
     if os.path.exists(os.path.join(path, METADATA_FILE)):
         raise CheckpointExistsError(
-            f"{path} already holds a committed checkpoint (.metadata exists); pass "
-            f"DataStatesWriter(..., overwrite=True) to replace it"
+            f"{path} already holds a committed checkpoint (.metadata exists), and DataStatesWriter does "
+            "not save over one unless asked. DCP's FileSystemWriter replaces it by default (its "
+            f"overwrite=True); to do the same, pass DataStatesWriter({path!r}, overwrite=True): the old "
+            "checkpoint stays loadable until the new one commits, and its files are removed then"
         )
 
 
@@ -833,7 +1065,7 @@ def _files_of_committed(path: str) -> list[str]:
     """Our rank files named by the committed checkpoint in ``path`` (to remove once replaced)."""
     md_path = os.path.join(path, METADATA_FILE)
     try:
-        metadata, _ = decode_metadata(read_checkpoint_file(md_path), md_path)  # safe mode: never runs code
+        metadata, _ = read_metadata_file(md_path)  # safe mode: never runs code
     except Exception:  # noqa: BLE001 - not ours or unreadable: remove nothing
         return []
     layout = getattr(metadata, "storage_data", None)

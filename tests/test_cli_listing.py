@@ -23,6 +23,7 @@ from dcp_datastates.checkpoint_root import write_latest
 from dcp_datastates.checkpoint_view import CheckpointView
 from dcp_datastates.cli_listing import _rank_numbers
 from dcp_datastates.cli_text import human_bytes
+from dcp_datastates.format import FORMAT_VERSION
 
 FAKE_RANK_FILE = "rank00000-0123456789ab.data"
 
@@ -198,7 +199,7 @@ def test_inspect_sharded_matches_metadata(sharded_checkpoint):
     assert sharded_keys >= 4  # the Shard(0)/Shard(1) tensors live in both rank files
     chunk_lines = [ln for ln in chunks_out.stdout.splitlines() if ln.startswith("    offsets ")]
     assert len(chunk_lines) == sum(len(md.chunks) for md in view.tensors.values())
-    assert "dcp_datastates version 3" in chunks_out.stdout
+    assert f"dcp_datastates version {FORMAT_VERSION}" in chunks_out.stdout
 
 
 def test_inspect_stock_dcp(dtype_checkpoints):
