@@ -255,19 +255,20 @@ PYBIND11_MODULE(_engine, m) {
       .def(
           "write",
           [](std::shared_ptr<Engine> self, const std::string& path, const py::list& regions,
-             const py::list& keep, const std::string& direct_io, uint64_t preallocate) {
+             const py::list& keep, const std::string& direct_io, uint64_t preallocate, bool durable) {
             auto r = to_regions(regions);
             auto mode = parse_mode(direct_io);
             std::shared_ptr<WriteJob> job;
             {
               py::gil_scoped_release nogil;
-              job = self->start_write(path, std::move(r), mode, preallocate);
+              job = self->start_write(path, std::move(r), mode, preallocate, durable);
             }
             return std::make_unique<PyWriteJob>(self, job, keep);
           },
           py::arg("path"), py::arg("regions"), py::arg("keep") = py::list(),
-          py::arg("direct_io") = "auto", py::arg("preallocate") = 0,
-          "Create `path` and start writing regions [(pointer, nbytes, file_offset)].")
+          py::arg("direct_io") = "auto", py::arg("preallocate") = 0, py::arg("durable") = true,
+          "Create `path` and start writing regions [(pointer, nbytes, file_offset)]; "
+          "durable=False skips the final fsync (scratch files only).")
       .def(
           "read",
           [](std::shared_ptr<Engine> self, std::vector<std::string> paths, const py::list& requests,

@@ -100,8 +100,8 @@ void StridedLayout::gather(uint8_t* dst, const uint8_t* base, uint64_t logical,
 
 // ---------------------------------------------------------------- WriteJob
 
-WriteJob::WriteJob(std::string path, DirectMode mode, uint64_t preallocate)
-    : path_(std::move(path)), mode_(mode) {
+WriteJob::WriteJob(std::string path, DirectMode mode, uint64_t preallocate, bool durable)
+    : path_(std::move(path)), mode_(mode), durable_(durable) {
   const int base = O_WRONLY | O_CREAT | O_EXCL;
   if (mode != DirectMode::kBuffered) {
     int err = 0;
@@ -196,9 +196,9 @@ bool WriteJob::on_flushed(std::vector<Segment>&& segs) {
 void WriteJob::finalize() {
   if (!failed_.load()) {
     try {
-      fd_.fsync();
+      if (durable_) fd_.fsync();
       if (buffered_fd_.valid()) {
-        buffered_fd_.fsync();
+        if (durable_) buffered_fd_.fsync();
         buffered_fd_.close();
       }
       fd_.close();
@@ -398,9 +398,9 @@ void Engine::enqueue_windows(const std::shared_ptr<WriteJob>& job, std::vector<R
 }
 
 std::shared_ptr<WriteJob> Engine::start_write(const std::string& path, std::vector<Region> regions,
-                                              DirectMode mode, uint64_t preallocate) {
+                                              DirectMode mode, uint64_t preallocate, bool durable) {
   require_owner("writing", path);
-  auto job = std::make_shared<WriteJob>(path, mode, preallocate);
+  auto job = std::make_shared<WriteJob>(path, mode, preallocate, durable);
   enqueue_windows(job, regions);
   return job;
 }

@@ -109,7 +109,9 @@ class WriteJob {
     uint64_t padded() const { return align_up(used); }
   };
 
-  WriteJob(std::string path, DirectMode mode, uint64_t preallocate);
+  // `durable`: fsync the file when the job finishes (false only for scratch files
+  // that are read back and removed, never part of a checkpoint).
+  WriteJob(std::string path, DirectMode mode, uint64_t preallocate, bool durable = true);
 
   const std::string& path() const { return path_; }
   bool direct() const { return direct_.load(); }
@@ -134,6 +136,7 @@ class WriteJob {
 
   std::string path_;
   DirectMode mode_;
+  bool durable_ = true;
   Fd fd_;
   Fd buffered_fd_;  // opened when O_DIRECT writes are refused in auto mode
   std::atomic<bool> direct_{false};
@@ -227,7 +230,7 @@ class Engine {
   // Creates `path` (it must not exist) and starts writing `regions` (sorted by
   // offset, non-overlapping). More regions may be appended until seal().
   std::shared_ptr<WriteJob> start_write(const std::string& path, std::vector<Region> regions,
-                                        DirectMode mode, uint64_t preallocate);
+                                        DirectMode mode, uint64_t preallocate, bool durable = true);
   void append(const std::shared_ptr<WriteJob>& job, std::vector<Region> regions);
   void seal(const std::shared_ptr<WriteJob>& job);
 

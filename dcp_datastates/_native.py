@@ -15,6 +15,7 @@ in any process but the one that created them).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 
@@ -82,6 +83,38 @@ def get_engine(
             eng = _engine.Engine(io_threads=key[1], pool_bytes=key[0], window_bytes=key[2])
             _engines[key] = eng
         return eng
+
+
+class ProcessEngine:
+    """The engine for fixed settings, in whichever process asks.
+
+    Writers and readers hold one: made before a fork, it hands the child the
+    child's own engine (the parent's has no threads there and would never
+    finish a job), and the parent keeps its own.
+    """
+
+    __slots__ = ("settings", "_pid", "_engine")
+
+    def __init__(self, host_cache_bytes: int, io_threads: int, window_bytes: int) -> None:
+        self.settings = (host_cache_bytes, io_threads, window_bytes)
+        self._pid = os.getpid()
+        self._engine = get_engine(*self.settings)
+
+    def get(self) -> _engine.Engine:
+        if self._pid != os.getpid():
+            self._engine = get_engine(*self.settings)
+            self._pid = os.getpid()
+        return self._engine
+
+
+def bytes_address(blob: bytes) -> int:
+    """The address of an immutable ``bytes`` object's buffer (the engine only reads it)."""
+    return ctypes.cast(ctypes.c_char_p(blob), ctypes.c_void_p).value
+
+
+def bytearray_address(buf: bytearray) -> int:
+    """The address of a ``bytearray``'s buffer (the engine reads into it)."""
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
 
 
 crc32c = _engine.crc32c

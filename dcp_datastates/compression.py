@@ -43,9 +43,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from ._native import ALIGNMENT
+from ._native import ALIGNMENT, bytearray_address, bytes_address
 from .errors import ChecksumMismatchError, CheckpointError, CorruptCheckpointError, UnsupportedFormatError
-from .format import COMPRESSION_CODECS, RankIndex, compressed_blocks, location_key
+from .format import BLOCK_ALIGN, COMPRESSION_CODECS, MAX_BLOCK_BYTES, RankIndex, compressed_blocks, location_key
 from .layout import PAGE, align_up, is_compressible
 
 ZSTD = "zstd"
@@ -140,8 +140,11 @@ def resolve_compression(
     if not isinstance(level, int) or not -(1 << 17) <= level <= zstd.MAX_COMPRESSION_LEVEL:
         raise ValueError(f"compression_level must be an integer up to {zstd.MAX_COMPRESSION_LEVEL}, got {level!r}")
     block_bytes = DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes
-    if block_bytes < 4096:
-        raise ValueError(f"compression block size must be at least 4096 bytes, got {block_bytes}")
+    if not isinstance(block_bytes, int) or not 4096 <= block_bytes <= MAX_BLOCK_BYTES or block_bytes % BLOCK_ALIGN:
+        raise ValueError(
+            f"compression block size must be a multiple of {BLOCK_ALIGN} bytes from 4096 to "
+            f"{MAX_BLOCK_BYTES}, got {block_bytes!r}"
+        )
     if threads < 0:
         raise ValueError(f"compression threads must be >= 0, got {threads}")
     return Compression(codec, level, block_bytes, threads)
@@ -292,7 +295,7 @@ class BlockAppender:
         offset = self.offset
         for key, blob in self._batch:
             offset = (offset + FRAME_ALIGN - 1) // FRAME_ALIGN * FRAME_ALIGN
-            regions.append((_address(blob), len(blob), offset))
+            regions.append((bytes_address(blob), len(blob), offset))
             self.table.append((offset, len(blob), key))
             blobs.append(blob)
             offset += len(blob)
@@ -319,10 +322,6 @@ class BlockAppender:
                 pass
         self._inflight.clear()
         self._batch = []
-
-
-def _address(blob: bytes) -> int:
-    return ctypes.cast(ctypes.c_char_p(blob), ctypes.c_void_p).value
 
 
 def submit_tensor(appender: BlockAppender, key: str, tensor: torch.Tensor, nbytes: int) -> None:
@@ -463,7 +462,7 @@ def add_compressed_read(batch, item, planner, loc, idx, dtype, sizes, target, st
         offset, length = idx.objects[loc.object_ordinal + b]
         raw = min(block, nbytes - b * block)
         buf = bytearray(length)
-        batch._request(key, loc.relative_path, offset, length, _buffer_address(buf), idx)
+        batch._request(key, loc.relative_path, offset, length, bytearray_address(buf), idx)
         batch.temp_bytes += length
         batch.decode.append(_decode_task(buf, raw, dest, b * block - base, f"{where}: block {b} of {key!r}"))
     if direct:
@@ -489,10 +488,6 @@ def _decode_task(buf: bytearray, raw: int, dest: torch.Tensor, pos: int, where: 
         ctypes.memmove(dest.data_ptr() + pos, out, raw)  # a foreign call: the GIL is released
 
     return decode
-
-
-def _buffer_address(buf: bytearray) -> int:
-    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
 
 
 def decode_threads() -> int:

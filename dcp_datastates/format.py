@@ -200,8 +200,13 @@ def check_compression(compression, where: str) -> None:
             f"{where}: tensors are compressed with {show(codec)}; this dcp_datastates decodes "
             f"{', '.join(COMPRESSION_CODECS)}. Upgrade dcp_datastates to load it."
         )
-    if block_bytes <= 0:
+    # Blocks split chunks of any dtype (itemsize up to 16) and are read into buffers of their size.
+    if not 0 < block_bytes <= MAX_BLOCK_BYTES or block_bytes % BLOCK_ALIGN:
         raise CorruptCheckpointError(f"{where}: the storage layout is corrupt: compression block size {block_bytes}")
+
+
+BLOCK_ALIGN = 64  # a compression block size is a multiple of every dtype's itemsize
+MAX_BLOCK_BYTES = 1 << 30
 
 
 def compressed_blocks(length: int, block_bytes: int) -> int:

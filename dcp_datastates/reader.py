@@ -13,7 +13,6 @@ engine's I/O threads, and every checksum segment a read covers is verified
 
 from __future__ import annotations
 
-import ctypes
 import io
 import math
 import os
@@ -76,8 +75,7 @@ class DataStatesReader(StorageReader):
         self.allow_pickle = allow_pickle
         # Reads go straight into destinations: the engine's pool is not used,
         # so the reader's engine gets the smallest one (two windows).
-        self._engine_settings = (2 * window_bytes, io_threads, window_bytes)
-        self._engine_of = (os.getpid(), _native.get_engine(*self._engine_settings))
+        self._engine_ref = _native.ProcessEngine(2 * window_bytes, io_threads, window_bytes)
         self._metadata: Metadata | None = None
         self._layout: CheckpointLayout | None = None
         self._indexes: dict[str, RankIndex] = {}
@@ -90,11 +88,7 @@ class DataStatesReader(StorageReader):
     def _engine(self) -> _native._engine.Engine:
         """This process's engine for the reader's settings (a reader made before a
         fork gets the child's own engine there: the parent's has no threads in it)."""
-        pid, engine = self._engine_of
-        if pid != os.getpid():
-            engine = _native.get_engine(*self._engine_settings)
-            self._engine_of = (os.getpid(), engine)
-        return engine
+        return self._engine_ref.get()
 
     # -- StorageReader protocol -------------------------------------------------
 
@@ -321,7 +315,7 @@ class _ReadBatch:
             offset, nbytes = idx.objects[loc.object_ordinal]
             buf = bytearray(nbytes)
             if nbytes:
-                self._request(key, loc.relative_path, offset, nbytes, _buffer_address(buf), idx)
+                self._request(key, loc.relative_path, offset, nbytes, _native.bytearray_address(buf), idx)
                 self.keep.append(buf)
             allow = reader.allow_pickle
             where = os.path.join(reader.path, loc.relative_path)
@@ -415,5 +409,3 @@ def _read_error(failure: tuple, keys: list[str], total: int) -> Exception:
     return err
 
 
-def _buffer_address(buf: bytearray) -> int:
-    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))

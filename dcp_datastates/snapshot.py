@@ -169,8 +169,11 @@ class Snapshot:
         offsets, self.tensor_bytes_end = place_tensors([s.nbytes for s in sources])
         self.placed = {k: (offsets[i], sources[i].nbytes) for k, i in index.items()}
         regions, keep = finish_regions(list(zip(sources, offsets)))
+        staging_only = self.compression is not None  # a scratch file, compressed into the data file and removed
         self.job = engine.write(
-            self.staging_path, regions, keep, direct_io=direct_io, preallocate=self.tensor_bytes_end
+            self.staging_path, regions, keep, preallocate=self.tensor_bytes_end,
+            # Buffered and never fsynced: read back at once (from the page cache) and removed.
+            direct_io="off" if staging_only else direct_io, durable=not staging_only,
         )
 
     @property

@@ -254,8 +254,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             raise ValueError(f"sequence must be an integer in [0, 2**64), got {sequence!r}")
         self.sequence = sequence
         # The engine belongs to a process: see the _engine property (forks).
-        self._engine_settings = (host_cache_bytes, io_threads, window_bytes)
-        self._engine_of = (os.getpid(), _native.get_engine(*self._engine_settings))
+        self._engine_ref = _native.ProcessEngine(host_cache_bytes, io_threads, window_bytes)
         self.is_coordinator = False
         self.last_save_stats = SaveStats()
         self._lock = threading.Lock()
@@ -276,11 +275,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         A writer made before a fork gets the child's own engine there: the
         parent's has no threads in the child and would never finish a job.
         """
-        pid, engine = self._engine_of
-        if pid != os.getpid():
-            engine = _native.get_engine(*self._engine_settings)
-            self._engine_of = (os.getpid(), engine)
-        return engine
+        return self._engine_ref.get()
 
     def _forget_parent_saves(self) -> None:
         """In a fork child: the saves this writer staged or ran in the parent go on
@@ -822,7 +817,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             objects.append(blob)
             offset += len(blob)
         if objects:
-            job.append([(_address(b), len(b), o) for b, (o, _) in zip(objects, object_table) if len(b)], objects)
+            job.append([(_native.bytes_address(b), len(b), o) for b, (o, _) in zip(objects, object_table) if len(b)], objects)
         job.seal()
         t2 = time.perf_counter()
         stats.objects_s = t2 - t1
@@ -1088,12 +1083,6 @@ def _global_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _address(blob: bytes) -> int:
-    import ctypes
-
-    return ctypes.cast(ctypes.c_char_p(blob), ctypes.c_void_p).value
 
 
 def _with_key_context(exc: OSError, spans: list[tuple[int, int, str]]) -> OSError:

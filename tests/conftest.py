@@ -93,20 +93,27 @@ def index_files(path):
     return sorted(f for f in os.listdir(path) if f.endswith(".index"))
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 2 MiB tmpfs mounted for the test (root only); yields its path."""
-    mnt = tmp_path / "tmpfs"
+@contextlib.contextmanager
+def mounted_tmpfs(mnt, options: str):
+    """Mount a tmpfs with ``options`` (say ``size=2m``) on the new directory ``mnt`` for the
+    block (root only; the test is skipped where mounting is not allowed); unmounted after."""
     mnt.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a size-limited tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount tmpfs here: {r.stderr.decode().strip()}")
     try:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 2 MiB tmpfs mounted for the test (root only); yields its path."""
+    with mounted_tmpfs(tmp_path / "tmpfs", "size=2m") as mnt:
+        yield mnt
 
 
 def assert_same(a, b, path="state"):

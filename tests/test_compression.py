@@ -361,6 +361,19 @@ def test_unknown_codec_in_a_layout_is_refused():
         layout.validate("ckpt/.metadata")
 
 
+@pytest.mark.parametrize("block_bytes", [4100, 4096 + 8, 0, 2 << 30])
+def test_block_sizes_that_would_split_elements_are_refused(block_bytes):
+    """A block size that is not a multiple of 64 would cut elements of wider dtypes in two,
+    and a slice read through such blocks would fail (or be misread) far from the cause."""
+    from dcp_datastates.errors import CorruptCheckpointError
+
+    with pytest.raises(ValueError, match="multiple of 64"):
+        compression.resolve_compression("zstd", None, None, block_bytes=block_bytes)
+    layout = CheckpointLayout("dcp_datastates", 4, "0123456789ab", [], [], ("zstd", block_bytes))
+    with pytest.raises(CorruptCheckpointError, match="compression block size"):
+        layout.validate("ckpt/.metadata")
+
+
 MEMORY_SCRIPT = r"""
 import json, sys, warnings
 warnings.filterwarnings("ignore")

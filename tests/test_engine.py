@@ -146,3 +146,25 @@ def test_probes(tmp_path):
     _engine.drop_page_cache(p)
     n, s = _engine.probe_sequential_read(p, 1 << 18)
     assert n == 1 << 20 and s > 0
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_durable_false_skips_the_fsync_of_scratch_files(engine, tmp_path, durable):
+    """Async compressed saves stage raw bytes into a scratch file that is read back and
+    removed: it is written without the fsync a checkpoint file gets (an fsync fault shows it)."""
+    from dcp_datastates._faults import inject_fault
+
+    data = _bytes(3 * engine.window_bytes + 17)
+    path = str(tmp_path / "scratch")
+    with inject_fault("fsync", path=path, errno=errno.EIO):
+        job = engine.write(path, [(data.data_ptr(), data.nbytes, 0)], [data], direct_io="off", durable=durable)
+        job.seal()
+        if durable:
+            with pytest.raises(OSError) as info:
+                job.wait()
+            assert info.value.errno == errno.EIO and info.value.filename == path
+            return
+        job.wait()
+    with open(path, "rb") as f:
+        written = f.read()
+    assert written[: data.nbytes] == data.numpy().tobytes() and not written[data.nbytes :].strip(b"\0")

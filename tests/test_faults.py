@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_datastates
-from conftest import assert_same, data_files, load, raises_from_checkpoint, save
+from conftest import assert_same, data_files, load, mounted_tmpfs, raises_from_checkpoint, save
 from dcp_datastates import DataStatesReader, DataStatesWriter, verify
 from dcp_datastates._faults import clear, fired, inject_fault
 
@@ -357,19 +357,8 @@ def test_failing_sync_saves_give_their_descriptors_back(tmp_path):
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
     """A 4 MiB tmpfs with 256 inodes, mounted for the test (root only); yields its path."""
-    import subprocess
-
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a size-limited tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,nr_inodes=256", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount tmpfs here: {r.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "tiny", "size=4m,nr_inodes=256") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _leave_free(mnt, blocks=None, inodes=None):
