@@ -99,13 +99,18 @@ def variants():
 
     from dcp_datastates import DataStatesReader, DataStatesWriter
 
+    ours = lambda p: DataStatesReader(p)  # noqa: E731
+    stock = lambda p: dcp.FileSystemReader(p)  # noqa: E731
+    # name -> (writer, reader, saved with dcp.async_save)
     return {
-        "ours raw": (lambda p: DataStatesWriter(p), lambda p: DataStatesReader(p)),
-        "ours zstd-1": (lambda p: DataStatesWriter(p, compression="zstd", compression_level=1), lambda p: DataStatesReader(p)),
-        "ours zstd-3": (lambda p: DataStatesWriter(p, compression="zstd", compression_level=3), lambda p: DataStatesReader(p)),
-        "DCP raw": (lambda p: dcp.FileSystemWriter(p, thread_count=2), lambda p: dcp.FileSystemReader(p)),
-        "DCP ZStandard": (lambda p: dcp.FileSystemWriter(p, thread_count=2, _extensions=[ZStandard()]),
-                          lambda p: dcp.FileSystemReader(p)),
+        "ours raw": (lambda p: DataStatesWriter(p), ours, False),
+        "ours zstd-1": (lambda p: DataStatesWriter(p, compression="zstd", compression_level=1), ours, False),
+        "ours zstd-3": (lambda p: DataStatesWriter(p, compression="zstd", compression_level=3), ours, False),
+        "DCP raw": (lambda p: dcp.FileSystemWriter(p, thread_count=2), stock, False),
+        "DCP ZStandard": (lambda p: dcp.FileSystemWriter(p, thread_count=2, _extensions=[ZStandard()]), stock, False),
+        "ours raw async": (lambda p: DataStatesWriter(p), ours, True),
+        "ours zstd-1 async": (lambda p: DataStatesWriter(p, compression="zstd", compression_level=1), ours, True),
+        "DCP ZStd async": (lambda p: dcp.FileSystemWriter(p, thread_count=2, _extensions=[ZStandard()]), stock, True),
     }
 
 
@@ -154,13 +159,21 @@ def main() -> int:
                 torch.save(state, cache)
         raw = tensor_bytes(state)
         print(f"state: {raw / 1e6:.1f} MB of tensors ({sum(1 for _ in state['master_fp32'])} parameters per copy)")
-        results = {name: {"save_s": [], "load_s": [], "stored": None, "exact": True} for name in variants()}
+        results = {name: {"save_s": [], "blocked_s": [], "load_s": [], "stored": None, "exact": True} for name in variants()}
         for rep in range(reps):
-            for name, (make_writer, make_reader) in variants().items():
+            for name, (make_writer, make_reader, asynchronous) in variants().items():
                 path = os.path.join(root, f"{name.replace(' ', '_')}-{rep}")
+                writer = make_writer(path)
                 t0 = time.perf_counter()
-                dcp.save(state, storage_writer=make_writer(path), no_dist=True)
+                if asynchronous:  # save_s: until committed; blocked_s: the time async_save held the caller
+                    resp = dcp.async_save(state, storage_writer=writer, checkpoint_id=path, no_dist=True)
+                    results[name]["blocked_s"].append(time.perf_counter() - t0)
+                    getattr(resp, "upload_completion", resp).result()
+                else:
+                    dcp.save(state, storage_writer=writer, no_dist=True)
                 t1 = time.perf_counter()
+                if hasattr(writer, "close"):
+                    writer.close()
                 target = zeros_like(state)
                 t2 = time.perf_counter()
                 dcp.load(target, storage_reader=make_reader(path), no_dist=True)
@@ -174,12 +187,15 @@ def main() -> int:
                     r["groups"] = group_ratios(path, state)
                 del target
                 bench_common.remove(path)
-        print(f"\n{'variant':<15} {'stored MB':>10} {'ratio':>6} {'save s':>7} {'save GB/s':>9} {'load s':>7} {'load GB/s':>9} exact")
+        print(f"\n{'variant':<18} {'stored MB':>10} {'ratio':>6} {'save s':>7} {'save GB/s':>9} {'blocked s':>9} "
+              f"{'load s':>7} {'load GB/s':>9} exact")
         for name, r in results.items():
             save_s, load_s = bench_common.median(r["save_s"]), bench_common.median(r["load_s"])
-            r.update(save_median_s=save_s, load_median_s=load_s, ratio=raw / r["stored"])
-            print(f"{name:<15} {r['stored'] / 1e6:>10.1f} {raw / r['stored']:>6.3f} {save_s:>7.3f} "
-                  f"{raw / save_s / 1e9:>9.2f} {load_s:>7.3f} {raw / load_s / 1e9:>9.2f} {r['exact']}")
+            blocked = bench_common.median(r["blocked_s"]) if r["blocked_s"] else None
+            r.update(save_median_s=save_s, load_median_s=load_s, blocked_median_s=blocked, ratio=raw / r["stored"])
+            shown = f"{blocked:>9.3f}" if blocked is not None else f"{'-':>9}"
+            print(f"{name:<18} {r['stored'] / 1e6:>10.1f} {raw / r['stored']:>6.3f} {save_s:>7.3f} "
+                  f"{raw / save_s / 1e9:>9.2f} {shown} {load_s:>7.3f} {raw / load_s / 1e9:>9.2f} {r['exact']}")
         groups = results["ours zstd-3"].get("groups") or {}
         print("\nratio per part (ours, zstd level 3): " + ", ".join(f"{k} {v:.3f}" for k, v in groups.items() if v))
         if args.json:

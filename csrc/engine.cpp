@@ -1,7 +1,10 @@
 #include "engine.hpp"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -115,17 +118,35 @@ WriteJob::WriteJob(std::string path, DirectMode mode, uint64_t preallocate, bool
     }
   }
   if (!fd_.valid()) fd_ = Fd::open(path_, base);
-  if (preallocate > 0) {
-    // Reserving the blocks up front makes a full disk fail here, before any
-    // byte is written, and gives the filesystem one extent to fill.
-    int rc;
-    do {
-      rc = ::fallocate(fd_.get(), FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(preallocate));
-    } while (rc < 0 && errno == EINTR);
-    if (rc < 0 && errno != EOPNOTSUPP && errno != ENOSYS && errno != EINVAL) {
-      int err = errno;
-      throw IoError(err, path_, 0, describe_errno("reserving space", err, 0, preallocate));
-    }
+  preallocate_ = preallocate;
+  if (preallocate_ == 0) return;
+  struct statfs fs;
+  if (::fstatfs(fd_.get(), &fs) == 0 && static_cast<unsigned long>(fs.f_type) == TMPFS_MAGIC) {
+    // On tmpfs fallocate allocates and zeroes every page: done here it would make
+    // stage() take time proportional to the state (58 ms for 200 MB). A full
+    // filesystem still fails here, by its free space; the pages are reserved by
+    // the I/O thread that writes the first window.
+    struct statvfs vfs;
+    if (::fstatvfs(fd_.get(), &vfs) == 0 &&
+        static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize < preallocate_)
+      throw IoError(ENOSPC, path_, 0, describe_errno("reserving space", ENOSPC, 0, preallocate_));
+    return;
+  }
+  reserve_space();  // cheap on extent-based filesystems: a full disk fails before any byte moves
+  preallocate_ = 0;
+}
+
+void WriteJob::reserve_space() {
+  // Reserving the blocks up front makes a full disk fail before any byte is
+  // written, and gives the filesystem one extent to fill.
+  if (preallocate_ == 0) return;
+  int rc;
+  do {
+    rc = ::fallocate(fd_.get(), FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(preallocate_));
+  } while (rc < 0 && errno == EINTR);
+  if (rc < 0 && errno != EOPNOTSUPP && errno != ENOSYS && errno != EINVAL) {
+    int err = errno;
+    throw IoError(err, path_, 0, describe_errno("reserving space", err, 0, preallocate_));
   }
 }
 
@@ -160,6 +181,7 @@ void WriteJob::cancel(const std::string& why) {
 }
 
 void WriteJob::write_window(const Window& w) {
+  std::call_once(reserved_, [this] { reserve_space(); });  // an error fails the job, like a write's
   const uint64_t len = w.padded();
   if (!direct_.load()) {
     (buffered_fd_.valid() ? buffered_fd_ : fd_).pwrite_all(w.slot, len, w.start);

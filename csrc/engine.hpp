@@ -128,6 +128,7 @@ class WriteJob {
  private:
   friend class Engine;
   void fail(const IoError& e);
+  void reserve_space();
   void write_window(const Window& w);
   void on_staged(Window& w);
   // Returns true when this was the last window of a sealed job.
@@ -137,6 +138,8 @@ class WriteJob {
   std::string path_;
   DirectMode mode_;
   bool durable_ = true;
+  uint64_t preallocate_ = 0;  // bytes to reserve before the first window is written
+  std::once_flag reserved_;
   Fd fd_;
   Fd buffered_fd_;  // opened when O_DIRECT writes are refused in auto mode
   std::atomic<bool> direct_{false};

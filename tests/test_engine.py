@@ -168,3 +168,42 @@ def test_durable_false_skips_the_fsync_of_scratch_files(engine, tmp_path, durabl
     with open(path, "rb") as f:
         written = f.read()
     assert written[: data.nbytes] == data.numpy().tobytes() and not written[data.nbytes :].strip(b"\0")
+
+
+def test_preallocation_on_tmpfs_is_left_to_the_io_threads(engine, tmp_path):
+    """fallocate on tmpfs zeroes every page: done in the caller's thread it made stage()
+    take time proportional to the state (61 ms for 200 MB). On tmpfs the job checks the
+    free space at once and reserves on the thread that writes its first window; on an
+    extent-based filesystem it still reserves at once."""
+    import tempfile
+
+    nbytes = 64 << 20
+    shm = tempfile.mkdtemp(dir="/dev/shm") if os.path.isdir("/dev/shm") else None
+    if shm is None:
+        pytest.skip("no /dev/shm")
+    try:
+        path = os.path.join(shm, "lazy")
+        job = engine.write(path, [], [], direct_io="off", preallocate=nbytes)
+        assert os.stat(path).st_blocks == 0  # nothing reserved in the caller's thread
+        data = _bytes(engine.window_bytes)
+        job.append([(data.data_ptr(), data.nbytes, 0)], [data])
+        job.seal()
+        job.wait()
+        with open(path, "rb") as f:
+            assert f.read(data.nbytes) == data.numpy().tobytes()
+        with pytest.raises(OSError) as info:  # more than tmpfs can hold: refused at once
+            engine.write(os.path.join(shm, "huge"), [], [], direct_io="off", preallocate=1 << 60)
+        assert info.value.errno == errno.ENOSPC and info.value.filename.endswith("huge")
+    finally:
+        import shutil
+
+        shutil.rmtree(shm, ignore_errors=True)
+    eager = str(tmp_path / "eager")
+    job = engine.write(eager, [], [], direct_io="off", preallocate=nbytes)
+    import subprocess
+
+    fs = subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True, text=True).stdout.strip()
+    if fs in ("ext2/ext3", "xfs", "btrfs"):  # extent-based: reserved in the caller's thread, at once
+        assert os.stat(eager).st_blocks * 512 >= nbytes
+    job.seal()
+    job.wait()
