@@ -37,6 +37,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointE
 from .format import METADATA_FILE, CheckpointLayout
 from .metadata_file import read_metadata_file
 from .reader import DataStatesReader
+from .safe_objects import CheckedObject, load_plain_object
 
 T = TypeVar("T")
 
@@ -363,13 +364,12 @@ class _BlockPlanner(LoadPlanner):
         pass  # read straight into (a view of) ``dest``
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        where = f"{self.view.path}: {read_item.storage_index.fqn!r}"
-        try:
-            self.value = torch.load(value, map_location="cpu", weights_only=not self.view.allow_pickle)
+        fqn = read_item.storage_index.fqn
+        if not self.view.allow_pickle and not isinstance(value, CheckedObject):
+            # stock DCP's reader hands over the saved bytes: load them as our reader does
+            self.value = load_plain_object(value.read(), fqn, self.view.path)
+            return
+        try:  # trusted, or our reader's own pickle of the values it checked
+            self.value = torch.load(value, map_location="cpu", weights_only=False)
         except Exception as exc:  # noqa: BLE001 - torch.load raises many kinds; report them as one
-            if not self.view.allow_pickle and "weights_only" in str(exc):
-                raise UnsafeCheckpointError(
-                    f"{where} is not plain data and was not loaded (it needs arbitrary unpickling); "
-                    "pass --allow-pickle / allow_pickle=True only if you trust this checkpoint"
-                ) from None
-            raise CorruptCheckpointError(f"{where} could not be unpickled: {exc}") from exc
+            raise CorruptCheckpointError(f"{self.view.path}: {fqn!r} could not be unpickled: {exc}") from exc

@@ -43,6 +43,7 @@ from .progress import ByteCounter
 from .tool_output import move_into_place, remove_output
 from .checkpoint_view import FORMAT_DCP, CheckpointView, _split_box, check_output_apart, read_ahead
 from .errors import CheckpointError, CheckpointExistsError
+from .safe_objects import load_checked
 
 FORMATS = ("torch", "safetensors", "dcp", "datastates")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size ("5GB")
@@ -217,7 +218,10 @@ def _write_torch(view: CheckpointView, tmp: str, summary: ConvertSummary, tracke
         torch.save(skeleton, tmp)
     del skeleton, flat
     with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
-        mapped = torch.load(tmp, mmap=True, weights_only=not view.allow_pickle)
+        if view.allow_pickle:
+            mapped = torch.load(tmp, mmap=True, weights_only=False)
+        else:  # its objects are safe mode's plain data (set, datetime, numpy): load it the same way
+            mapped = load_checked(tmp, "the converted state", tmp, mmap=True, map_location="cpu")
     try:
         for fqn in view.tensors:
             target = _get_path(mapped, paths[fqn])

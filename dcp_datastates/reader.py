@@ -37,7 +37,7 @@ from .errors import (
 from .format import DATA_FILE_RE, METADATA_FILE, CheckpointLayout, IndexLimits, RankIndex, object_entries
 from .checkpoint_files import read_rank_index
 from .metadata_file import read_metadata_file
-from .safe_objects import check_object_is_plain
+from .safe_objects import plain_object_stream
 
 TEMP_BUDGET_BYTES = 512 << 20  # temporaries alive at once while reading non-direct items
 
@@ -321,9 +321,9 @@ class _ReadBatch:
             where = os.path.join(reader.path, loc.relative_path)
 
             def load_object() -> None:
-                if not allow:
-                    check_object_is_plain(buf, key, where)
-                planner.load_bytes(item, io.BytesIO(buf))
+                # Safe mode: DCP unpickles our own pickle of the checked values, never the saved bytes.
+                stream = io.BytesIO(buf) if allow else plain_object_stream(buf, key, where, map_location=None)
+                planner.load_bytes(item, stream)
 
             self.after.append(load_object)
             return
