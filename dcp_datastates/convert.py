@@ -40,7 +40,7 @@ import torch
 from .cli_text import human_bytes
 from .commit import fsync_dir
 from .progress import ByteCounter
-from .tool_output import move_into_place, remove_output
+from .tool_output import move_into_place, naming_output_errors, remove_output
 from .checkpoint_view import FORMAT_DCP, CheckpointView, _split_box, check_output_apart, read_ahead
 from .errors import CheckpointError, CheckpointExistsError
 from .safe_objects import load_checked
@@ -124,7 +124,7 @@ def convert_checkpoint(
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(out)}.convert-{uuid.uuid4().hex[:12]}")
     try:
-        with _quiet_torch_warnings():
+        with _quiet_torch_warnings(), naming_output_errors(tmp, out):
             _WRITERS[to](view, tmp, summary, tracker, max_shard_bytes)
         _move_into_place(tmp, out, overwrite)
     except BaseException:
@@ -217,6 +217,13 @@ def _write_torch(view: CheckpointView, tmp: str, summary: ConvertSummary, tracke
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(skeleton, tmp)
     del skeleton, flat
+    # The data regions are holes until the mapping fills them; a full disk would then
+    # kill the process with SIGBUS. Reserving the blocks first turns that into ENOSPC.
+    fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
     with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
         if view.allow_pickle:
             mapped = torch.load(tmp, mmap=True, weights_only=False)

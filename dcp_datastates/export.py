@@ -40,7 +40,7 @@ import torch
 from .checkpoint_root import is_committed, step_dirs
 from .cli_text import dtype_name, human_bytes
 from .progress import ByteCounter
-from .tool_output import move_into_place, remove_output
+from .tool_output import move_into_place, naming_output_errors, remove_output
 from .checkpoint_view import DEFAULT_BLOCK_BYTES, CheckpointView, check_output_apart, read_ahead
 from .commit import fsync_dir
 from .errors import UnsafeCheckpointError
@@ -144,8 +144,9 @@ def export_checkpoints(
         with warnings.catch_warnings():
             # complex32 blocks are only moved as raw bits; torch's warning about them is noise here
             warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
-            backend(tmp, views, datasets, steps, root_attrs, block_bytes, ByteCounter(total, progress))
-        _fsync_tree(tmp)
+            with naming_output_errors(tmp, out):
+                backend(tmp, views, datasets, steps, root_attrs, block_bytes, ByteCounter(total, progress))
+                _fsync_tree(tmp)
         move_into_place(tmp, out, overwrite)
     except BaseException:
         remove_output(tmp)

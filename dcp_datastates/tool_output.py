@@ -17,6 +17,19 @@ import uuid
 from .commit import fsync_dir
 
 
+@contextlib.contextmanager
+def naming_output_errors(tmp: str, out: str):
+    """Give an OSError raised without a file name while the output is written (Python's
+    ``write`` and ``os.fsync`` on a full disk: a bare "[Errno 28] No space left on
+    device") the file it was about: the temporary ``tmp`` being built for ``out``."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, f"writing {out} (built as {tmp}) failed: {exc.strerror or exc}", tmp) from exc
+
+
 def remove_output(path: str) -> None:
     """Delete a file or directory tree the tool created, if it is there (never through a link)."""
     if os.path.isdir(path) and not os.path.islink(path):

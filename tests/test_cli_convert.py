@@ -546,3 +546,25 @@ def test_interrupted_convert_leaves_no_output(big_checkpoint, tmp_path):
     assert stderr.strip() == "dcp-datastates: interrupted"
     assert not out.exists()
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch"])  # "dcp": stock FileSystemWriter raises its own RuntimeError
+def test_full_disk_error_names_the_output_and_leaves_nothing(small_tmpfs, tmp_path, to):
+    """Python's write and fsync raise ENOSPC without a file name; the tools name the output.
+    (The torch output is filled through a shared mapping: without its blocks reserved first,
+    a full disk killed the process with SIGBUS.)"""
+    import errno
+
+    from dcp_datastates.convert import convert_checkpoint
+
+    src = tmp_path / "src"
+    dcp.save({"w": torch.randn(1 << 20), "b": torch.randn(1000)}, storage_writer=DataStatesWriter(src), no_dist=True)
+    out = small_tmpfs / "out"
+    with pytest.raises(Exception) as info:
+        convert_checkpoint(src, out, to)
+    err = info.value
+    while err is not None and not isinstance(err, OSError):
+        err = err.__cause__ or err.__context__
+    assert isinstance(err, OSError) and err.errno == errno.ENOSPC, repr(info.value)
+    assert err.filename and str(small_tmpfs) in err.filename, repr(err)
+    assert os.listdir(small_tmpfs) == []
