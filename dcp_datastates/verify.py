@@ -148,15 +148,19 @@ def _check_objects_are_plain(path: str, layout, indexes: dict[str, RankIndex], r
         rel = files[rank]
         offset, length = indexes[rel].objects[ordinal]
         data_path = os.path.join(path, rel)
-        fd = os.open(data_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            blob = os.pread(fd, length, offset)
-        finally:
-            os.close(fd)
-        try:
-            check_object_is_plain(blob, fqn, data_path)
+            check_object_is_plain(_read_range(data_path, offset, length), fqn, data_path)
         except CheckpointError as exc:
             report.problems.append(str(exc))
+
+
+def _read_range(data_path: str, offset: int, length: int) -> bytes:
+    """``length`` bytes at ``offset`` of a data file whose checksums already passed."""
+    fd = os.open(data_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
 
 
 def _check_frames_decompress(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
@@ -184,13 +188,8 @@ def _check_frames_decompress(path: str, layout, indexes: dict[str, RankIndex], r
             frames.append((os.path.join(path, rel), o, n, min(block, length - b * block), f"{os.path.join(path, rel)}: block {b} of {fqn!r}"))
     def check(frame) -> None:
         data_path, offset, length, raw, what = frame
-        fd = os.open(data_path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            blob = os.pread(fd, length, offset)
-        finally:
-            os.close(fd)
-        try:
-            decompress_block(blob, raw, what)
+            decompress_block(_read_range(data_path, offset, length), raw, what)
         except CheckpointError as exc:
             report.problems.append(str(exc))
 
