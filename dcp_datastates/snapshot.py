@@ -22,6 +22,7 @@ in between fails the save instead of committing a torn checkpoint.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
 import queue
@@ -268,6 +269,7 @@ class _StagingMonitor:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.ident: int | None = None
+        self.in_hand: Snapshot | None = None  # the snapshot whose staging it is waiting for
 
     def submit(self, snap: Snapshot) -> None:
         with self._lock:
@@ -281,10 +283,12 @@ class _StagingMonitor:
         unbegun: list[Snapshot] = []  # resolved, their save not begun yet
         while True:
             snap = self._q.get()
+            self.in_hand = snap
             try:
                 snap.await_staged()
             except BaseException as exc:  # noqa: BLE001 - delivered through the save
                 snap.staging_error = exc
+            self.in_hand = None
             while not SEQUENCER.wait_turn(snap.ticket, timeout=0.5):
                 unbegun = [s for s in unbegun if s.thread is None and not s.abandoned]
                 for s in unbegun:
@@ -294,6 +298,35 @@ class _StagingMonitor:
             unbegun.append(snap)
             snap.future.set_result(snap.staged_dict)
             del snap  # an idle monitor holds no snapshot (and no alias of the caller's tensors)
+
+
+    def cancel_unbegun_at_exit(self, timeout: float = 10.0) -> None:
+        """At interpreter exit: stop the snapshots still staging or queued, and wait until
+        this (daemon) thread has left the engine's wait.
+
+        Python's exit has joined every non-daemon thread by then (DCP's
+        executor too), so no save can begin any more; a snapshot staged with
+        ``stage()`` and never saved is all that can remain. Were this thread
+        still blocked in the engine when the interpreter finalizes, it would
+        be unwound through C++ frames and the process aborted (SIGABRT).
+        """
+        queued = []
+        while True:
+            try:
+                queued.append(self._q.get_nowait())
+            except queue.Empty:
+                break
+        current = self.in_hand
+        for snap in ([current] if current is not None else []) + queued:
+            if snap.thread is None and snap.job is not None:
+                snap.cancel("the interpreter exited before this snapshot's save began")
+        deadline = time.monotonic() + timeout
+        while self.in_hand is not None and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+
+def _cancel_unbegun_at_exit() -> None:
+    _MONITOR.cancel_unbegun_at_exit()
 
 
 # A resolved staging future is consumed by DCP's executor thread within
@@ -329,6 +362,7 @@ def _submitted_to_dcp(future: StagingFuture) -> bool:
 
 
 _MONITOR = _StagingMonitor()
+atexit.register(_cancel_unbegun_at_exit)
 
 
 def submit(snap: Snapshot) -> None:

@@ -246,6 +246,32 @@ def test_async_save_failing_after_stage_does_not_block_later_saves(tmp_path, mon
     assert_same(load(zeros_like_state(state), tmp_path / "q"), state)
 
 
+_EXIT_WITH_A_STAGED_SNAPSHOT = r"""
+import sys, warnings, torch
+warnings.filterwarnings("ignore")
+from dcp_datastates import DataStatesWriter
+state = {"w": torch.randn(16 << 20), "step": 3}       # 64 MiB: still streaming when the script ends
+DataStatesWriter(sys.argv[1], host_cache_bytes=16 << 20).stage(state)  # staged, never saved
+print("exiting", flush=True)
+"""
+
+
+def test_exit_with_a_staged_snapshot_never_saved_is_clean(tmp_path):
+    """The staging monitor (a daemon thread) was still blocked in the engine when the interpreter
+    finalized: the process aborted with SIGABRT. At exit the unbegun snapshot is now stopped and
+    its files removed; a snapshot that DCP saves still commits (its thread is joined first)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "c"
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _EXIT_WITH_A_STAGED_SNAPSHOT, str(path)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "exiting" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+        assert "terminate called" not in proc.stderr
+        assert os.listdir(path) == []  # uncommitted, and nothing left behind
+
+
 def test_writer_refuses_to_be_sent_to_another_process(tmp_path):
     import pickle
 
