@@ -66,6 +66,11 @@ def zstd_module():
     return zstandard
 
 
+def descriptor_of(compression: Compression | None) -> tuple | None:
+    """What a layout records for these settings: ``(codec, block bytes)``, or None for raw."""
+    return compression.descriptor if compression is not None else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Compression:
     """A writer's compression settings. ``descriptor`` is what the layout records."""

@@ -71,7 +71,7 @@ from .providers import check_planned, finish_regions, provide_object, tensor_sou
 from . import plan_cache
 from .sequencer import SEQUENCER
 from .snapshot import Snapshot
-from .compression import resolve_compression
+from .compression import descriptor_of, resolve_compression
 
 try:  # DCP's own version tag for the metadata it writes
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -442,7 +442,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             save.tensor_locations = _snapshot_locations(snap, plan)
             staged = StagedRankData(
                 save.rank, snap.save_id, snap.data_file, snap.index_file, snap.tensor_bytes_end, save.tensor_locations,
-                snap.compression.descriptor if snap.compression is not None else None,
+                descriptor_of(snap.compression),
             )
             return dataclasses.replace(plan, storage_data=staged)
 
@@ -457,7 +457,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 return plans
             if any(isinstance(p.storage_data, StagedRankData) for p in plans):
                 raise CheckpointError("some ranks saved asynchronously and others not; every rank must use the same call")
-            compression = self.compression.descriptor if self.compression is not None else None
+            compression = descriptor_of(self.compression)
             if has_layout(plans) and compression is None:  # DataStatesSavePlanner placed everything
                 save.layout = None
                 return plans
@@ -479,7 +479,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         save.rank_layouts = {}
         if save.snapshot is not None:  # each rank's snapshot placed its tensors
             return plans
-        compression = self.compression.descriptor if self.compression is not None else None
+        compression = descriptor_of(self.compression)
         sent = [p if p.usable else SavePlan([]) for p in plans]
         placed, _, _ = assign_checkpoint_layout(sent, save.save_id, compression)
         return [new if old.usable else old for old, new in zip(plans, placed)]
@@ -497,7 +497,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 results = self._write_staged(save, plan, planner)
                 save.report = plan_cache.RankReport(
                     snap.data_file, snap.index_file, snap.save_id,
-                    snap.compression.descriptor if snap.compression is not None else None,
+                    descriptor_of(snap.compression),
                 )
             else:
                 results = self._write_now(save, plan, planner)
@@ -621,13 +621,17 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         save.stats.plan_from_cache = True
         # This writer's own setting: DCP's cache is per planner class and process, so the
         # cached plan may come from another writer (another compression, or FileSystemWriter).
-        compression = self.compression.descriptor if self.compression is not None else None
+        compression = descriptor_of(self.compression)
         rank = getattr(stale, "rank", None)
         if not isinstance(rank, int):
             rank = save.rank
         layout = plan_rank_layout(plan.items, rank, save.save_id, compression)
-        if isinstance(stale, RankPlanData) and (
-            layout.tensor_bytes_end != stale.tensor_bytes_end or len(layout.locations) != stale.item_count
+        # The cached placement can be checked only when it was made with the same settings
+        # (compressed chunks leave the raw tensor area, so its end moves).
+        if (
+            isinstance(stale, RankPlanData)
+            and getattr(stale, "compression", None) == compression
+            and (layout.tensor_bytes_end != stale.tensor_bytes_end or len(layout.locations) != stale.item_count)
         ):
             raise CheckpointError(f"rank {rank}: the cached plan no longer matches its own layout")
         save.rank_layouts[rank] = (layout, [item.index for item in plan.items])

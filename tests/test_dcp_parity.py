@@ -151,6 +151,17 @@ def test_plan_caching_across_writers_uses_each_writers_own_settings(tmp_path, fr
         assert_same(load(zeros_like_state(state_at(i)), path), state_at(i))
     assert layout_of(tmp_path / "zstd").compression is not None
 
+    # The cache filled by one of ours, raw, then a compressing writer, then raw again.
+    pw.clear_plan_caches()
+    planner = pw.RecordingPlanner(enable_plan_caching=True)
+    for i, (name, kwargs) in enumerate(kinds, start=1):
+        path = tmp_path / f"ours_first_{name}"
+        dcp.save(state_at(i), storage_writer=DataStatesWriter(path, **kwargs), planner=planner, no_dist=True)
+        assert (layout_of(path).compression is not None) == bool(kwargs)
+        assert verify(path).ok
+        assert_same(load(zeros_like_state(state_at(i)), path), state_at(i))
+    assert planner.local_plan_usable == [True, False, False]
+
 
 def test_plan_caching_after_structure_change(tmp_path, fresh_plan_cache):
     """A changed structure re-plans (DCP sends the new local plan), then caches again."""
