@@ -105,14 +105,6 @@ def open_checkpoint_file(path: str) -> CheckpointFile:
     return CheckpointFile(path, fd, st.st_size)
 
 
-def read_checkpoint_file(path: str) -> bytearray:
-    """The bytes of the regular file ``path``, in one buffer of its size (FileNotFoundError if it
-    does not exist). For files whose size has been bounded; ``.metadata`` and rank indexes have
-    their own readers (``metadata_file.read_metadata_file``, :func:`read_rank_index`)."""
-    with open_checkpoint_file(path) as f:
-        return f.read(f.size)
-
-
 def read_rank_index(index_path: str, limits: IndexLimits) -> RankIndex:
     """Read and validate the rank index at ``index_path``, refusing a hostile one in bounded memory.
 

@@ -24,11 +24,8 @@ read it. Two things are added around the pickle:
 from __future__ import annotations
 
 import dataclasses
-import errno
 import math
-import os
 import pickle
-import stat
 import struct
 
 import torch
@@ -219,7 +216,7 @@ def split_trailer(blob: bytes, where: str) -> tuple[memoryview, bool]:
     body = view[: trailer.pickle_length]
     actual = trailer_crc(body, trailer)
     if actual != trailer.crc:
-        raise CorruptCheckpointError(f"{where} is corrupt: checksum {actual:08x} does not match the stored {trailer.crc:08x}")
+        raise _checksum_error(where, actual, trailer.crc)
     return body, True
 
 
@@ -233,23 +230,11 @@ def read_commit_sequence(path: str) -> int | None:
     checkpoint is loaded.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size < _TRAILER.size:
-            return None
-        tail = os.pread(fd, _TRAILER.size, st.st_size - _TRAILER.size)
-    finally:
-        os.close(fd)
-    try:
-        trailer = parse_trailer(tail, st.st_size, path)
-    except CorruptCheckpointError:
+        with open_checkpoint_file(path) as f:
+            if f.size < _TRAILER.size:
+                return None
+            trailer = parse_trailer(f.pread(_TRAILER.size, f.size - _TRAILER.size), f.size, path)
+    except (FileNotFoundError, NotADirectoryError, CorruptCheckpointError):  # missing, a link, not a file
         return None
     return trailer.sequence or None if trailer is not None else None
 
