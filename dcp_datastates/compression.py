@@ -273,8 +273,9 @@ class BlockAppender:
         if ordinal != self.next_ordinal:
             raise CheckpointError(f"{key!r}: planned at block {ordinal}, but the next block is {self.next_ordinal}")
 
-    def submit(self, key: str, data, keep) -> None:
-        """Compress ``data`` (a buffer that ``keep`` keeps valid) as the next block."""
+    def submit(self, key: str, data, keep) -> concurrent.futures.Future | None:
+        """Compress ``data`` (a buffer that ``keep`` keeps valid) as the next block; its future
+        (None once the job failed: nothing more is compressed)."""
         if self.failed:
             return
         self.raw_bytes += len(data)
@@ -299,7 +300,7 @@ class BlockAppender:
         regions, blobs = [], []
         offset = self.offset
         for key, blob in self._batch:
-            offset = (offset + FRAME_ALIGN - 1) // FRAME_ALIGN * FRAME_ALIGN
+            offset = align_up(offset, FRAME_ALIGN)
             regions.append((bytes_address(blob), len(blob), offset))
             self.table.append((offset, len(blob), key))
             blobs.append(blob)
@@ -307,7 +308,7 @@ class BlockAppender:
         self._batch, self._batch_len = [], 0
         self.job.append(regions, blobs)
         del blobs, regions
-        self.offset = (offset + self.alignment - 1) // self.alignment * self.alignment  # the engine's frontier
+        self.offset = align_up(offset, self.alignment)  # the engine's frontier
         if not self.job.release_staged():
             self.failed = True
 
@@ -473,18 +474,9 @@ def add_compressed_read(batch, item, planner, loc, idx, dtype, sizes, target, st
     if direct:
         batch.after.append(lambda: planner.commit_tensor(item, target))
         return
-    lead = lo - base
-    strides = [1] * len(sizes)
-    for d in range(len(sizes) - 2, -1, -1):
-        strides[d] = strides[d + 1] * sizes[d + 1]
+    from .reader import copy_box_out
 
-    def finish() -> None:
-        elems = dest[lead : lead + count * itemsize].view(dtype)
-        src = elems.as_strided(tuple(item.lengths), tuple(strides), elems.storage_offset())
-        target.copy_(src)
-        planner.commit_tensor(item, target)
-
-    batch.after.append(finish)
+    batch.after.append(copy_box_out(dest, lo - base, count * itemsize, dtype, sizes, item, target, planner))
 
 
 def _decode_task(buf: bytearray, raw: int, dest: torch.Tensor, pos: int, where: str) -> Callable[[], None]:

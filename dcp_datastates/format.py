@@ -89,9 +89,9 @@ def show(value, limit: int = 100) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def check_save_id(save_id: str) -> str:
+def check_save_id(save_id: str, where: str) -> str:
     if not isinstance(save_id, str) or not _SID_RE.match(save_id):
-        raise UnsupportedFormatError(f"malformed save id {show(save_id)} in checkpoint metadata")
+        raise UnsupportedFormatError(f"{where}: malformed save id {show(save_id)} in checkpoint metadata")
     return save_id
 
 
@@ -291,8 +291,7 @@ class CheckpointLayout:
                 f"{where}: written with format version {show(self.version)}; this dcp_datastates "
                 f"reads versions 1 to {FORMAT_VERSION}. Upgrade dcp_datastates to load it."
             )
-        if not isinstance(self.save_id, str) or not _SID_RE.match(self.save_id):
-            raise UnsupportedFormatError(f"{where}: malformed save id {show(self.save_id)} in checkpoint metadata")
+        check_save_id(self.save_id, where)
         check_compression(self.compression, where)
         self._validate_structure(where)
 

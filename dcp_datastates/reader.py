@@ -368,18 +368,8 @@ class _ReadBatch:
         self._request(key, loc.relative_path, lo, hi - lo, temp.data_ptr(), idx)
         self.keep.append(temp)
         self.temp_bytes += hi - lo
-        lead = offset - lo  # a multiple of the itemsize: items and windows are 64-byte aligned
-        strides = [1] * len(sizes)
-        for d in range(len(sizes) - 2, -1, -1):
-            strides[d] = strides[d + 1] * sizes[d + 1]
-
-        def finish() -> None:
-            elems = temp[lead : lead + nbytes].view(dtype)
-            src = elems.as_strided(tuple(item.lengths), tuple(strides), elems.storage_offset())
-            target.copy_(src)
-            planner.commit_tensor(item, target)
-
-        self.after.append(finish)
+        # ``offset - lo`` is a multiple of the itemsize: items and windows are 64-byte aligned
+        self.after.append(copy_box_out(temp, offset - lo, nbytes, dtype, sizes, item, target, planner))
 
     def run(self) -> None:
         reader = self.reader
@@ -394,6 +384,23 @@ class _ReadBatch:
             run_parallel(self.decode, decode_threads())
         for fn in self.after:
             fn()
+
+
+def copy_box_out(buffer: torch.Tensor, lead: int, nbytes: int, dtype, sizes, item: ReadItem, target, planner):
+    """The step after a read of a bounding range: ``buffer[lead : lead + nbytes]`` holds a
+    row-major chunk of shape ``sizes`` from the item's first element on; copy the item's
+    box out of it into ``target`` and commit it."""
+    strides = [1] * len(sizes)
+    for d in range(len(sizes) - 2, -1, -1):
+        strides[d] = strides[d + 1] * sizes[d + 1]
+
+    def finish() -> None:
+        elems = buffer[lead : lead + nbytes].view(dtype)
+        src = elems.as_strided(tuple(item.lengths), tuple(strides), elems.storage_offset())
+        target.copy_(src)
+        planner.commit_tensor(item, target)
+
+    return finish
 
 
 def _read_error(failure: tuple, keys: list[str], total: int) -> Exception:

@@ -183,9 +183,11 @@ def _check_frames_decompress(path: str, layout, indexes: dict[str, RankIndex], r
         if ordinal < 0 or length < 0:
             continue
         rel = files[rank]
+        data_path = os.path.join(path, rel)
         entries = indexes[rel].objects[ordinal : ordinal + compressed_blocks(length, block)]
         for b, (o, n) in enumerate(entries):
-            frames.append((os.path.join(path, rel), o, n, min(block, length - b * block), f"{os.path.join(path, rel)}: block {b} of {fqn!r}"))
+            frames.append((data_path, o, n, min(block, length - b * block), f"{data_path}: block {b} of {fqn!r}"))
+
     def check(frame) -> None:
         data_path, offset, length, raw, what = frame
         try:
