@@ -109,6 +109,28 @@ def is_compressible(nbytes: int, compression: tuple | None) -> bool:
     return compression is not None and nbytes >= SMALL_TENSOR_BYTES
 
 
+def table_ordinals(items: list[WriteItem], compression: tuple | None, nbytes_of) -> dict:
+    """``{MetadataIndex: ordinal}`` of a rank's entries in its index's object table.
+
+    Objects come first, in plan order; then, with ``compression``, each large
+    tensor chunk (``nbytes_of(item)`` bytes) takes the ordinals of its blocks,
+    in plan order. The synchronous and the asynchronous layouts both number
+    them here: the coordinator and every rank must agree.
+    """
+    out: dict = {}
+    ordinal = 0
+    for item in items:
+        if item.type == WriteItemType.BYTE_IO:
+            out[item.index] = ordinal
+            ordinal += 1
+    if compression is not None:
+        for item in items:
+            if item.type != WriteItemType.BYTE_IO and is_compressible(nbytes := nbytes_of(item), compression):
+                out[item.index] = ordinal
+                ordinal += compressed_blocks(nbytes, compression[1])
+    return out
+
+
 def plan_rank_layout(items: list[WriteItem], rank: int, save_id: str, compression: tuple | None = None) -> RankLayout:
     """Fixed offsets for raw chunks; with ``compression``, large chunks get ordinals of
     their blocks in the object table instead (after the objects', in plan order)."""
@@ -119,16 +141,9 @@ def plan_rank_layout(items: list[WriteItem], rank: int, save_id: str, compressio
     locations: dict = {}
     for (item, nbytes), off in zip(packed, offsets):
         locations[item.index] = ItemLocation(data_file, off, nbytes, -1)
-    ordinal = 0
-    for item in items:
-        if item.type == WriteItemType.BYTE_IO:
-            locations[item.index] = ItemLocation(data_file, -1, -1, ordinal)
-            ordinal += 1
-    if compression is not None:
-        for item, nbytes in sized:
-            if is_compressible(nbytes, compression):
-                locations[item.index] = ItemLocation(data_file, -1, nbytes, ordinal)
-                ordinal += compressed_blocks(nbytes, compression[1])
+    nbytes_of = {item.index: n for item, n in sized}
+    for index, ordinal in table_ordinals(items, compression, lambda item: nbytes_of[item.index]).items():
+        locations[index] = ItemLocation(data_file, -1, nbytes_of.get(index, -1), ordinal)
     return RankLayout(
         rank=rank,
         save_id=save_id,
@@ -201,24 +216,24 @@ def staged_locations(items: list[WriteItem], tensors: dict, compression: tuple |
     """
     from .errors import CheckpointError
 
+    placed: dict = {}  # MetadataIndex -> (offset, nbytes) where the snapshot put it
+    for item in items:
+        if item.type != WriteItemType.BYTE_IO:
+            where = tensors.get(location_key(item.index.fqn, item.index.offset))
+            if where is None:
+                raise CheckpointError(f"rank {rank} planned {item.index.fqn!r} but its snapshot does not hold it")
+            placed[item.index] = where
+    ordinals = table_ordinals(items, compression, lambda item: placed[item.index][1])
     out: dict = {}
-    ordinal = 0
-    for item in items:
-        if item.type == WriteItemType.BYTE_IO:
-            out[location_key(item.index.fqn, item.index.offset)] = (-1, -1, ordinal)
-            ordinal += 1
-    for item in items:
-        if item.type == WriteItemType.BYTE_IO:
-            continue
+    for item in sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO):  # objects first, as before
         key = location_key(item.index.fqn, item.index.offset)
-        placed = tensors.get(key)
-        if placed is None:
-            raise CheckpointError(f"rank {rank} planned {item.index.fqn!r} but its snapshot does not hold it")
-        if is_compressible(placed[1], compression):
-            out[key] = (-1, placed[1], ordinal)
-            ordinal += compressed_blocks(placed[1], compression[1])
+        ordinal = ordinals.get(item.index, -1)
+        if item.type == WriteItemType.BYTE_IO:
+            out[key] = (-1, -1, ordinal)
+        elif ordinal >= 0:  # compressed: its blocks in the object table
+            out[key] = (-1, placed[item.index][1], ordinal)
         else:
-            out[key] = (placed[0], placed[1], -1)
+            out[key] = (*placed[item.index], -1)
     return out
 
 

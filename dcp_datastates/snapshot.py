@@ -299,7 +299,6 @@ class _StagingMonitor:
             snap.future.set_result(snap.staged_dict)
             del snap  # an idle monitor holds no snapshot (and no alias of the caller's tensors)
 
-
     def cancel_unbegun_at_exit(self, timeout: float = 10.0) -> None:
         """At interpreter exit: stop the snapshots still staging or queued, and wait until
         this (daemon) thread has left the engine's wait.
