@@ -55,7 +55,7 @@ def remove_scratch(base: str, root: str, created_base: bool) -> None:
 
 def drop_tree(path: str) -> None:
     """Evict every file under ``path`` from the page cache (the next read hits the disk)."""
-    from dcp_datastates._native import _engine
+    from dcp_datastates.native.engine import _engine
 
     if os.path.isfile(path):
         _engine.drop_page_cache(path)

@@ -1,6 +1,6 @@
 """The command-line tool on a checkpoint bigger than its memory budget: time and peak memory.
 
-Each command runs in a fresh child process (``dcp_datastates.cli.main``), with
+Each command runs in a fresh child process (``dcp_datastates.tools.cli.main``), with
 the checkpoint's files evicted from the page cache first, so every figure is
 a cold run. Per command it reports wall time, GB/s of checkpoint bytes, the
 ratio of that time to the raw disk's time for the same bytes measured in this
@@ -39,7 +39,7 @@ BLOCK = 8 << 20
 CHILD = textwrap.dedent(
     """
     import json, os, sys, time
-    import torch, dcp_datastates.cli as cli
+    import torch, dcp_datastates.tools.cli as cli
     def hwm():
         with open("/proc/self/status") as f:
             for ln in f:
@@ -102,7 +102,7 @@ def run_child(kind: str, payload) -> dict:
 
 def raw_seconds(root: str, nbytes: int) -> tuple[float, float]:
     """(O_DIRECT write s, cold read s) for ``nbytes`` on this disk, now."""
-    from dcp_datastates._native import _engine
+    from dcp_datastates.native.engine import _engine
 
     path = os.path.join(root, "raw.bin")
     w = _engine.probe_sequential_write(path, nbytes, BLOCK, True)
@@ -120,7 +120,7 @@ def commands(src: str, stock: str, out: str) -> list[tuple[str, str, object, str
         ("convert --to safetensors", "cli", ["convert", src, "--to", "safetensors", out, "--quiet"], src, True),
         ("  baseline: dcp.load + safetensors.save_file", "py", textwrap.dedent(f"""
             import torch.distributed.checkpoint as dcp
-            from dcp_datastates.checkpoint_view import CheckpointView
+            from dcp_datastates.tools.checkpoint_view import CheckpointView
             from dcp_datastates import DataStatesReader
             import safetensors.torch as st
             v = CheckpointView({src!r})

@@ -28,7 +28,7 @@ except ImportError as exc:  # pragma: no cover
         "(for example `pip install torch==2.13.0`)"
     ) from exc
 
-from .errors import (
+from dcp_datastates.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -39,12 +39,12 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedFormatError,
 )
-from .fence import install_fence, install_global_fence, snapshots_in_flight, wait_for_snapshots
-from .manager import CheckpointManager, ManagedSave, SkippedCheckpointWarning
-from .planner import DataStatesSavePlanner
-from .reader import DataStatesReader
-from .verify import VerifyReport, verify
-from .writer import DataStatesWriter, SaveStats
+from dcp_datastates.core.fence import install_fence, install_global_fence, snapshots_in_flight, wait_for_snapshots
+from dcp_datastates.manager.checkpoint_manager import CheckpointManager, ManagedSave, SkippedCheckpointWarning
+from dcp_datastates.core.planner import DataStatesSavePlanner
+from dcp_datastates.core.reader import DataStatesReader
+from dcp_datastates.core.verify import VerifyReport, verify
+from dcp_datastates.core.writer import DataStatesWriter, SaveStats
 
 __version__ = "0.1.0"
 

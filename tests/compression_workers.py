@@ -26,7 +26,7 @@ def case(fn):
 
 
 def small_blocks() -> None:
-    from dcp_datastates import compression
+    from dcp_datastates.core import compression
 
     compression.DEFAULT_BLOCK_BYTES = 4096
 

@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
 def _no_error_leaks_between_tests():
     """Every background save error must have been raised to the test that caused it:
     one left unraised would otherwise surface in (and fail) an unrelated later test."""
-    import dcp_datastates.writer as writer_module
+    import dcp_datastates.core.writer as writer_module
 
     yield
     with writer_module._unreported_lock:

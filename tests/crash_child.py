@@ -44,7 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_datastates import DataStatesWriter
-from dcp_datastates._faults import arm, clear
+from dcp_datastates.native.faults import arm, clear
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -53,8 +53,8 @@ def zeros_like_state() -> dict:
 
 
 def crash(root: str, scenario: str, mode: str) -> None:
-    from dcp_datastates._faults import arm
-    from dcp_datastates.manager import CheckpointManager
+    from dcp_datastates.native.faults import arm
+    from dcp_datastates.manager.checkpoint_manager import CheckpointManager
 
     async_save = mode == "async"
     mgr = CheckpointManager(root, keep_last=1 if scenario == "retention" else 3, async_save=async_save)
@@ -99,8 +99,8 @@ def manager_async_saves(rank, world_size, root):
     """Async saves of sharded state on every rank; rank 0 alone moves the pointer and applies retention."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dcp_datastates.checkpoint_root import read_latest
-    from dcp_datastates.manager import CheckpointManager
+    from dcp_datastates.manager.checkpoint_root import read_latest
+    from dcp_datastates.manager.checkpoint_manager import CheckpointManager
 
     mesh = init_device_mesh("cpu", (world_size,))
     mgr = CheckpointManager(root, keep_last=2, keep_every=20, async_save=True)
@@ -135,7 +135,7 @@ def manager_resume_skips_corrupt(rank, world_size, root):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dcp_datastates.manager import CheckpointManager, SkippedCheckpointWarning
+    from dcp_datastates.manager.checkpoint_manager import CheckpointManager, SkippedCheckpointWarning
 
     mesh = init_device_mesh("cpu", (world_size,))
     mgr = CheckpointManager(root, keep_last=None, async_save=False)

@@ -237,7 +237,7 @@ def test_disk_full_in_background_reaches_the_future_and_next_save(small_tmpfs, t
 def test_async_save_failing_after_stage_does_not_block_later_saves(tmp_path, monkeypatch):
     # DCP stages first, then refuses the process executor without a process group:
     # the staged snapshot is never saved and must not hold the next save back.
-    monkeypatch.setattr(dcp_datastates.snapshot, "ABANDON_AFTER_S", 0.2)
+    monkeypatch.setattr(dcp_datastates.core.snapshot, "ABANDON_AFTER_S", 0.2)
     state = make_state(1)
     with pytest.raises(ValueError, match="process group"):
         async_save(state, DataStatesWriter(tmp_path / "p"), async_checkpointer_type=AsyncCheckpointerType.PROCESS)

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from dcp_datastates.checkpoint_view import CheckpointView, _split_box, check_output_apart, read_ahead
+from dcp_datastates.tools.checkpoint_view import CheckpointView, _split_box, check_output_apart, read_ahead
 
 
 def test_read_ahead_keeps_order_and_raises_at_the_failing_item():
@@ -68,7 +68,7 @@ def test_output_may_not_overlap_a_source(tmp_path):
 def test_progress_without_tqdm_draws_nothing_and_still_counts(monkeypatch):
     import sys
 
-    from dcp_datastates.progress import LazyProgress
+    from dcp_datastates.tools.progress import LazyProgress
 
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
     with LazyProgress("x") as progress:

@@ -2,7 +2,7 @@
 
 Starting Python with torch costs seconds on the 2-core machines, so the
 conversions whose outputs are checked run in one child process that calls
-``dcp_datastates.cli.main`` once per command line (same parser, same error
+``dcp_datastates.tools.cli.main`` once per command line (same parser, same error
 handling, same exit status as ``python -m dcp_datastates``); the error cases
 run as real ``python -m dcp_datastates`` processes, side by side.
 """
@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 import cli_checkpoints
 from conftest import assert_same
 from dcp_datastates import DataStatesReader, DataStatesWriter, verify
-from dcp_datastates.checkpoint_view import CheckpointView
+from dcp_datastates.tools.checkpoint_view import CheckpointView
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402
@@ -37,7 +37,7 @@ CPLX_UNSUPPORTED = ("model.complex.c128", "model.complex.c32")  # dtypes safeten
 
 DRIVER = r"""
 import contextlib, io, json, sys, traceback
-from dcp_datastates import cli
+from dcp_datastates.tools import cli
 results = []
 for argv in json.loads(sys.argv[1]):
     out, err = io.StringIO(), io.StringIO()
@@ -474,7 +474,7 @@ def big_checkpoint(tmp_path_factory):
 
 MEMORY_CHILD = r"""
 import json, os, re, sys
-from dcp_datastates import cli
+from dcp_datastates.tools import cli
 
 def hwm_kib():
     return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1))
@@ -555,7 +555,7 @@ def test_full_disk_error_names_the_output_and_leaves_nothing(small_tmpfs, tmp_pa
     a full disk killed the process with SIGBUS.)"""
     import errno
 
-    from dcp_datastates.convert import convert_checkpoint
+    from dcp_datastates.tools.convert import convert_checkpoint
 
     src = tmp_path / "src"
     dcp.save({"w": torch.randn(1 << 20), "b": torch.randn(1000)}, storage_writer=DataStatesWriter(src), no_dist=True)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import DataStatesWriter
-from dcp_datastates.diff import layer_of
+from dcp_datastates.tools.diff import layer_of
 
 RTOL = 1e-9
 
@@ -277,7 +277,7 @@ def test_layer_grouping():
 
 
 def test_plot_without_matplotlib(run_checkpoints, tmp_path):
-    code = ("import sys; sys.modules['matplotlib'] = None; from dcp_datastates.cli import main; "
+    code = ("import sys; sys.modules['matplotlib'] = None; from dcp_datastates.tools.cli import main; "
             "sys.exit(main(sys.argv[1:]))")
     first = run_checkpoints.checkpoints[0].path
     r = subprocess.run([sys.executable, "-c", code, "diff", first, first, "--plot", str(tmp_path / "x.png")],

@@ -34,7 +34,7 @@ RAW_BITS = {  # torch dtypes numpy lacks -> what the export stores
 
 _BATCH = r"""
 import contextlib, io, json, sys
-from dcp_datastates.cli import main
+from dcp_datastates.tools.cli import main
 
 results = []
 for argv in json.loads(sys.argv[1]):
@@ -351,7 +351,7 @@ def test_bad_inputs_and_help(tmp_path):
 
 def test_missing_library_is_one_line(run_checkpoints, tmp_path):
     code = (
-        "import sys; sys.modules['h5py'] = None; from dcp_datastates.cli import main; "
+        "import sys; sys.modules['h5py'] = None; from dcp_datastates.tools.cli import main; "
         f"sys.exit(main(['export', {run_checkpoints.checkpoints[0].path!r}, '--format', 'hdf5', "
         f"'--out', {str(tmp_path / 'o.h5')!r}]))"
     )
@@ -365,7 +365,7 @@ def test_missing_library_is_one_line(run_checkpoints, tmp_path):
 _MEASURE = r"""
 import sys
 import h5py, numpy, tensorstore, torch  # imported before the baseline: not the export's memory
-import dcp_datastates.cli, dcp_datastates.export
+import dcp_datastates.tools.cli, dcp_datastates.tools.export
 
 def status(field):
     for line in open("/proc/self/status"):
@@ -378,7 +378,7 @@ try:
 except OSError:
     pass
 base = status("VmRSS")
-rc = dcp_datastates.cli.main(sys.argv[1:])
+rc = dcp_datastates.tools.cli.main(sys.argv[1:])
 print((status("VmHWM") - base) >> 20)
 sys.exit(rc)
 """

@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dcp_datastates.checkpoint_root import write_latest
-from dcp_datastates.checkpoint_view import CheckpointView
-from dcp_datastates.cli_listing import _rank_numbers
-from dcp_datastates.cli_text import human_bytes
-from dcp_datastates.format import FORMAT_VERSION
+from dcp_datastates.manager.checkpoint_root import write_latest
+from dcp_datastates.tools.checkpoint_view import CheckpointView
+from dcp_datastates.tools.listing import _rank_numbers
+from dcp_datastates.tools.text import human_bytes
+from dcp_datastates.format.rank_index import FORMAT_VERSION
 
 FAKE_RANK_FILE = "rank00000-0123456789ab.data"
 

@@ -24,12 +24,12 @@ from dcp_datastates import (
     DataStatesReader,
     DataStatesSavePlanner,
     DataStatesWriter,
-    cli,
-    compression,
     verify,
 )
-from dcp_datastates.checkpoint_view import CheckpointView
-from dcp_datastates.format import CheckpointLayout
+from dcp_datastates.core import compression
+from dcp_datastates.tools import cli
+from dcp_datastates.tools.checkpoint_view import CheckpointView
+from dcp_datastates.format.rank_index import CheckpointLayout
 
 zstandard = pytest.importorskip("zstandard")
 from torch.distributed.checkpoint._extension import StreamTransformExtension, ZStandard  # noqa: E402

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 
 from conftest import assert_same, data_files, index_files, load, raises_from_checkpoint
 from dcp_datastates import DataStatesWriter, verify
-from dcp_datastates import commit
+from dcp_datastates.core import commit
 from dcp_datastates.errors import CheckpointExistsError
 
 _OTHER_SAVE = textwrap.dedent(

@@ -29,8 +29,8 @@ from dcp_datastates import (
     UnsupportedFormatError,
     verify,
 )
-from dcp_datastates._native import crc32c
-from dcp_datastates.format import _HEADER, _OBJECT, _SEGMENT, decode_index
+from dcp_datastates.native.engine import crc32c
+from dcp_datastates.format.rank_index import _HEADER, _OBJECT, _SEGMENT, decode_index
 
 MiB = 1 << 20
 

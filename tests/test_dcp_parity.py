@@ -40,8 +40,8 @@ from dcp_datastates import (
     UnsafeCheckpointError,
     verify,
 )
-from dcp_datastates.format import METADATA_FILE
-from dcp_datastates.metadata_file import decode_metadata, encode_metadata, read_commit_sequence
+from dcp_datastates.format.rank_index import METADATA_FILE
+from dcp_datastates.format.metadata_file import decode_metadata, encode_metadata, read_commit_sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -324,7 +324,7 @@ def _legacy_stock_checkpoint(tmp_path):
 
 
 def test_legacy_tensor_properties_in_stock_checkpoint_view(tmp_path):
-    from dcp_datastates.checkpoint_view import CheckpointView
+    from dcp_datastates.tools.checkpoint_view import CheckpointView
 
     path = _legacy_stock_checkpoint(tmp_path)
     view = CheckpointView(path)  # safe mode: the restricted metadata unpickler
@@ -519,7 +519,7 @@ def test_code_and_unsafe_numpy_are_still_refused(tmp_path, make, what):
 
 def test_numpy_stand_ins_work_only_inside_the_check():
     """Another thread's torch.load(weights_only=True) during a check never gets a stand-in."""
-    from dcp_datastates import plain_numpy
+    from dcp_datastates.format import plain_numpy
 
     with pytest.raises(pickle.UnpicklingError, match="add_safe_globals"):
         plain_numpy.NumpyDtype("f4", False, True)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from dcp_datastates import demo
+from dcp_datastates.demo import main as demo
 
 TINY = ["--vocab", "128", "--seq-len", "32", "--d-model", "64", "--layers", "2", "--heads", "2", "--batch", "8"]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dcp_datastates import _engine
-from dcp_datastates._native import get_engine
+from dcp_datastates.native.engine import get_engine
 
 WINDOW = 64 << 10
 
@@ -152,7 +152,7 @@ def test_probes(tmp_path):
 def test_durable_false_skips_the_fsync_of_scratch_files(engine, tmp_path, durable):
     """Async compressed saves stage raw bytes into a scratch file that is read back and
     removed: it is written without the fsync a checkpoint file gets (an fsync fault shows it)."""
-    from dcp_datastates._faults import inject_fault
+    from dcp_datastates.native.faults import inject_fault
 
     data = _bytes(3 * engine.window_bytes + 17)
     path = str(tmp_path / "scratch")

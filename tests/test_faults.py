@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 import dcp_datastates
 from conftest import assert_same, data_files, load, mounted_tmpfs, raises_from_checkpoint, save
 from dcp_datastates import DataStatesReader, DataStatesWriter, verify
-from dcp_datastates._faults import clear, fired, inject_fault
+from dcp_datastates.native.faults import clear, fired, inject_fault
 
 MiB = 1 << 20
 SMALL = dict(host_cache_bytes=4 * MiB, window_bytes=1 * MiB)
@@ -31,8 +31,8 @@ SMALL = dict(host_cache_bytes=4 * MiB, window_bytes=1 * MiB)
 def _disarm_and_collect_background_errors():
     yield
     clear()
-    with dcp_datastates.writer._unreported_lock:
-        dcp_datastates.writer._unreported.clear()
+    with dcp_datastates.core.writer._unreported_lock:
+        dcp_datastates.core.writer._unreported.clear()
 
 
 def make_state(seed=0):
@@ -195,7 +195,7 @@ def test_short_writes_everywhere_still_produce_an_exact_checkpoint(tmp_path, dir
         dict(path=".index"),
         dict(path=".metadata"),
     ]
-    from dcp_datastates._faults import arm
+    from dcp_datastates.native.faults import arm
 
     ids = [arm("write", action="short", times=-1, **r) for r in rules]
     try:
@@ -251,8 +251,8 @@ def _failing_saves(tmp_path, n, tag):
                 resp = async_save(state, DataStatesWriter(path, **SMALL))
                 with raises_from_checkpoint(OSError):
                     resp.upload_completion.result(timeout=60)
-                with dcp_datastates.writer._unreported_lock:  # raised above already
-                    dcp_datastates.writer._unreported.clear()
+                with dcp_datastates.core.writer._unreported_lock:  # raised above already
+                    dcp_datastates.core.writer._unreported.clear()
             else:
                 with raises_from_checkpoint(OSError):
                     save(state, path, **SMALL)
@@ -300,7 +300,7 @@ def test_real_disk_full_then_space_back(small_tmpfs):
 
 
 def test_fault_rules_are_validated():
-    from dcp_datastates._faults import arm
+    from dcp_datastates.native.faults import arm
 
     with pytest.raises(ValueError, match="fault op"):
         arm("truncate")
@@ -322,7 +322,7 @@ def test_error_after_the_rename_keeps_the_committed_checkpoint(tmp_path, monkeyp
     def failing_fsync_dir(directory):
         raise OSError(errno.EIO, "injected: directory fsync failed", directory)
 
-    monkeypatch.setattr(dcp_datastates.writer, "fsync_dir", failing_fsync_dir)
+    monkeypatch.setattr(dcp_datastates.core.writer, "fsync_dir", failing_fsync_dir)
     new = make_state(1)
     with raises_from_checkpoint(dcp_datastates.CheckpointError, match="is committed") as info:
         if mode == "sync":

@@ -156,7 +156,7 @@ def _use_in_parent(root: str):
 
 def _work_in_child(root: str, tag: str, parent_writer, parent_reader) -> None:
     """Save and load with new objects and with the parent's: sync and async."""
-    from dcp_datastates import fence
+    from dcp_datastates.core import fence
 
     assert fence.snapshots_in_flight() == 0  # the parent's snapshots are not the child's
     fence.wait_for_snapshots()
@@ -298,8 +298,9 @@ def case_in_flight(root: str) -> None:
     saves and loads (also with that very writer), and the parent's save still commits."""
     import torch.distributed.checkpoint as dcp
 
-    from dcp_datastates import DataStatesWriter, fence
-    from dcp_datastates.sequencer import SEQUENCER
+    from dcp_datastates import DataStatesWriter
+    from dcp_datastates.core import fence
+    from dcp_datastates.core.sequencer import SEQUENCER
 
     writer, reader = _use_in_parent(root)
     state = _state(3)
@@ -335,7 +336,7 @@ def case_engine(root: str) -> None:
 
     import torch
 
-    from dcp_datastates import _native
+    from dcp_datastates.native import engine as _native
 
     engine = _native.get_engine(**SETTINGS)
     data = torch.arange(3 * MiB // 8, dtype=torch.int64)

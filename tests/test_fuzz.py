@@ -22,9 +22,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from conftest import assert_same, index_files, load, save, unwrap
 from dcp_datastates import CheckpointError, DataStatesReader
-from dcp_datastates._native import crc32c
-from dcp_datastates.format import CheckpointLayout, decode_index
-from dcp_datastates.metadata_file import decode_metadata, split_trailer
+from dcp_datastates.native.engine import crc32c
+from dcp_datastates.format.rank_index import CheckpointLayout, decode_index
+from dcp_datastates.format.metadata_file import decode_metadata, split_trailer
 
 CI_EXAMPLES = 2000
 SLOW_EXAMPLES = 20000

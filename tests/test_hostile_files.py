@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from conftest import assert_same, data_files, index_files, load, save, unwrap
 from dcp_datastates import CheckpointError, CorruptCheckpointError, DataStatesReader, DataStatesWriter, verify
-from dcp_datastates.format import _HEADER, FORMAT_VERSION, INDEX_MAGIC, CheckpointLayout, RankFiles
-from dcp_datastates.metadata_file import _TRAILER, TRAILER_MAGIC, encode_metadata
+from dcp_datastates.format.rank_index import _HEADER, FORMAT_VERSION, INDEX_MAGIC, CheckpointLayout, RankFiles
+from dcp_datastates.format.metadata_file import _TRAILER, TRAILER_MAGIC, encode_metadata
 
 GiB = 1 << 30
 MiB = 1 << 20

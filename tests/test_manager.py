@@ -15,12 +15,12 @@ import torch
 
 from conftest import assert_same
 from dcp_datastates import CheckpointError, CheckpointExistsError, CorruptCheckpointError, verify
-from dcp_datastates._faults import inject_fault
-from dcp_datastates.checkpoint_root import LATEST_FILE, is_committed, read_latest, step_dirs
+from dcp_datastates.native.faults import inject_fault
+from dcp_datastates.manager.checkpoint_root import LATEST_FILE, is_committed, read_latest, step_dirs
 from dcp_datastates.errors import CheckpointNotFoundError, IncompleteCheckpointError
-from dcp_datastates.format import METADATA_FILE
-from dcp_datastates.metadata_file import read_commit_sequence
-from dcp_datastates.manager import LOCK_FILE, CheckpointManager, CheckpointManagerWarning, SkippedCheckpointWarning
+from dcp_datastates.format.rank_index import METADATA_FILE
+from dcp_datastates.format.metadata_file import read_commit_sequence
+from dcp_datastates.manager.checkpoint_manager import LOCK_FILE, CheckpointManager, CheckpointManagerWarning, SkippedCheckpointWarning
 from manager_workers import run_ranks, state_at, zeros_like_state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -104,7 +104,7 @@ def test_retention_keep_last_and_keep_every(tmp_path, async_save):
 
 
 def test_pointer_moves_only_after_commit_and_fsync(tmp_path, monkeypatch):
-    import dcp_datastates.manager as manager_module
+    import dcp_datastates.manager.checkpoint_manager as manager_module
 
     root = str(tmp_path / "run")
     events = []
@@ -468,8 +468,8 @@ def _as_unsequenced(root) -> None:
     import pickle
     import time
 
-    from dcp_datastates._native import crc32c
-    from dcp_datastates.metadata_file import _TRAILER_V3, TRAILER_MAGIC_V3, split_trailer
+    from dcp_datastates.native.engine import crc32c
+    from dcp_datastates.format.metadata_file import _TRAILER_V3, TRAILER_MAGIC_V3, split_trailer
 
     for name in sorted(step_dirs(str(root)).values(), key=lambda n: os.stat(root / n / METADATA_FILE).st_ctime_ns):
         md = root / name / METADATA_FILE

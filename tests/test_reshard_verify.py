@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from conftest import data_files, raises_from_checkpoint, save
 from dcp_datastates import ChecksumMismatchError, DataStatesReader
-from dcp_datastates.format import RankIndex
+from dcp_datastates.format.rank_index import RankIndex
 
 
 def test_covering_range_widens_to_whole_segments():

@@ -17,7 +17,7 @@ import torch
 
 from conftest import assert_same, load, raises_from_checkpoint, save
 from dcp_datastates import DataStatesReader, UnsafeCheckpointError, verify
-from dcp_datastates.metadata_file import encode_metadata
+from dcp_datastates.format.metadata_file import encode_metadata
 
 
 @dataclasses.dataclass
@@ -119,8 +119,8 @@ def test_only_metadata_types_are_admitted(tmp_path, module, name):
 
 
 def _with_trailer(pickled: bytes) -> bytes:
-    from dcp_datastates._native import crc32c
-    from dcp_datastates.metadata_file import _SEQUENCE, _TRAILER, TRAILER_MAGIC
+    from dcp_datastates.native.engine import crc32c
+    from dcp_datastates.format.metadata_file import _SEQUENCE, _TRAILER, TRAILER_MAGIC
 
     crc = crc32c(_SEQUENCE.pack(0), crc32c(pickled))
     return pickled + _TRAILER.pack(TRAILER_MAGIC, len(pickled), 0, crc, 0)
@@ -177,7 +177,7 @@ def test_huge_memo_index_does_not_allocate(tmp_path):
 
 
 def test_overwrite_never_deletes_a_file_the_old_metadata_names_outside(tmp_path):
-    from dcp_datastates.format import RankFiles
+    from dcp_datastates.format.rank_index import RankFiles
 
     ckpt, precious = tmp_path / "c", tmp_path / "precious.txt"
     precious.write_text("keep me")

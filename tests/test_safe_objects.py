@@ -22,9 +22,9 @@ import torch
 
 from conftest import load, save
 from dcp_datastates import CorruptCheckpointError, UnsafeCheckpointError, verify
-from dcp_datastates.checkpoint_view import CheckpointView
-from dcp_datastates import safe_objects
-from dcp_datastates.safe_objects import check_object_is_plain
+from dcp_datastates.tools.checkpoint_view import CheckpointView
+from dcp_datastates.format import safe_objects
+from dcp_datastates.format.safe_objects import check_object_is_plain
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -261,7 +261,7 @@ def test_load_plain_object_returns_real_values():
 
 
 def test_view_and_convert_read_set_datetime_and_numpy_objects(tmp_path):
-    from dcp_datastates.cli import main
+    from dcp_datastates.tools.cli import main
 
     state = {
         "w": torch.ones(4), "tags": {"a", "b"}, "when": datetime.datetime(2024, 1, 1),

@@ -285,7 +285,7 @@ TICKET_ORDER_SCRIPT = textwrap.dedent(
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed.checkpoint as dcp
-    import dcp_datastates.snapshot as snapshot
+    import dcp_datastates.core.snapshot as snapshot
     from dcp_datastates import DataStatesWriter
 
     real_submit = snapshot.submit

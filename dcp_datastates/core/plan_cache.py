@@ -1,0 +1,126 @@
+"""Saving with DCP's save-plan caching (``DefaultSavePlanner(enable_plan_caching=True)``).
+
+With plan caching, a rank whose local plan has not changed since the save
+that filled DCP's cache sends an empty, unusable plan, and the coordinator
+answers with an unusable plan; the rank then writes the final plan DCP cached
+in that earlier save. That plan's storage data names the earlier save: its
+save id, hence its file names. Offsets are a function of the plan's items
+(:mod:`layout`), so they stay right; only the files must be new for every
+save (an overwrite must never write into the files of the checkpoint it
+replaces). So, in a save where some plan came from the cache:
+
+* a rank places its items again, in files named by its own new save id
+  (:func:`is_stale` tells such a plan from a fresh one);
+* every rank reports the files it wrote in its write results
+  (:func:`report_result`), which reach the coordinator's ``finish``;
+* the coordinator builds the checkpoint's layout from those results
+  (:func:`layout_from_results`) instead of assigning it while planning, and
+  serializes the metadata then.
+
+Saves without cached plans keep the coordinator's layout and the early
+metadata; their reports only confirm it (:func:`reports_match`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+
+from dcp_datastates.errors import CheckpointError
+from dcp_datastates.format.rank_index import FORMAT_NAME, FORMAT_VERSION, CheckpointLayout, ItemLocation, RankFiles, location_key
+from dcp_datastates.core.layout import RankPlanData, StagedRankData
+
+# The key of a rank's report among its write results: no state-dict key starts with NUL.
+REPORT_INDEX = MetadataIndex("\x00dcp_datastates.rank_files")
+
+_WRITTEN_MARK = "_dcp_datastates_written"  # set on plan storage data a rank has written
+
+
+@dataclasses.dataclass(frozen=True)
+class RankReport:
+    """The files a rank wrote in this save (``WriteResult.storage_data`` of :data:`REPORT_INDEX`)."""
+
+    data_file: str
+    index_file: str
+    save_id: str
+    compression: tuple | None = None
+
+
+def is_stale(info) -> bool:
+    """Whether a synchronous rank's plan storage data is from DCP's cache (an earlier save):
+    a layout this process already wrote, an asynchronous snapshot's placement, or the
+    storage data of another writer (a FileSystemWriter save that filled DCP's cache)."""
+    if info is None:
+        return False  # no storage data at all: the caller reports a skipped prepare_global_plan
+    if not isinstance(info, RankPlanData):
+        return True
+    return getattr(info, _WRITTEN_MARK, False)
+
+
+def mark_written(info: RankPlanData) -> None:
+    """Remember plan storage data a rank is writing (DCP may hand it back from its cache)."""
+    object.__setattr__(info, _WRITTEN_MARK, True)  # a frozen dataclass: a marker, not a field
+
+
+def report_result(report: RankReport) -> WriteResult:
+    return WriteResult(index=REPORT_INDEX, size_in_bytes=0, storage_data=report)
+
+
+def split_reports(results: list[list[WriteResult]]) -> tuple[list[list[WriteResult]], list[RankReport | None]]:
+    """Each rank's item results without its report, and the reports (None where a rank sent none)."""
+    items, reports = [], []
+    for rank_results in results:
+        report = None
+        kept = []
+        for wr in rank_results:
+            if wr.index == REPORT_INDEX and isinstance(wr.storage_data, RankReport):
+                report = wr.storage_data
+            else:
+                kept.append(wr)
+        items.append(kept)
+        reports.append(report)
+    return items, reports
+
+
+def reports_match(layout: CheckpointLayout, reports: list[RankReport | None]) -> bool:
+    """Whether every rank wrote the files ``layout`` names for it."""
+    named = {r.rank: r for r in layout.ranks}
+    for rank, report in enumerate(reports):
+        files = named.get(rank)
+        if report is None:
+            continue
+        if files is None or (files.data_file, files.index_file) != (report.data_file, report.index_file):
+            return False
+    return True
+
+
+def layout_from_results(
+    results: list[list[WriteResult]], reports: list[RankReport | None], save_id: str, metadata: Metadata, where: str
+) -> CheckpointLayout:
+    """The checkpoint's layout from what the ranks wrote: their files and every item's location."""
+    ranks, entries, compressions = [], [], set()
+    for rank, (rank_results, report) in enumerate(zip(results, reports)):
+        if report is None:
+            raise CheckpointError(f"rank {rank} did not report its files (is every rank's writer a DataStatesWriter?)")
+        ranks.append(RankFiles(rank, report.data_file, report.index_file, report.save_id))
+        compressions.add(report.compression)
+        for wr in rank_results:
+            loc = wr.storage_data
+            if not isinstance(loc, ItemLocation) or loc.relative_path != report.data_file:
+                raise CheckpointError(
+                    f"rank {rank}'s write result for {wr.index.fqn!r} names {getattr(loc, 'relative_path', loc)!r}, "
+                    f"not the data file it reported ({report.data_file})"
+                )
+            entries.append((*location_key(wr.index.fqn, wr.index.offset), rank, loc.offset, loc.length, loc.object_ordinal))
+    if len(compressions) > 1:
+        raise CheckpointError(
+            f"ranks wrote with different compression settings ({sorted(map(str, compressions))}); "
+            "every rank's DataStatesWriter must use the same compression"
+        )
+    compression = compressions.pop() if compressions else None
+    layout = CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, save_id, ranks, entries, compression)
+    layout.validate(where)
+    layout.check_covers(metadata, where)
+    return layout

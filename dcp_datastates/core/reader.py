@@ -1,0 +1,418 @@
+"""DataStatesReader: the StorageReader of dcp_datastates.
+
+DCP's load planner decides which saved chunks overlap which destination
+shards (that is what lets a checkpoint saved on N ranks load on M). For every
+such ReadItem this reader reads only the bytes it needs: a slice of a saved
+chunk along dim 0 (or the whole chunk) is one contiguous range, read by the
+engine straight into the destination tensor when that is a contiguous CPU
+tensor of the saved dtype. Other slices read their bounding range into a
+temporary buffer and copy the slice out. Reads run in parallel on the
+engine's I/O threads, and every checksum segment a read covers is verified
+(``verify=False`` skips that).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import stat
+import uuid
+from typing import Any, Callable
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from dcp_datastates.native import engine as _native
+from dcp_datastates.errors import (
+    ChecksumMismatchError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsupportedFormatError,
+)
+from dcp_datastates.format.rank_index import DATA_FILE_RE, METADATA_FILE, CheckpointLayout, IndexLimits, RankIndex, object_entries
+from dcp_datastates.format.checkpoint_files import read_rank_index
+from dcp_datastates.format.metadata_file import read_metadata_file
+from dcp_datastates.format.safe_objects import plain_object_stream
+
+TEMP_BUDGET_BYTES = 512 << 20  # temporaries alive at once while reading non-direct items
+
+
+class DataStatesReader(StorageReader):
+    """Read dcp_datastates checkpoints, resharding to any world size through DCP.
+
+    Args:
+        path: checkpoint directory (or pass ``checkpoint_id`` to ``dcp.load``).
+        verify: verify the CRC32C of every byte read (reads are widened to whole
+            checksum segments; a byte no checksum covers is an error).
+        allow_pickle: unpickle anything the checkpoint holds. By default (safe
+            mode) ``.metadata`` is read by an unpickler that admits only DCP's
+            metadata types, and saved Python objects must load with
+            ``torch.load(weights_only=True)`` (plain data and tensors), so a
+            checkpoint from someone else cannot run code; anything else raises
+            :class:`UnsafeCheckpointError` naming the key. Pass ``True`` only
+            for checkpoints you trust.
+        io_threads: engine threads reading (and verifying) in parallel.
+        window_bytes: the largest single read; also the write window size.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        verify: bool = True,
+        allow_pickle: bool = False,
+        io_threads: int = _native.DEFAULT_READ_THREADS,
+        window_bytes: int = _native.DEFAULT_WINDOW_BYTES,
+    ) -> None:
+        super().__init__()
+        self.path = os.fspath(path) if path is not None else None
+        self.verify = verify
+        self.allow_pickle = allow_pickle
+        # Reads go straight into destinations: the engine's pool is not used,
+        # so the reader's engine gets the smallest one (two windows).
+        self._engine_ref = _native.ProcessEngine(2 * window_bytes, io_threads, window_bytes)
+        self._metadata: Metadata | None = None
+        self._layout: CheckpointLayout | None = None
+        self._indexes: dict[str, RankIndex] = {}
+        self._chunks: dict[str, dict[tuple, Any]] = {}
+        # DCP's id of this reader's load (StorageMeta.load_id), as FileSystemReader keeps it:
+        # made here and by every reset(); read_metadata() stamps it into the metadata.
+        self.load_id = str(uuid.uuid4())
+
+    @property
+    def _engine(self) -> _native._engine.Engine:
+        """This process's engine for the reader's settings (a reader made before a
+        fork gets the child's own engine there: the parent's has no threads in it)."""
+        return self._engine_ref.get()
+
+    # -- StorageReader protocol -------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.load_id = str(uuid.uuid4())
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        self._metadata = None
+        self._layout = None
+        self._indexes = {}
+        self._chunks = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            path = os.fspath(checkpoint_id)
+        except TypeError:
+            return False
+        return isinstance(path, str) and os.path.isfile(os.path.join(path, METADATA_FILE))
+
+    def read_metadata(self, *args: Any, **_options: Any) -> Metadata:
+        # The catch-all is deliberately not named ``kwargs``: DCP 2.13 probes for
+        # that name and would retry with per-rank metadata, which we never write.
+        if self.path is None:
+            raise ValueError("DataStatesReader has no path: pass one or give dcp.load a checkpoint_id")
+        md_path = os.path.join(self.path, METADATA_FILE)
+        try:
+            metadata, checksummed = read_metadata_file(md_path, self.allow_pickle)
+        except FileNotFoundError:
+            raise self._missing_checkpoint_error() from None
+        layout = metadata.storage_data
+        if not isinstance(layout, CheckpointLayout):
+            raise UnsupportedFormatError(
+                f"{self.path} was not written by dcp_datastates (its storage data is a "
+                f"{type(layout).__name__}); load it with torch.distributed.checkpoint.FileSystemReader"
+            )
+        layout.validate(md_path)
+        layout.check_covers(metadata, md_path)
+        if layout.version >= 3 and not checksummed:
+            raise CorruptCheckpointError(
+                f"{md_path} is corrupt: format version {layout.version} ends with a checksum trailer, "
+                "and this file has none (truncated or edited?)"
+            )
+        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader does
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        self._metadata, self._layout = metadata, layout
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata is not self._metadata:
+            layout = metadata.storage_data
+            if not isinstance(layout, CheckpointLayout):
+                raise UnsupportedFormatError(f"{self.path}: metadata was not written by dcp_datastates")
+            layout.validate(os.path.join(self.path, METADATA_FILE))
+            self._metadata, self._layout = metadata, layout
+        self._indexes = {}
+        self._chunks = {}
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        with _native.gc_paused():
+            batch = _ReadBatch(self)
+            for item in plan.items:
+                batch.add(item, planner)
+                if batch.temp_bytes >= TEMP_BUDGET_BYTES:
+                    batch.run()
+                    batch = _ReadBatch(self)
+            batch.run()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # -- helpers ----------------------------------------------------------------
+
+    def _missing_checkpoint_error(self) -> Exception:
+        if not os.path.isdir(self.path):
+            return CheckpointNotFoundError(f"no checkpoint at {self.path}: the directory does not exist")
+        names = os.listdir(self.path)
+        ours = [n for n in names if DATA_FILE_RE.match(n) or n.startswith(METADATA_FILE + ".")]
+        if ours:
+            return IncompleteCheckpointError(
+                f"checkpoint at {self.path} is incomplete: it has {len(ours)} data/index file(s) "
+                f"but no {METADATA_FILE}, so it was never committed (the save was interrupted or "
+                "failed); its data cannot be trusted"
+            )
+        return CheckpointNotFoundError(f"no checkpoint at {self.path}: {METADATA_FILE} is missing")
+
+    def rank_index(self, relative_path: str) -> RankIndex:
+        """The index of the rank whose data file is ``relative_path`` (loaded once, validated).
+
+        The data file is looked at first: its size, and the objects the layout
+        places in the rank, bound what the index may claim
+        (:func:`checkpoint_files.read_rank_index` refuses a hostile index by
+        its header and checksum before reading it whole).
+        """
+        idx = self._indexes.get(relative_path)
+        if idx is not None:
+            return idx
+        files = next((r for r in self._layout.ranks if r.data_file == relative_path), None)
+        if files is None:
+            raise CorruptCheckpointError(f"{self.path}: metadata names data file {relative_path} of no rank")
+        index_path = os.path.join(self.path, files.index_file)
+        data_path = os.path.join(self.path, files.data_file)
+        missing = CorruptCheckpointError(f"rank {files.rank}'s index file {index_path} is missing; the checkpoint is damaged")
+        if not os.path.lexists(index_path):
+            raise missing
+        try:
+            st = os.lstat(data_path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"rank {files.rank}'s data file {data_path} is missing; the checkpoint is damaged"
+            ) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{data_path} is not a regular file; checkpoint files must be regular files")
+        try:
+            idx = read_rank_index(index_path, IndexLimits(data_path, st.st_size, self._object_entries()[files.rank]))
+        except FileNotFoundError:
+            raise missing from None
+        expected_sid = files.files_save_id(self._layout.save_id)
+        if idx.save_id != expected_sid or idx.rank != files.rank:
+            raise CorruptCheckpointError(
+                f"{index_path} belongs to rank {idx.rank} of save {idx.save_id}, expected rank "
+                f"{files.rank} of save {expected_sid} (files from different checkpoints mixed?)"
+            )
+        self._indexes[relative_path] = idx
+        return idx
+
+    def _object_entries(self) -> dict[int, int]:
+        """``format.object_entries`` of the current layout (computed once per layout)."""
+        layout, counts = getattr(self, "_object_entries_of", (None, None))
+        if layout is not self._layout:
+            counts = object_entries(self._layout)
+            self._object_entries_of = (self._layout, counts)
+        return counts
+
+    def chunk_sizes(self, index: MetadataIndex) -> tuple[torch.dtype, tuple[int, ...]]:
+        md = self._metadata.state_dict_metadata.get(index.fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CorruptCheckpointError(f"{self.path}: {index.fqn!r} is not a tensor in the metadata")
+        table = self._chunks.get(index.fqn)
+        if table is None:
+            table = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
+            self._chunks[index.fqn] = table
+        sizes = table.get(tuple(index.offset or ()))
+        if sizes is None:
+            raise CorruptCheckpointError(f"{self.path}: no saved chunk of {index.fqn!r} at offset {tuple(index.offset)}")
+        return md.properties.dtype, sizes
+
+
+def _contiguous_range(sizes, offsets, lengths) -> tuple[int, int, bool]:
+    """Element range [start, start+count) of a sub-block in a row-major chunk.
+
+    Returns (start, count, exact): exact when the block is that whole range
+    (a dim-0 slice, or a slice that is full in every inner dim); otherwise
+    the range is the bounding range from its first to its last element.
+    """
+    ndim = len(sizes)
+    if ndim == 0:
+        return 0, 1, True
+    if ndim == 1:  # the common case, kept cheap: one call per saved item on every load
+        return offsets[0], lengths[0], True
+    start = last = 0
+    stride = numel = 1
+    for d in range(ndim - 1, -1, -1):
+        o, n = offsets[d], lengths[d]
+        if n == 0:
+            return 0, 0, True
+        start += o * stride
+        last += (o + n - 1) * stride
+        numel *= n
+        stride *= sizes[d]
+    count = last - start + 1
+    return start, count, count == numel
+
+
+class _ReadBatch:
+    """A set of reads submitted to the engine together, then committed to DCP."""
+
+    def __init__(self, reader: DataStatesReader) -> None:
+        self.reader = reader
+        self.files: dict[str, int] = {}  # relative path -> index into paths
+        self.paths: list[str] = []  # full paths of the files read
+        self.requests: list[tuple] = []
+        self.keys: list[str] = []
+        self.keep: list[Any] = []
+        self.after: list[Callable[[], None]] = []
+        self.decode: list[Callable[[], None]] = []  # decompressions, run in parallel before ``after``
+        self.temp_bytes = 0
+
+    def _file(self, relative_path: str) -> int:
+        i = self.files.get(relative_path)
+        if i is None:
+            i = self.files[relative_path] = len(self.paths)
+            self.paths.append(os.path.join(self.reader.path, relative_path))
+        return i
+
+    def _request(self, key: str, relative_path: str, offset: int, nbytes: int, pointer: int, idx: RankIndex) -> None:
+        file = self._file(relative_path)
+        checks = idx.checks_tiling(offset, nbytes, self.paths[file], key) if self.reader.verify else []
+        self.requests.append((file, offset, nbytes, pointer, checks))
+        self.keys.append(key)
+
+    def add(self, item: ReadItem, planner: LoadPlanner) -> None:
+        reader = self.reader
+        loc = reader._layout.location(item.storage_index)
+        if loc is None:
+            raise CorruptCheckpointError(
+                f"{reader.path}: metadata has no stored location for {item.storage_index.fqn!r}"
+            )
+        idx = reader.rank_index(loc.relative_path)
+        key = item.storage_index.fqn
+        if item.type == LoadItemType.BYTE_IO:
+            if not 0 <= loc.object_ordinal < len(idx.objects):
+                raise CorruptCheckpointError(
+                    f"{reader.path}: object {key!r} refers to entry {loc.object_ordinal} of an "
+                    f"index with {len(idx.objects)} objects"
+                )
+            offset, nbytes = idx.objects[loc.object_ordinal]
+            buf = bytearray(nbytes)
+            if nbytes:
+                self._request(key, loc.relative_path, offset, nbytes, _native.bytearray_address(buf), idx)
+                self.keep.append(buf)
+            allow = reader.allow_pickle
+            where = os.path.join(reader.path, loc.relative_path)
+
+            def load_object() -> None:
+                # Safe mode: DCP unpickles our own pickle of the checked values, never the saved bytes.
+                stream = io.BytesIO(buf) if allow else plain_object_stream(buf, key, where, map_location=None)
+                planner.load_bytes(item, stream)
+
+            self.after.append(load_object)
+            return
+
+        dtype, sizes = reader.chunk_sizes(item.storage_index)
+        itemsize = dtype.itemsize
+        if loc.length != math.prod(sizes) * itemsize:
+            raise CorruptCheckpointError(
+                f"{reader.path}: {key!r} has {loc.length} stored bytes for a {dtype} chunk of shape {sizes}"
+            )
+        start, count, exact = _contiguous_range(sizes, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if tuple(target.shape) != tuple(item.lengths):
+            raise CorruptCheckpointError(
+                f"{key!r}: destination shape {tuple(target.shape)} does not match the read of {tuple(item.lengths)}"
+            )
+        if count == 0:
+            self.after.append(lambda: planner.commit_tensor(item, target))
+            return
+        if loc.is_compressed:
+            from dcp_datastates.core.compression import add_compressed_read
+
+            add_compressed_read(self, item, planner, loc, idx, dtype, sizes, target, start, count, exact)
+            return
+        offset = loc.offset + start * itemsize
+        nbytes = count * itemsize
+        # With verification on, a read that cuts through checksum segments
+        # (a reshard slice) is widened to whole segments so no byte goes unchecked.
+        lo, hi = idx.covering_range(offset, nbytes) if reader.verify else (offset, offset + nbytes)
+        if (
+            exact
+            and (lo, hi) == (offset, offset + nbytes)
+            and target.device.type == "cpu"
+            and target.dtype == dtype
+            and target.is_contiguous()
+        ):
+            self._request(key, loc.relative_path, offset, nbytes, target.data_ptr(), idx)
+            self.keep.append(target)
+            self.after.append(lambda: planner.commit_tensor(item, target))
+            return
+        temp = torch.empty(hi - lo, dtype=torch.uint8)
+        self._request(key, loc.relative_path, lo, hi - lo, temp.data_ptr(), idx)
+        self.keep.append(temp)
+        self.temp_bytes += hi - lo
+        # ``offset - lo`` is a multiple of the itemsize: items and windows are 64-byte aligned
+        self.after.append(copy_box_out(temp, offset - lo, nbytes, dtype, sizes, item, target, planner))
+
+    def run(self) -> None:
+        reader = self.reader
+        if self.requests:
+            job = reader._engine.read(self.paths, self.requests, self.keep)
+            failures = job.wait()
+            if failures:
+                raise _read_error(failures[0], self.keys, len(failures))
+        if self.decode:
+            from dcp_datastates.core.compression import decode_threads, run_parallel
+
+            run_parallel(self.decode, decode_threads())
+        for fn in self.after:
+            fn()
+
+
+def copy_box_out(buffer: torch.Tensor, lead: int, nbytes: int, dtype, sizes, item: ReadItem, target, planner):
+    """The step after a read of a bounding range: ``buffer[lead : lead + nbytes]`` holds a
+    row-major chunk of shape ``sizes`` from the item's first element on; copy the item's
+    box out of it into ``target`` and commit it."""
+    strides = [1] * len(sizes)
+    for d in range(len(sizes) - 2, -1, -1):
+        strides[d] = strides[d + 1] * sizes[d + 1]
+
+    def finish() -> None:
+        elems = buffer[lead : lead + nbytes].view(dtype)
+        src = elems.as_strided(tuple(item.lengths), tuple(strides), elems.storage_offset())
+        target.copy_(src)
+        planner.commit_tensor(item, target)
+
+    return finish
+
+
+def _read_error(failure: tuple, keys: list[str], total: int) -> Exception:
+    request, kind, errno, path, offset, message = failure
+    more = f" ({total - 1} more read failures)" if total > 1 else ""
+    where = f"{path} while reading {keys[request]!r}"
+    if kind == "checksum":
+        return ChecksumMismatchError(f"{where}: {message}; the file is corrupt{more}")
+    if kind == "truncated":
+        return CorruptCheckpointError(f"{where}: the data file is truncated: {message}{more}")
+    err = OSError(errno, f"reading {keys[request]!r} failed: {message}{more}", path)
+    err.offset = offset
+    return err
+
+

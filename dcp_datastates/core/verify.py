@@ -1,0 +1,437 @@
+"""``dcp_datastates.verify(path)``: check every checksum of a checkpoint, report what is wrong.
+
+A load verifies only the bytes it reads; ``verify`` reads them all. It checks,
+and reports every problem it finds rather than stopping at the first:
+
+* the checkpoint is committed (``.metadata`` present) and its metadata is
+  intact (checksum trailer, safe unpickling, a well-formed layout);
+* every item the metadata lists has a stored location of the right size;
+* every rank's index is intact and belongs to this checkpoint, and its data
+  file exists and is long enough;
+* every item's bytes are tiled by checksum segments, and every segment's
+  CRC32C matches the bytes on disk (read in parallel by the engine, through
+  a bounded buffer);
+* every byte no segment covers (alignment padding between items, after the
+  last tensor, after the objects) is zero, as the engine writes it, and the
+  data file ends at the data size its index records: so a change to any
+  byte of a checkpoint is reported, with the file, the offset and the key
+  before it;
+* unless ``allow_pickle``, every saved Python object loads as plain data
+  (what a load in safe mode requires).
+
+Files in the directory that the checkpoint does not name (rank files of an
+interrupted save, a leftover ``.metadata.<id>.tmp``) are listed as notes:
+they are harmless to the checkpoint and safe to delete.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import math
+import os
+from typing import Callable
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+from dcp_datastates.native import engine as _native
+from dcp_datastates.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from dcp_datastates.format.rank_index import DATA_FILE_RE, METADATA_FILE, RankIndex, compressed_blocks
+from dcp_datastates.core.reader import DataStatesReader
+from dcp_datastates.format.safe_objects import check_object_is_plain
+
+VERIFY_BUFFER_BYTES = 64 << 20  # bytes read (and checked) per engine job
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    """What :func:`verify` found. ``ok`` means committed and not a single problem."""
+
+    path: str
+    committed: bool = False
+    problems: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    ranks: int = 0
+    items: int = 0
+    segments_checked: int = 0
+    bytes_checked: int = 0
+    padding_bytes_checked: int = 0  # bytes no segment covers, checked to be zero
+
+    @property
+    def ok(self) -> bool:
+        return self.committed and not self.problems
+
+    def raise_if_bad(self) -> None:
+        """Raise the error a load would raise (incomplete, or corrupt with every problem listed)."""
+        if self.ok:
+            return
+        if not self.committed:
+            raise IncompleteCheckpointError(self.problems[0] if self.problems else f"{self.path} is not committed")
+        listed = "\n  ".join(self.problems[:20])
+        more = f"\n  ... and {len(self.problems) - 20} more" if len(self.problems) > 20 else ""
+        raise CorruptCheckpointError(f"{self.path} failed verification ({len(self.problems)} problems):\n  {listed}{more}")
+
+    def summary(self) -> str:
+        head = "OK" if self.ok else ("NOT COMMITTED" if not self.committed else "CORRUPT")
+        lines = [
+            f"{head}: {self.path}: {self.ranks} rank file(s), {self.items} item(s), "
+            f"{self.segments_checked} checksum segment(s) over {self.bytes_checked} bytes checked"
+        ]
+        lines += [f"  problem: {p}" for p in self.problems]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    __str__ = summary
+
+
+def verify(
+    path: str | os.PathLike,
+    *,
+    allow_pickle: bool = False,
+    io_threads: int = _native.DEFAULT_READ_THREADS,
+    progress: Callable[[int, int], None] | None = None,
+) -> VerifyReport:
+    """Verify the checkpoint at ``path`` and return a :class:`VerifyReport`.
+
+    Never raises for a damaged checkpoint (call ``report.raise_if_bad()`` for
+    that); ``progress(bytes_done, bytes_total)`` is called as data is checked.
+    """
+    path = os.fspath(path)
+    report = VerifyReport(path)
+    reader = DataStatesReader(path, allow_pickle=allow_pickle, io_threads=io_threads)
+    try:
+        metadata = reader.read_metadata()
+    except IncompleteCheckpointError as exc:
+        report.problems.append(str(exc))
+        return report
+    except (CheckpointError, OSError, MemoryError) as exc:
+        report.committed = os.path.lexists(os.path.join(path, METADATA_FILE))
+        report.problems.append(str(exc) if isinstance(exc, CheckpointError) else f"{path}: {type(exc).__name__}: {exc}")
+        return report
+    report.committed = True
+    layout = reader._layout
+    _check_items(reader, metadata, report)
+
+    # Each rank's index, then every segment of its data file.
+    indexes: dict[str, RankIndex] = {}
+    for files in layout.ranks:
+        try:
+            indexes[files.data_file] = reader.rank_index(files.data_file)
+        except (CheckpointError, OSError, MemoryError) as exc:
+            report.problems.append(str(exc) if isinstance(exc, CheckpointError) else f"{files.index_file}: {exc}")
+    report.ranks = len(layout.ranks)
+    _check_object_entries(path, layout, indexes, report)
+    spans = _spans_by_file(layout, indexes)
+    for rel, idx in indexes.items():
+        _check_tiling(path, rel, idx, spans.get(rel, []), report)
+    total = sum(sum(idx.seg_lengths) for idx in indexes.values())
+    done = 0
+    for rel, idx in indexes.items():
+        done = _check_segments(reader, rel, idx, spans.get(rel, []), report, done, total, progress)
+        _check_padding(reader, rel, idx, spans.get(rel, []), report)
+    if layout.compression is not None and not report.problems:
+        _check_frames_decompress(path, layout, indexes, report)
+    if not allow_pickle and not report.problems:
+        _check_objects_are_plain(path, layout, indexes, report)
+    _note_strays(path, layout, report)
+    return report
+
+
+def _check_objects_are_plain(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
+    """Safe mode: the objects a load would refuse (they need arbitrary unpickling) are problems."""
+    files = {r.rank: r.data_file for r in layout.ranks}
+    for fqn, _off, rank, _offset, length, ordinal in layout.entries:
+        if ordinal < 0 or length >= 0:  # raw tensors, compressed tensors
+            continue
+        rel = files[rank]
+        offset, length = indexes[rel].objects[ordinal]
+        data_path = os.path.join(path, rel)
+        try:
+            check_object_is_plain(_read_range(data_path, offset, length), fqn, data_path)
+        except CheckpointError as exc:
+            report.problems.append(str(exc))
+
+
+def _read_range(data_path: str, offset: int, length: int) -> bytes:
+    """``length`` bytes at ``offset`` of a data file whose checksums already passed."""
+    fd = os.open(data_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
+
+
+def _check_frames_decompress(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
+    """Every frame of every compressed chunk decompresses to its block's raw size.
+
+    Their checksums already passed; this catches a frame that was written wrong.
+    Frames are read one batch at a time (bounded memory) and decompressed in parallel.
+    """
+    from dcp_datastates.core.compression import decode_threads, decompress_block, run_parallel, zstd_module
+
+    try:
+        zstd_module()
+    except ImportError as exc:
+        report.notes.append(f"compressed frames were checksummed but not decompressed: {exc}")
+        return
+    block = layout.compression[1]
+    files = {r.rank: r.data_file for r in layout.ranks}
+    frames = []  # (data path, offset, length, raw bytes, what)
+    for fqn, _off, rank, _offset, length, ordinal in layout.entries:
+        if ordinal < 0 or length < 0:
+            continue
+        rel = files[rank]
+        data_path = os.path.join(path, rel)
+        entries = indexes[rel].objects[ordinal : ordinal + compressed_blocks(length, block)]
+        for b, (o, n) in enumerate(entries):
+            frames.append((data_path, o, n, min(block, length - b * block), f"{data_path}: block {b} of {fqn!r}"))
+
+    def check(frame) -> None:
+        data_path, offset, length, raw, what = frame
+        try:
+            decompress_block(_read_range(data_path, offset, length), raw, what)
+        except CheckpointError as exc:
+            report.problems.append(str(exc))
+
+    threads = decode_threads()
+    for i in range(0, len(frames), 4 * threads):
+        run_parallel([lambda f=f: check(f) for f in frames[i : i + 4 * threads]], threads)
+
+
+def _check_items(reader: DataStatesReader, metadata, report: VerifyReport) -> None:
+    """Every tensor chunk's stored length matches its dtype and shape.
+
+    ``read_metadata`` already checked that every item has a stored location
+    of the right kind (``CheckpointLayout.check_covers``).
+    """
+    layout = reader._layout
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            report.items += 1
+            continue
+        for chunk in md.chunks:
+            report.items += 1
+            loc = layout.location(MetadataIndex(fqn, chunk.offsets))
+            if loc.length != math.prod(chunk.sizes) * md.properties.dtype.itemsize:
+                report.problems.append(
+                    f"{reader.path}: {fqn!r} (chunk at {tuple(chunk.offsets)}) has {loc.length} stored bytes "
+                    f"for a {md.properties.dtype} chunk of shape {tuple(chunk.sizes)}"
+                )
+
+
+def _check_object_entries(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
+    files = {r.rank: r for r in layout.ranks}
+    for fqn, _off, rank, _offset, length, ordinal in layout.entries:
+        if ordinal < 0 or rank not in files:
+            continue
+        idx = indexes.get(files[rank].data_file)
+        if length >= 0:  # a compressed chunk: its blocks are consecutive entries
+            last = ordinal + compressed_blocks(length, layout.compression[1]) - 1
+            if idx is not None and last >= len(idx.objects):
+                report.problems.append(
+                    f"{os.path.join(path, files[rank].index_file)}: {fqn!r} is stored as blocks {ordinal}..{last} "
+                    f"of an object table with {len(idx.objects)} entries"
+                )
+            continue
+        if idx is not None and ordinal >= len(idx.objects):
+            report.problems.append(
+                f"{os.path.join(path, files[rank].index_file)}: object {fqn!r} refers to entry {ordinal} "
+                f"of an object table with {len(idx.objects)} entries"
+            )
+
+
+def _spans_by_file(layout, indexes: dict[str, RankIndex]) -> dict[str, list[tuple[int, int, str]]]:
+    """(start, end, key) of every stored item, per data file, sorted: maps offsets to keys."""
+    files = {r.rank: r.data_file for r in layout.ranks}
+    out: dict[str, list[tuple[int, int, str]]] = {}
+    for fqn, _off, rank, offset, length, ordinal in layout.entries:
+        rel = files.get(rank)
+        if rel is None:
+            continue
+        if ordinal >= 0 and length >= 0:  # a compressed chunk: one span per frame
+            idx = indexes.get(rel)
+            n = compressed_blocks(length, layout.compression[1])
+            if idx is not None and ordinal + n <= len(idx.objects):
+                out.setdefault(rel, []).extend((o, o + m, fqn) for o, m in idx.objects[ordinal : ordinal + n])
+            continue
+        if ordinal >= 0:
+            idx = indexes.get(rel)
+            if idx is None or ordinal >= len(idx.objects):
+                continue
+            offset, length = idx.objects[ordinal]
+        out.setdefault(rel, []).append((offset, offset + length, fqn))
+    for spans in out.values():
+        spans.sort()
+    return out
+
+
+def _check_tiling(path: str, rel: str, idx: RankIndex, spans, report: VerifyReport) -> None:
+    where = os.path.join(path, rel)
+    for start, end, key in spans:
+        try:
+            idx.checks_tiling(start, end - start, where, key)
+        except CorruptCheckpointError as exc:
+            report.problems.append(str(exc))
+    for ordinal, (offset, length) in enumerate(idx.objects):
+        if offset + length > idx.data_size:
+            report.problems.append(f"{where}: object {ordinal} lies past the end of the data")
+
+
+def _key_at(spans, offset: int) -> str | None:
+    i = bisect.bisect_right(spans, (offset, float("inf"), "")) - 1
+    if i >= 0 and spans[i][0] <= offset < spans[i][1]:
+        return spans[i][2]
+    return None
+
+
+def _batches(segs, cap: int):
+    """Group segments into reads: runs of adjacent segments, at most ``cap`` bytes per batch."""
+    batch, used, run = [], 0, None
+    for o, n, crc in segs:
+        if used and used + n > cap:
+            yield batch, used
+            batch, used, run = [], 0, None
+        if run is not None and o == run[0] + run[1]:
+            run[2].append((run[1], n, crc))
+            run[1] += n
+        else:
+            run = [o, n, [(0, n, crc)]]
+            batch.append(run)
+        used += n
+    if batch:
+        yield batch, used
+
+
+def _check_segments(reader, rel, idx: RankIndex, spans, report, done, total, progress) -> int:
+    """Read every segment of one data file through a bounded buffer and verify its CRC."""
+    path = os.path.join(reader.path, rel)
+    segs = list(zip(idx.seg_offsets, idx.seg_lengths, idx.seg_crcs))
+    largest = max(idx.seg_lengths, default=0)
+    buf = torch.empty(max(min(VERIFY_BUFFER_BYTES, sum(idx.seg_lengths)), largest), dtype=torch.uint8)
+    for batch, used in _batches(segs, buf.numel()):
+        requests, pos = [], 0
+        for start, n, checks in batch:
+            requests.append((0, start, n, buf.data_ptr() + pos, checks))
+            pos += n
+            report.segments_checked += len(checks)
+        failures = reader._engine.read([path], requests, [buf]).wait()
+        _report_failures(failures, [r[1] for r in requests], spans, report)
+        report.bytes_checked += used
+        done += used
+        if progress is not None:
+            progress(done, total)
+    return done
+
+
+_ZEROS = bytes(1 << 20)
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros_crc(nbytes: int) -> int:
+    """CRC-32C of ``nbytes`` zero bytes (what every padding byte must be)."""
+    crc, left = 0, nbytes
+    while left:
+        n = min(left, len(_ZEROS))
+        crc = _native.crc32c(memoryview(_ZEROS)[:n], crc)
+        left -= n
+    return crc
+
+
+def _padding(idx: RankIndex, cap: int) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` pieces of ``[0, data_size)`` no segment covers, each at most ``cap``."""
+    out, pos = [], 0
+    for o, n in zip(idx.seg_offsets, idx.seg_lengths):
+        out += [(p, min(cap, o - p)) for p in range(pos, o, cap)]
+        pos = o + n
+    out += [(p, min(cap, idx.data_size - p)) for p in range(pos, idx.data_size, cap)]
+    return out
+
+
+def _check_padding(reader, rel, idx: RankIndex, spans, report: VerifyReport) -> None:
+    """Every byte of the data file that no segment covers is zero; it ends at ``data_size``.
+
+    The engine zero-fills the gaps it leaves (csrc/engine.cpp stage()), so a
+    non-zero byte there is a change to the checkpoint that no checksum would
+    see. Only those bytes are read, through the same bounded buffer, by the
+    engine, checked against the CRC of zeros; a piece that fails is read
+    again here to name its first non-zero byte.
+    """
+    path = os.path.join(reader.path, rel)
+    size = os.lstat(path).st_size
+    if size > idx.data_size:
+        report.problems.append(
+            f"{path}: {size - idx.data_size} bytes past offset {idx.data_size}, where its index says the "
+            "data ends (bytes were appended to it)"
+        )
+    pieces = _padding(idx, VERIFY_BUFFER_BYTES)
+    if not pieces:
+        return
+    buf = torch.empty(min(VERIFY_BUFFER_BYTES, sum(n for _, n in pieces)), dtype=torch.uint8)
+    batch: list[tuple[int, int]] = []
+    used = 0
+    for piece in pieces + [None]:
+        if piece is None or used + piece[1] > buf.numel():
+            requests, pos = [], 0
+            for o, n in batch:
+                requests.append((0, o, n, buf.data_ptr() + pos, [(0, n, _zeros_crc(n))]))
+                pos += n
+            for request, kind, _errno, fpath, _offset, message in reader._engine.read([path], requests, [buf]).wait():
+                o, n = batch[request]
+                if kind == "checksum":
+                    report.problems.append(_nonzero_padding(path, o, n, spans))
+                else:
+                    report.problems.append(f"{fpath}: reading the padding at offset {o} failed: {message}")
+            report.padding_bytes_checked += used
+            batch, used = [], 0
+        if piece is not None:
+            batch.append(piece)
+            used += piece[1]
+
+
+def _nonzero_padding(path: str, offset: int, nbytes: int, spans) -> str:
+    """The problem for a padding piece that is not all zeros: its first non-zero byte and the key before."""
+    found, value = offset + nbytes, None
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        pos = offset
+        while pos < offset + nbytes:
+            block = os.pread(fd, min(len(_ZEROS), offset + nbytes - pos), pos)
+            if not block:
+                break
+            zeros = len(block) - len(block.lstrip(b"\0"))
+            if zeros < len(block):
+                found, value = pos + zeros, block[zeros]
+                break
+            pos += len(block)
+    finally:
+        os.close(fd)
+    i = bisect.bisect_left(spans, (found,)) - 1
+    where = f"after {spans[i][2]!r}" if i >= 0 else "before the first item"
+    what = f"is {value:#04x}, not zero" if value is not None else "is not zero (it changed while read)"
+    return (
+        f"{path}: the byte at offset {found} {what}: it lies in padding {where}, which no checksum "
+        "covers and the engine writes as zeros (the data file was changed)"
+    )
+
+
+def _report_failures(failures, starts, spans, report: VerifyReport) -> None:
+    for request, kind, errno, fpath, offset, message in failures:
+        key = _key_at(spans, offset if offset >= 0 else starts[request])
+        what = f" in {key!r}" if key else ""
+        if kind == "checksum":
+            report.problems.append(f"{fpath}{what}: {message}")
+        elif kind == "truncated":
+            report.problems.append(f"{fpath}{what}: the data file is truncated: {message}")
+        else:
+            report.problems.append(f"{fpath}{what}: read failed: {message}")
+
+
+def _note_strays(path: str, layout, report: VerifyReport) -> None:
+    named = {name for r in layout.ranks for name in (r.data_file, r.index_file)}
+    for name in sorted(os.listdir(path)):
+        if DATA_FILE_RE.match(name) and name not in named:
+            report.notes.append(f"{name} is not part of this checkpoint (left by an interrupted or failed save; safe to delete)")
+        elif name.startswith(METADATA_FILE + ".") and name.endswith(".tmp"):
+            report.notes.append(f"{name} is a leftover temporary of an interrupted commit (safe to delete)")

@@ -1,0 +1,404 @@
+"""Reading and writing ``.metadata``: DCP's pickle, checksummed, unpickled safely.
+
+``.metadata`` must stay DCP's pickled ``Metadata`` so DCP's own tools can
+read it. Two things are added around the pickle:
+
+* a trailer after it (DCP's ``pickle.load`` stops at the pickle's end and
+  never sees it)::
+
+      pickle | b"DCPDSMD4" | pickle length (u64) | commit sequence (u64) | crc32c (u32) | 0 (u32)
+
+  so a flipped or truncated byte is found before anything is unpickled. The
+  CRC-32C covers the pickle and the sequence bytes. The commit sequence is
+  the number ``CheckpointManager`` gives each commit in a root (0: none); it
+  sits in the trailer so that ordering a root's checkpoints reads 32 bytes
+  per checkpoint, not its whole metadata (format version 4). Format version
+  3 had a 24-byte trailer without the sequence (magic ``b"DCPDSMDC"``),
+  still read; older checkpoints have no trailer;
+* a restricted unpickler, used unless the caller allows arbitrary pickles:
+  it admits only DCP's metadata classes, our layout classes and torch's
+  dtypes, layouts and ``Size``. A hostile ``.metadata`` that names any other
+  global raises :class:`UnsafeCheckpointError` instead of running code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+import struct
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from dcp_datastates.native.engine import crc32c, gc_paused
+from dcp_datastates.format.checkpoint_files import open_checkpoint_file
+from dcp_datastates.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from dcp_datastates.format.rank_index import show
+
+TRAILER_MAGIC = b"DCPDSMD4"
+_TRAILER = struct.Struct("<8sQQII")  # magic, pickle length, commit sequence, crc32c, reserved
+_SEQUENCE = struct.Struct("<Q")
+TRAILER_MAGIC_V3 = b"DCPDSMDC"
+_TRAILER_V3 = struct.Struct("<8sQII")  # magic, pickle length, crc32c, reserved
+
+# Globals a dcp_datastates .metadata may name, besides torch dtypes and layouts.
+_ALLOWED = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "MetadataIndex",
+        "_MEM_FORMAT_ENCODING",
+    },
+    # Metadata written by older torch releases describes tensors with the sharded-tensor
+    # TensorProperties (plain data, same fields); DCP still loads it.
+    "torch.distributed._shard.sharded_tensor.metadata": {"TensorProperties", "MEM_FORMAT_ENCODING"},
+    # A stock DCP checkpoint's storage data (so it is recognised and named, not refused).
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "dcp_datastates.format.rank_index": {"CheckpointLayout", "RankFiles"},
+    "collections": {"OrderedDict"},
+    # StorageMeta.checkpoint_id may be a path object.
+    "pathlib": {"Path", "PosixPath", "PurePath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+}
+_TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """Unpickles only what a checkpoint's metadata is made of.
+
+    The pure-Python unpickler, on purpose: it lets BUILD be restricted (the C
+    one would apply a pickle's BUILD to any object on its stack: an allowed
+    class, a function, an enum member, changing them for the whole process),
+    and its memo is a dict (the C one sizes its memo table from an index in
+    the pickle, so 33 bytes can make it allocate gigabytes).
+    """
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, file, where: str) -> None:
+        super().__init__(file)
+        self.where = where
+
+    def refuse(self, what: str) -> UnsafeCheckpointError:
+        return UnsafeCheckpointError(
+            f"{self.where} {what}, which a checkpoint's metadata never needs; it was not "
+            "unpickled (it could run code). If you trust this checkpoint, load it with "
+            "DataStatesReader(path, allow_pickle=True)"
+        )
+
+    def find_class(self, module: str, name: str):
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUE_TYPES):
+            return getattr(torch, name)
+        raise self.refuse(f"names {module}.{name}")
+
+    def load_build(self):
+        state = self.stack[-1]
+        inst = self.stack[-2]
+        if type(inst) not in _BUILDABLE:
+            raise self.refuse(f"sets the state of a {type(inst).__name__} object")
+        if isinstance(state, tuple) and len(state) == 2 and type(inst) is not TensorProperties:
+            if state[1] is not None:  # slot state: setattr of arbitrary names
+                raise self.refuse(f"sets attributes of a {type(inst).__name__} object directly")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def _buildable() -> frozenset:
+    """The classes whose instances may receive a state (the dataclasses of the metadata)."""
+    from torch.distributed.checkpoint import metadata as md
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from dcp_datastates.format.rank_index import CheckpointLayout, RankFiles
+
+    return frozenset(
+        {
+            md.Metadata, md.TensorStorageMetadata, md.BytesStorageMetadata, md.ChunkStorageMetadata,
+            md.TensorProperties, md.StorageMeta, md.MetadataIndex, CheckpointLayout, RankFiles, _StorageInfo,
+        }
+        | set(_LEGACY_TENSOR_PROPERTIES)
+    )
+
+
+def _legacy_tensor_properties() -> tuple:
+    """The sharded-tensor ``TensorProperties`` older torch wrote into ``.metadata`` (if this
+    torch still has it): a dataclass of the same five plain fields as DCP's own."""
+    try:
+        from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as Legacy
+    except ImportError:  # pragma: no cover - a torch without it cannot have written one either
+        return ()
+    return (Legacy,) if Legacy is not TensorProperties else ()
+
+
+_LEGACY_TENSOR_PROPERTIES = _legacy_tensor_properties()
+
+
+_BUILDABLE = _buildable()
+
+
+def encode_metadata(metadata: Metadata, sequence: int = 0) -> bytes:
+    """The bytes of ``.metadata``: the pickle and its checksum trailer carrying ``sequence``."""
+    if not isinstance(sequence, int) or not 0 <= sequence < 1 << 64:
+        raise ValueError(f"a commit sequence is an integer in [0, 2**64), got {sequence!r}")
+    blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+    crc = crc32c(_SEQUENCE.pack(sequence), crc32c(blob))
+    return blob + _TRAILER.pack(TRAILER_MAGIC, len(blob), sequence, crc, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trailer:
+    """What the end of a ``.metadata`` says about it, before anything is unpickled."""
+
+    pickle_length: int  # bytes of the pickle before the trailer
+    sequence: int  # the commit sequence (0: none); always 0 for version 3 trailers
+    crc: int  # crc32c of the pickle (and, version 4, the packed sequence)
+    covers_sequence: bool  # version 4: the crc covers the sequence bytes too
+    size: int  # bytes of the trailer itself
+
+
+def parse_trailer(tail: bytes, file_size: int, where: str) -> Trailer | None:
+    """Parse the trailer from the last bytes of a ``.metadata`` of ``file_size`` bytes.
+
+    ``tail`` holds at least the file's last ``_TRAILER.size`` bytes (or the
+    whole file when it is shorter). None when there is no trailer (a file
+    written by format version 2 or earlier, or by stock DCP); a trailer whose
+    fields contradict the file raises :class:`CorruptCheckpointError`.
+    """
+    for struct_, magic in ((_TRAILER, TRAILER_MAGIC), (_TRAILER_V3, TRAILER_MAGIC_V3)):
+        if file_size < struct_.size or len(tail) < struct_.size:
+            continue
+        fields = struct_.unpack_from(tail, len(tail) - struct_.size)
+        if fields[0] != magic:
+            continue
+        if struct_ is _TRAILER:
+            _, length, sequence, crc, reserved = fields
+        else:
+            (_, length, crc, reserved), sequence = fields, 0
+        if length != file_size - struct_.size or reserved != 0:
+            raise CorruptCheckpointError(
+                f"{where} is corrupt: its trailer (a {length}-byte pickle, reserved field {reserved}) "
+                f"does not match the {file_size - struct_.size} bytes before it"
+            )
+        return Trailer(length, sequence, crc, struct_ is _TRAILER, struct_.size)
+    return None
+
+
+def trailer_crc(body, trailer: Trailer, crc: int = 0) -> int:
+    """The crc32c a trailer's ``crc`` field must equal: over ``body`` (the pickle bytes, or the
+    part of them after the bytes whose crc is ``crc``), then the sequence for version 4."""
+    value = crc32c(body, crc)
+    if trailer.covers_sequence:
+        value = crc32c(_SEQUENCE.pack(trailer.sequence), value)
+    return value
+
+
+def split_trailer(blob: bytes, where: str) -> tuple[memoryview, bool]:
+    """The pickle part of ``blob`` and whether a (verified) trailer was present."""
+    view = memoryview(blob)
+    trailer = parse_trailer(blob[-_TRAILER.size :], len(blob), where)
+    if trailer is None:
+        return view, False
+    body = view[: trailer.pickle_length]
+    actual = trailer_crc(body, trailer)
+    if actual != trailer.crc:
+        raise _checksum_error(where, actual, trailer.crc)
+    return body, True
+
+
+def read_commit_sequence(path: str) -> int | None:
+    """The commit sequence in the trailer of the ``.metadata`` at ``path`` (unverified), or None.
+
+    Reads only the file's last 32 bytes: ordering the checkpoints of a root
+    must not read every checkpoint's metadata. None when the file is missing,
+    has no version 4 trailer, or carries sequence 0. The sequence is covered
+    by the metadata's checksum, so a damaged one is caught when that
+    checkpoint is loaded.
+    """
+    try:
+        with open_checkpoint_file(path) as f:
+            if f.size < _TRAILER.size:
+                return None
+            trailer = parse_trailer(f.pread(_TRAILER.size, f.size - _TRAILER.size), f.size, path)
+    except (FileNotFoundError, NotADirectoryError, CorruptCheckpointError):  # missing, a link, not a file
+        return None
+    return trailer.sequence or None if trailer is not None else None
+
+
+_PROTO = pickle.PROTO[0]  # the first byte of every pickle of protocol 2 or later
+_STOP = pickle.STOP[0]  # the last byte of every pickle
+
+
+def _check_pickle_shape(first: bytes, last: int | None, where: str) -> None:
+    """The bytes before a trailer must look like a pickle: PROTO and a protocol number first
+    (DCP and we write protocol 2 or later), and, without a trailer, STOP last."""
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where} is corrupt: it is not a pickle of DCP metadata: {why}")
+
+    if not first:
+        raise CorruptCheckpointError(f"{where} is corrupt: it is empty")
+    if len(first) < 2 or first[0] != _PROTO or not 2 <= first[1] <= pickle.HIGHEST_PROTOCOL:
+        raise bad(f"it starts with {bytes(first[:8])!r}")
+    if last is not None and last != _STOP:
+        raise bad(f"it ends with byte {last:#04x} and has no checksum trailer")
+
+
+def read_metadata_file(path: str, allow_pickle: bool = False) -> tuple[Metadata, bool]:
+    """Read, verify and unpickle the ``.metadata`` at ``path``: :func:`decode_metadata` for a
+    file, in memory bounded by its structure, not its size.
+
+    Before the file is held in memory: its first bytes must be a pickle's
+    header (a file of zeros or of anything else is refused after reading 2
+    bytes); a checksum trailer (format 3 and later) must match the size, and
+    its CRC-32C is streamed over the pickle through a 1 MiB buffer. Only then
+    is the pickle read, once, into one buffer of its size, checked against
+    the trailer again (the bytes unpickled are the bytes verified), and
+    unpickled from that buffer without a copy. A file without a trailer
+    (stock DCP, format 1 and 2) can be bounded only by its shape (it must
+    also end with a pickle's STOP byte): such a file costs its size in
+    memory once before the unpickler judges it.
+    FileNotFoundError when it does not exist.
+    """
+    with open_checkpoint_file(path) as f:
+        first = f.pread(min(f.size, 2), 0)
+        _check_pickle_shape(first, None, path)
+        tail = f.pread(min(f.size, _TRAILER.size), f.size - min(f.size, _TRAILER.size))
+        trailer = parse_trailer(tail, f.size, path)
+        if trailer is None:
+            _check_pickle_shape(first, tail[-1], path)
+            body = f.read(f.size)
+        else:
+            actual = trailer_crc(b"", trailer, f.crc32c(0, trailer.pickle_length))
+            if actual != trailer.crc:
+                raise _checksum_error(path, actual, trailer.crc)
+            body = f.read(trailer.pickle_length)
+            actual = trailer_crc(body, trailer)
+            if actual != trailer.crc:  # it changed since it was checked
+                raise _checksum_error(path, actual, trailer.crc)
+    return _unpickle_metadata(memoryview(body), path, allow_pickle), trailer is not None
+
+
+def _checksum_error(where: str, actual: int, stored: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{where} is corrupt: checksum {actual:08x} does not match the stored {stored:08x}")
+
+
+class _BufferReader:
+    """``read``/``readline`` over a buffer for the pure-Python unpickler (``io.BytesIO`` would
+    copy a buffer that is not ``bytes``: the whole pickle a second time)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.pos = view, 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self.view) if n is None or n < 0 else min(self.pos + n, len(self.view))
+        out = bytes(self.view[self.pos : end])
+        self.pos = end
+        return out
+
+    def readline(self) -> bytes:
+        end, size = self.pos, len(self.view)
+        while end < size:
+            chunk = self.view[end : end + 4096].tobytes()
+            i = chunk.find(b"\n")
+            if i >= 0:
+                end += i + 1
+                break
+            end += len(chunk)
+        return self.read(end - self.pos)
+
+
+def decode_metadata(blob: bytes, where: str, allow_pickle: bool = False) -> tuple[Metadata, bool]:
+    """Verify and unpickle ``.metadata``; returns (metadata, had a checksum trailer).
+
+    Every failure is a :class:`CheckpointError` naming ``where``: a corrupt or
+    truncated file, a pickle that is not DCP ``Metadata``, or (unless
+    ``allow_pickle``) a pickle that names a global outside the allowed set.
+    For a file, :func:`read_metadata_file` does the same in bounded memory.
+    """
+    body, checked = split_trailer(blob, where)
+    _check_pickle_shape(body[:2], None if checked or not len(body) else body[-1], where)
+    return _unpickle_metadata(body, where, allow_pickle), checked
+
+
+def _unpickle_metadata(body: memoryview, where: str, allow_pickle: bool) -> Metadata:
+    try:
+        with gc_paused():
+            if allow_pickle:
+                metadata = pickle.loads(body)
+            else:
+                metadata = _MetadataUnpickler(_BufferReader(body), where).load()
+    except UnsafeCheckpointError:
+        raise
+    except CheckpointError as exc:  # a layout's __setstate__ refusing its state
+        raise CorruptCheckpointError(f"{where}: {exc}") from exc
+    except RecursionError as exc:
+        raise CorruptCheckpointError(f"{where} cannot be decoded: nested too deeply") from exc
+    except MemoryError as exc:
+        raise CorruptCheckpointError(f"{where} cannot be decoded: it asks for too much memory") from exc
+    except Exception as exc:  # noqa: BLE001 - any decoding failure means a damaged file
+        raise CorruptCheckpointError(f"{where} cannot be decoded: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP Metadata")
+    check_metadata(metadata, where)
+    return metadata
+
+
+def check_metadata(metadata: Metadata, where: str) -> None:
+    """The shape DCP's load planner relies on: a damaged file fails here, with its name,
+    rather than deep inside DCP with an AttributeError."""
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where} is corrupt: {why}")
+
+    table = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(table, dict):
+        raise bad("it has no table of saved items")
+    if not isinstance(getattr(metadata, "planner_data", None), (dict, type(None))):
+        raise bad("its planner data is not a dict")
+    if not isinstance(getattr(metadata, "storage_meta", None), (StorageMeta, type(None))):
+        raise bad("its storage meta is not a StorageMeta")  # readers stamp their load_id into it
+    for fqn, item in table.items():
+        if not isinstance(fqn, str):
+            raise bad(f"item key {show(fqn)} is not a string")
+        if isinstance(item, BytesStorageMetadata):
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            raise bad(f"{fqn!r} is described by a {type(item).__name__}")
+        props, size, chunks = (getattr(item, n, None) for n in ("properties", "size", "chunks"))
+        if not isinstance(props, (TensorProperties, *_LEGACY_TENSOR_PROPERTIES)) or not isinstance(
+            getattr(props, "dtype", None), torch.dtype
+        ):
+            raise bad(f"{fqn!r} has no valid dtype")
+        if not isinstance(size, torch.Size) or not isinstance(chunks, list):
+            raise bad(f"{fqn!r} has no valid size or chunk list")
+        covered = 0
+        for chunk in chunks:
+            offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+            if (
+                not isinstance(chunk, ChunkStorageMetadata)
+                or not isinstance(offsets, torch.Size)
+                or not isinstance(sizes, torch.Size)
+                or not len(offsets) == len(sizes) == len(size)
+                or any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, size))
+            ):
+                raise bad(f"{fqn!r} has a chunk {show(chunk)} that does not fit its size {tuple(size)}")
+            covered += math.prod(sizes)
+        if covered != math.prod(size):
+            # Chunks never overlap, so they must add up to the tensor: a load would
+            # otherwise leave part of the destination silently unwritten.
+            raise bad(f"the chunks of {fqn!r} hold {covered} elements of its {math.prod(size)}")

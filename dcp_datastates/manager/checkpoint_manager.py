@@ -1,0 +1,684 @@
+"""``CheckpointManager``: step-numbered checkpoints of a run, retention, and resume.
+
+What torchtitan's, Lightning's and Orbax's checkpoint managers do, on top of
+``DataStatesWriter``/``DataStatesReader``, with these guarantees:
+
+* **Step directories.** Step N lives in ``ROOT/step_<N>`` (see
+  :mod:`checkpoint_root`); it is a checkpoint once it is committed (its
+  ``.metadata`` was renamed into place after every byte was fsynced).
+* **An atomic ``latest`` pointer**, replaced only after the checkpoint it
+  names is committed and its directory entry is durable (fsynced), so it
+  never names a checkpoint that could vanish in a power loss.
+* **Retention** (``keep_last``, ``keep_every``) deletes a checkpoint only
+  after a newer one has committed, never the newest committed one, and never
+  one with a larger step than the one just committed. A deletion removes
+  ``.metadata`` first, so a crash during it leaves an uncommitted directory,
+  never a committed one with files missing.
+* **Resume** (:meth:`load` with no step) takes the newest committed
+  checkpoint that loads; an incomplete or corrupt one is skipped with a
+  :class:`SkippedCheckpointWarning` saying why, and the next older is tried.
+  Every byte loaded is checksum-verified; ``full_verify=True`` also checks
+  every byte the load would not read (:func:`dcp_datastates.verify`).
+* **Cleanup of crashes.** When the manager starts (rank 0), it removes step
+  directories that were never committed, files inside committed checkpoints
+  that they do not name (rank files of a killed overwrite, a leftover
+  ``.metadata`` temporary), and a stale pointer is moved to the newest
+  committed step (the crash fell between a commit and its pointer update).
+* **Asynchronous saves** go through ``dcp.async_save``: :meth:`save` returns
+  once the snapshot is enqueued, and a process-wide optimizer step pre-hook
+  (the fence) makes any ``optimizer.step()`` wait while a snapshot is still
+  copying. Errors of background saves are raised by the next :meth:`save`,
+  :meth:`wait` or :meth:`close`.
+
+Distributed: every rank constructs the manager and calls :meth:`save` and
+:meth:`load` with its part of the state (SPMD, like ``dcp.save``); rank 0 of
+the group alone touches the pointer, retention and cleanup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import os
+import shutil
+import threading
+import warnings
+from concurrent.futures import Future
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_datastates.native import engine as _native
+from dcp_datastates.manager.checkpoint_root import (
+    LATEST_FILE,
+    LATEST_TMP_RE,
+    is_committed,
+    is_link,
+    newest_sequence,
+    resume_order,
+    step_dir_name,
+    step_dirs,
+    write_latest,
+)
+from dcp_datastates.core.commit import fsync_dir, remove_if_present
+from dcp_datastates.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsafeCheckpointError,
+    UnsupportedFormatError,
+)
+from dcp_datastates.core.fence import install_global_fence
+from dcp_datastates.format.rank_index import DATA_FILE_RE, METADATA_FILE
+from dcp_datastates.core.reader import DataStatesReader
+from dcp_datastates.core.writer import DataStatesWriter
+
+
+class CheckpointManagerWarning(UserWarning):
+    """Something the manager did or could not do that the run should know about."""
+
+
+class SkippedCheckpointWarning(CheckpointManagerWarning):
+    """A checkpoint was passed over on resume (incomplete, corrupt, abandoned) or removed as a crash leftover."""
+
+
+LOCK_FILE = ".manager.lock"
+
+# Resume skips a checkpoint for these, and a new save may replace it: its files are bad.
+_BAD_FILES = (CorruptCheckpointError, IncompleteCheckpointError)
+# Resume skips a checkpoint for these too, but leaves it alone: it may be fine (it vanished
+# while we looked, it is another format, the disk failed to read it this time).
+_UNREADABLE = (CheckpointNotFoundError, UnsupportedFormatError)
+_READ_ERRNOS = {errno.EIO, errno.ENOENT, errno.ESTALE, errno.ENODATA}
+# Anything else (a state dict that does not match, unsafe objects, EACCES, EMFILE) is
+# raised: falling back to an older checkpoint would hide it.
+
+
+class ManagedSave(Future):
+    """The future :meth:`CheckpointManager.save` returns, with the step, its directory and,
+    once done, the writer's :class:`SaveStats` (``last_save_stats``). It cannot be cancelled:
+    the save runs to its end either way."""
+
+    def __init__(self, step: int, path: str, writer: DataStatesWriter) -> None:
+        super().__init__()
+        self.set_running_or_notify_cancel()
+        self.step = step
+        self.path = path
+        self._writer = writer
+
+    @property
+    def last_save_stats(self):
+        return self._writer.last_save_stats
+
+
+@dataclasses.dataclass
+class _PendingSave:
+    step: int
+    path: str
+    seq: int
+    writer: DataStatesWriter
+    done: ManagedSave  # completes after the pointer and retention (rank 0) or the upload (others)
+    upload: Any = None  # DCP's upload future, once dcp.async_save returned
+
+
+class CheckpointManager:
+    """Step-numbered checkpoints under ``root`` with retention, an atomic pointer and resume.
+
+    Args:
+        root: the run's checkpoint directory (created if missing).
+        keep_last: keep the newest ``keep_last`` committed checkpoints (``None``: keep all).
+        keep_every: also keep every checkpoint whose step is a multiple of this, forever.
+        async_save: save with ``dcp.async_save`` (:meth:`save` returns at once) or ``dcp.save``.
+        host_cache_bytes, io_threads, direct_io: passed to :class:`DataStatesWriter`.
+        process_group: the group DCP saves and loads on. By default, with
+            ``async_save`` in a distributed run, a new gloo group, so the
+            background save's collectives never interleave with training's.
+        fence: install the process-wide optimizer step pre-hook that waits
+            for in-flight snapshots (asynchronous saves only).
+        allow_pickle: load checkpoints whose objects need arbitrary unpickling
+            (only checkpoints you trust; see :class:`DataStatesReader`).
+        cleanup: on start, remove crash leftovers (see module docs).
+
+    One manager owns a root at a time: rank 0 holds an exclusive lock on
+    ``root/.manager.lock`` until :meth:`close`. Another manager opened on the
+    same root meanwhile (an evaluation job, a notebook) may load, but does not
+    clean up, move the pointer or delete anything, and refuses to save, so it
+    can never remove a checkpoint the owner is writing.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        keep_last: int | None = 3,
+        keep_every: int | None = None,
+        async_save: bool = True,
+        host_cache_bytes: int = _native.DEFAULT_HOST_CACHE_BYTES,
+        io_threads: int = _native.DEFAULT_IO_THREADS,
+        direct_io: str = "auto",
+        process_group: Any = None,
+        fence: bool = True,
+        allow_pickle: bool = False,
+        cleanup: bool = True,
+    ) -> None:
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be a positive int or None (keep all), got {keep_last!r}")
+        if keep_every is not None and (not isinstance(keep_every, int) or keep_every < 1):
+            raise ValueError(f"keep_every must be a positive int or None, got {keep_every!r}")
+        self.root = os.path.abspath(os.fspath(root))
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.async_save = async_save
+        self.allow_pickle = allow_pickle
+        self._writer_options = dict(host_cache_bytes=host_cache_bytes, io_threads=io_threads, direct_io=direct_io)
+        self._distributed = dist.is_available() and dist.is_initialized()
+        if self._distributed and process_group is None and async_save:
+            process_group = dist.new_group(backend="gloo")
+        self._group = process_group
+        self._rank = dist.get_rank(process_group) if self._distributed else 0
+        self._fence = fence and async_save
+        self._lock = threading.Lock()
+        self._pending: list[_PendingSave] = []
+        self._replaceable: set[int] = set()  # committed steps a save may overwrite (skipped as bad)
+        self._closed = False
+        self._lock_fd: int | None = None
+
+        def start() -> tuple[bool, int]:
+            os.makedirs(self.root, exist_ok=True)
+            if self._take_ownership() and cleanup:
+                self._recover()
+            return self._lock_fd is not None, newest_sequence(self.root)
+
+        self.owner, newest = self._on_rank0(start, "opening the checkpoint root")
+        # Commits are numbered from the newest one in the root (every rank gets rank 0's
+        # number, so every rank hands its writer the same sequence for the same save).
+        self._seq = self._pointed_seq = newest
+
+    # -- public API -------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """The steps of every committed checkpoint under ``root``, ascending (this rank's view)."""
+        return sorted(step for step, name in step_dirs(self.root).items() if is_committed(os.path.join(self.root, name)))
+
+    def latest(self) -> int | None:
+        """The step a resume tries first: the newest commit (normally what ``root/latest`` names),
+        or None. Not verified: :meth:`load` skips it if it turns out bad."""
+        order = resume_order(self.root)
+        return order.candidates[0] if order.candidates else None
+
+    def path_of(self, step: int) -> str:
+        return os.path.join(self.root, step_dir_name(step))
+
+    def save(self, step: int, state: dict, *, overwrite: bool = False) -> ManagedSave:
+        """Checkpoint ``state`` as step ``step``; returns a future of its completion.
+
+        Asynchronous (the default): returns once the snapshot is enqueued; the
+        future completes when the checkpoint is committed and (rank 0) the
+        pointer and retention are done. Synchronous: returns after all that,
+        with the future already done. A step that already has a committed
+        checkpoint is refused unless ``overwrite`` (or the checkpoint was
+        skipped as corrupt, or abandoned by a resume from an older step); an
+        overwrite is crash-safe.
+        """
+        if self._closed:
+            raise RuntimeError("CheckpointManager is closed")
+        if not self.owner:
+            raise CheckpointError(
+                f"another CheckpointManager owns {self.root} (it holds {os.path.join(self.root, LOCK_FILE)}); "
+                "this one may load but not save: two managers saving into one root would delete each other's checkpoints"
+            )
+        self._raise_finished_errors()
+        path = self.path_of(step)
+        committed = is_committed(path)
+        # resume_order lists and stats the root: only asked when the step is committed already
+        replace = overwrite or step in self._replaceable or (committed and step in resume_order(self.root).abandoned)
+        if not replace and committed:
+            raise CheckpointExistsError(
+                f"{path} already holds a committed checkpoint of step {step}; pass overwrite=True to replace it"
+            )
+        with self._lock:
+            if any(p.step == step and not p.done.done() for p in self._pending):
+                raise CheckpointExistsError(f"a save of step {step} into {path} is still in flight")
+            self._seq += 1
+            writer = DataStatesWriter(path, overwrite=replace, sequence=self._seq, **self._writer_options)
+            pending = _PendingSave(step, path, self._seq, writer, ManagedSave(step, path, writer))
+            # Registered before the save starts: retention of an earlier save never deletes it.
+            self._pending.append(pending)
+        if not self.async_save:
+            try:
+                try:
+                    dcp.save(state, storage_writer=writer, checkpoint_id=path, **self._dcp_kwargs())
+                finally:
+                    writer.close()
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - one error type for both modes
+                self._forget(pending)
+                raise _save_error(step, path, exc) from _unwrap(exc)
+            self._after_commit(pending)
+            pending.done.set_result(None)
+            self._forget(pending)
+            self._replaceable.discard(step)
+            return pending.done
+        if self._fence:
+            install_global_fence()
+        try:
+            resp = dcp.async_save(state, storage_writer=writer, checkpoint_id=path, **self._dcp_kwargs())
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001
+            self._forget(pending)
+            writer.close()
+            raise _save_error(step, path, exc) from _unwrap(exc)
+        pending.upload = getattr(resp, "upload_completion", resp)
+        pending.upload.add_done_callback(lambda _f, p=pending: self._on_upload_done(p))
+        return pending.done
+
+    def wait(self) -> None:
+        """Wait for every save in flight; raise the first error none has raised yet."""
+        with self._lock:
+            pending = list(self._pending)
+        for p in pending:
+            try:
+                p.done.result()
+            except BaseException:  # noqa: BLE001 - reported below, once
+                pass
+        self._raise_finished_errors()
+
+    def load(self, state: dict, step: int | None = None, *, full_verify: bool = False) -> int | None:
+        """Load a checkpoint into ``state`` in place; return its step.
+
+        ``step=None`` resumes: it tries the newest commit first (what
+        ``root/latest`` names, or a checkpoint committed after it when a crash
+        came between the commit and the pointer update), then older steps,
+        skipping incomplete and corrupt ones with a :class:`SkippedCheckpointWarning`.
+        It returns None (``state`` untouched) when the root has no committed
+        checkpoint. An explicit ``step`` is loaded or raises. Every byte
+        loaded is checksum-verified; ``full_verify`` first checks every byte
+        of the checkpoint (:func:`dcp_datastates.verify`).
+
+        A load that fails part-way may have filled part of ``state``; the
+        next candidate overwrites every entry, and if none loads, the error
+        lists why each was refused.
+        """
+        self.wait()
+        # Rank 0's view of the root, so every rank tries the same candidates in the same order.
+        def listing():
+            order = resume_order(self.root)
+            return order, sorted(set(step_dirs(self.root)) - set(order.candidates) - set(order.abandoned))
+
+        order, uncommitted = self._on_rank0(listing, "listing the checkpoints")
+        if step is not None:
+            if step not in order.candidates and step not in order.abandoned:
+                path = self.path_of(step)
+                if step in uncommitted:
+                    raise IncompleteCheckpointError(
+                        f"{path}: the checkpoint of step {step} was never committed (an interrupted or failed save)"
+                    )
+                raise CheckpointNotFoundError(
+                    f"no checkpoint of step {step} under {self.root} (committed: {sorted(order.candidates + order.abandoned)})"
+                )
+            candidates = [step]
+        else:
+            candidates = order.candidates
+            if order.pointer_error:
+                _warn(f"{order.pointer_error}; resuming from the newest committed checkpoint")
+            for s in uncommitted:
+                if not candidates or s > candidates[0]:
+                    _warn(f"skipping {self.path_of(s)}: it was never committed (an interrupted or failed save)")
+            for s in order.abandoned:
+                _warn(
+                    f"skipping the checkpoint of step {s}: it was committed before {LATEST_FILE} moved to step "
+                    f"{order.pointer} (a run resumed from an older step since); a new save of step {s} replaces it"
+                )
+            if not candidates:
+                return None
+        refused: list[str] = []
+        for s in candidates:
+            path = self.path_of(s)
+            verdict = self._agree(self._check(path, full_verify))
+            if verdict is None:
+                verdict = self._try_load(state, path)
+            if verdict is None:
+                self._replaceable.update(c for c in order.candidates if c > s)
+                return s
+            why, bad_files = verdict
+            if step is not None:
+                raise CorruptCheckpointError(f"cannot load step {s}: {why}")
+            refused.append(f"step {s}: {why}")
+            if bad_files:
+                self._replaceable.add(s)
+            _warn(f"skipping the checkpoint of step {s} ({path}): {why}; trying an older one")
+        raise CorruptCheckpointError(
+            f"no checkpoint under {self.root} could be loaded:\n  " + "\n  ".join(refused)
+        )
+
+    def close(self) -> None:
+        """Wait for the saves in flight (raising their errors), then give up the root."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._release_ownership()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - the exception already propagating wins
+                pass
+
+    def __del__(self) -> None:
+        self._release_ownership()
+
+    # -- saving -------------------------------------------------------------------
+
+    def _dcp_kwargs(self) -> dict:
+        if not self._distributed:
+            return {"no_dist": True}
+        return {"process_group": self._group}
+
+    def _forget(self, pending: _PendingSave) -> None:
+        with self._lock:
+            if pending in self._pending:
+                self._pending.remove(pending)
+
+    def _on_upload_done(self, pending: _PendingSave) -> None:
+        """Runs in DCP's save thread once the checkpoint is committed (or failed)."""
+        try:
+            exc = _future_exception(pending.upload)
+            if exc is None:
+                self._after_commit(pending)
+        except BaseException as unexpected:  # noqa: BLE001 - must reach the future, not the void
+            exc = unexpected
+        if exc is None:
+            pending.done.set_result(None)
+        else:
+            pending.done.set_exception(exc)
+
+    def _after_commit(self, pending: _PendingSave) -> None:
+        """Rank 0: make the commit durable, move the pointer, apply retention.
+
+        The checkpoint is committed already, so a failure here is a warning
+        (the next start repairs the pointer and retention catches up), never
+        a failed save: raising on rank 0 alone would also split the ranks.
+        """
+        if self._rank != 0:
+            return
+        try:
+            with self._lock:
+                fsync_dir(pending.path)
+                fsync_dir(self.root)  # the step directory's own entry
+                if pending.seq > self._pointed_seq:
+                    write_latest(self.root, pending.step, pending.seq)
+                    self._pointed_seq = pending.seq
+                victims = self._retention_victims(pending.step)
+            for name in victims:
+                delete_checkpoint_dir(os.path.join(self.root, name))
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(
+                f"the checkpoint of step {pending.step} is committed in {pending.path}, but updating "
+                f"{os.path.join(self.root, LATEST_FILE)} or applying retention failed: {exc}",
+                CheckpointManagerWarning,
+                stacklevel=2,
+            )
+
+    def _retention_victims(self, committed_step: int) -> list[str]:
+        """Directories to delete now that ``committed_step`` is committed (called under ``_lock``).
+
+        Candidates are steps below ``committed_step`` only: committed ones the
+        policy does not keep (``keep_last`` counts steps up to
+        ``committed_step``, so steps of an abandoned trajectory above it take
+        no slot) and uncommitted ones (failed saves) that no save of ours is
+        writing. Symbolic links are never followed into.
+        """
+        dirs = step_dirs(self.root)
+        committed = sorted(s for s, name in dirs.items() if is_committed(os.path.join(self.root, name)))
+        upto = [s for s in committed if s <= committed_step]
+        keep = {committed_step}
+        keep.update(upto if self.keep_last is None else upto[-self.keep_last:])
+        if self.keep_every is not None:
+            keep.update(s for s in committed if s % self.keep_every == 0)
+        in_flight = {p.step for p in self._pending if not p.done.done()}
+        return [
+            name for s, name in sorted(dirs.items())
+            if s < committed_step and s not in keep and s not in in_flight and not is_link(self.root, name)
+        ]
+
+    def _raise_finished_errors(self) -> None:
+        """Close the writers of finished saves; raise the first error not yet raised."""
+        with self._lock:
+            finished, running = [], []
+            for p in self._pending:
+                (finished if p.done.done() else running).append(p)
+            self._pending = running
+        first: BaseException | None = None
+        for p in finished:
+            try:
+                p.writer.close()  # raises (once) the writer's record of a failed background save
+                err = p.done.exception()
+            except Exception as exc:  # noqa: BLE001
+                err = exc
+            if err is not None and first is None:
+                first = _save_error(p.step, p.path, err, background=True)
+                first.__cause__ = _unwrap(err)
+        if first is not None:
+            raise first
+
+    # -- loading ------------------------------------------------------------------
+
+    def _check(self, path: str, full_verify: bool) -> tuple[str, bool] | None:
+        """Why ``path`` cannot be loaded (and whether its files are bad), found without
+        reading tensor data, or None. Each rank checks every W-th rank index; with
+        ``full_verify`` rank 0 reads every byte."""
+        try:
+            if full_verify and self._rank == 0:
+                from dcp_datastates.core.verify import verify
+
+                report = verify(path, allow_pickle=self.allow_pickle)
+                if not report.ok:
+                    return "; ".join(report.problems[:3]) or "not committed", True
+            reader = DataStatesReader(path, allow_pickle=self.allow_pickle)
+            reader.read_metadata()
+            world = dist.get_world_size(self._group) if self._distributed else 1
+            for files in reader._layout.ranks[self._rank::world]:
+                reader.rank_index(files.data_file)
+        except BaseException as exc:  # noqa: BLE001 - classified; unknown errors travel to every rank
+            return _classify(exc)
+        return None
+
+    def _try_load(self, state: dict, path: str) -> tuple[str, bool] | None:
+        reader = DataStatesReader(path, allow_pickle=self.allow_pickle)
+        kwargs = {"process_group": self._group} if self._distributed else {"no_dist": True}
+        try:
+            dcp.load(state, storage_reader=reader, checkpoint_id=path, **kwargs)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP fails every rank alike
+            verdict = _classify(_unwrap(exc))
+            if verdict[0] is _RAISE:
+                inner = _unwrap(exc)
+                if inner is exc:
+                    raise
+                raise inner from exc
+            return verdict
+        return None
+
+    def _agree(self, verdict):
+        """Every rank's verdict on a checkpoint, combined: bad on one rank is bad on all,
+        and an error that must be raised is raised on every rank."""
+        if self._distributed:
+            verdicts: list[Any] = [None] * dist.get_world_size(self._group)
+            dist.all_gather_object(verdicts, verdict, group=self._group)
+        else:
+            verdicts = [verdict]
+        for r, v in enumerate(verdicts):
+            if v is not None and v[0] is _RAISE:
+                raise CheckpointError(f"rank {r}: {v[1]}")
+        bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+        if not bad:
+            return None
+        why = "; ".join(f"rank {r}: {v[0]}" if self._distributed else v[0] for r, v in bad)
+        return why, any(v[1] for _r, v in bad)
+
+    def _on_rank0(self, fn, what: str):
+        """Run ``fn`` on rank 0 and hand its result (or its error, raised) to every rank."""
+        try:
+            result = (True, fn()) if self._rank == 0 else None
+        except Exception as exc:  # noqa: BLE001 - raised below on every rank
+            if not self._distributed:
+                raise
+            result = (False, f"{type(exc).__name__}: {exc}")
+        if self._distributed:
+            box = [result]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0) if self._group else 0, group=self._group)
+            result = box[0]
+        ok, value = result
+        if not ok:
+            raise CheckpointError(f"{self.root}: rank 0 failed {what}: {value}")
+        return value
+
+    # -- owning the root, crash recovery ------------------------------------------
+
+    def _take_ownership(self) -> bool:
+        fd = os.open(os.path.join(self.root, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            warnings.warn(
+                f"another CheckpointManager owns {self.root} (it holds {LOCK_FILE}); this one will load but "
+                "not save, clean up, move the pointer or delete checkpoints",
+                CheckpointManagerWarning,
+                stacklevel=4,
+            )
+            return False
+        self._lock_fd = fd
+        return True
+
+    def _release_ownership(self) -> None:
+        fd, self._lock_fd = getattr(self, "_lock_fd", None), None
+        if fd is not None:
+            os.close(fd)  # drops the flock
+
+    def _recover(self) -> None:
+        """Remove what crashed saves left behind and repair a stale pointer (owner, at start)."""
+        for name in os.listdir(self.root):
+            if LATEST_TMP_RE.match(name):
+                remove_if_present([os.path.join(self.root, name)])
+        for s, name in sorted(step_dirs(self.root).items()):
+            path = os.path.join(self.root, name)
+            if is_link(self.root, name):
+                continue  # linked from elsewhere: not ours to clean
+            if not is_committed(path):
+                _warn(f"removing {path}: a checkpoint that was never committed (left by an interrupted save)")
+                delete_checkpoint_dir(path)
+                continue
+            for stray in stray_files(path, self.allow_pickle):
+                remove_if_present([os.path.join(path, stray)])
+        order = resume_order(self.root)
+        if order.pointer_error:
+            _warn(f"{order.pointer_error}; rewriting it")
+        if order.candidates and order.pointer != order.candidates[0]:
+            newest = self.path_of(order.candidates[0])
+            fsync_dir(newest)
+            fsync_dir(self.root)
+            write_latest(self.root, order.candidates[0])
+        elif not order.candidates and (order.pointer is not None or order.pointer_error):
+            remove_if_present([os.path.join(self.root, LATEST_FILE)])
+            fsync_dir(self.root)
+
+
+_RAISE = object()  # a verdict that is not about the checkpoint's files: raise it
+
+
+def _classify(exc: BaseException) -> tuple:
+    """(why, the files are bad) for errors that make resume skip a checkpoint; (_RAISE, text) otherwise."""
+    if isinstance(exc, UnsafeCheckpointError):
+        return _RAISE, _describe(exc)
+    if isinstance(exc, _BAD_FILES):
+        return _describe(exc), True
+    if isinstance(exc, _UNREADABLE) or (isinstance(exc, OSError) and exc.errno in _READ_ERRNOS):
+        return _describe(exc), False
+    return _RAISE, f"{type(exc).__name__}: {_describe(exc)}"
+
+
+def _save_error(step: int, path: str, exc: BaseException, background: bool = False) -> CheckpointError:
+    inner = _unwrap(exc)
+    if isinstance(inner, CheckpointError) and not background:
+        return inner
+    what = "the asynchronous save" if background else "the save"
+    return CheckpointError(f"{what} of step {step} into {path} failed: {_describe(inner)}")
+
+
+def stray_files(path: str, allow_pickle: bool = False) -> list[str]:
+    """Files in the committed checkpoint ``path`` that it does not name (safe to delete).
+
+    Rank files of an earlier save into the same directory that was killed,
+    and ``.metadata`` temporaries. Returns [] when the metadata cannot be read
+    (a damaged checkpoint is left exactly as it is).
+    """
+    try:
+        reader = DataStatesReader(path, allow_pickle=allow_pickle)
+        reader.read_metadata()
+    except (CheckpointError, OSError):
+        return []
+    named = {n for r in reader._layout.ranks for n in (r.data_file, r.index_file)}
+    out = []
+    for name in sorted(os.listdir(path)):
+        if DATA_FILE_RE.match(name) and name not in named:
+            out.append(name)
+        elif name.startswith(METADATA_FILE + ".") and name.endswith(".tmp"):
+            out.append(name)
+    return out
+
+
+def delete_checkpoint_dir(path: str) -> None:
+    """Delete a checkpoint directory so that no crash can leave it committed but partial.
+
+    ``.metadata`` goes first and the directory is fsynced: from then on the
+    directory is an uncommitted leftover, which readers refuse and the next
+    manager start removes.
+    """
+    if os.path.islink(path):
+        raise CheckpointError(f"{path} is a symbolic link; checkpoints are never deleted through a link")
+    if not os.path.isdir(path):
+        return  # already gone (another cleanup got there first)
+    remove_if_present([os.path.join(path, METADATA_FILE)])
+    fsync_dir(path)
+    shutil.rmtree(path)
+    fsync_dir(os.path.dirname(path))
+
+
+def _future_exception(fut) -> BaseException | None:
+    if isinstance(fut, Future):
+        return fut.exception()
+    try:
+        fut.wait()
+    except BaseException as exc:  # noqa: BLE001 - torch futures raise the save's error
+        return exc
+    return None
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The error a rank raised, out of DCP's CheckpointException (first failing rank)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        inner = next(iter(exc.failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else getattr(inner, "exc", inner)
+        return inner if isinstance(inner, BaseException) else exc
+    return exc
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return " ".join(text.split())
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, SkippedCheckpointWarning, stacklevel=3)

@@ -1,0 +1,255 @@
+"""The on-disk layout of a run's checkpoint root (what ``CheckpointManager`` keeps).
+
+::
+
+    ROOT/
+        step_00000100/     a checkpoint (committed when it holds .metadata)
+        step_00000200/
+        latest             {"step": 200, "dir": "step_00000200", "sequence": 14}: the newest
+                           checkpoint known committed and durable, replaced atomically
+
+Step directories are named ``step_`` and the step number, zero-padded to 8
+digits (longer numbers simply get more digits); tools order them by number.
+``latest`` is JSON so shell scripts and other tools can read it; it is only
+ever replaced by renaming a fully written, fsynced temporary over it, so a
+reader sees the old pointer or the new one, never a torn one.
+
+Commit order is a number, not a time: the manager gives every commit in a
+root the next *commit sequence*, which the checkpoint records in its
+``.metadata`` trailer before the rename that commits it, and ``latest``
+records with the step it names. A resume compares sequences to tell a
+checkpoint committed after the pointer moved (a crash between the commit
+and the pointer update) from one the run abandoned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+
+from dcp_datastates.core.commit import fsync_dir, rename_into_place, remove_if_present, write_new_file_durably
+from dcp_datastates.format.rank_index import METADATA_FILE
+from dcp_datastates.format.metadata_file import read_commit_sequence
+
+STEP_DIR_RE = re.compile(r"^step_(\d+)$")
+LATEST_FILE = "latest"
+LATEST_TMP_RE = re.compile(r"^latest\.[0-9a-f]+\.tmp$")
+_POINTER_LIMIT = 4096  # a pointer file is a few dozen bytes; anything bigger is not one
+
+
+def step_dir_name(step: int) -> str:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"a checkpoint step must be a non-negative int, got {step!r}")
+    return f"step_{step:08d}"
+
+
+def step_dirs(root: str) -> dict[int, str]:
+    """``{step: directory name}`` of every step directory under ``root`` (committed or not).
+
+    Two names for one step (``step_7`` and ``step_00000007``) are an error,
+    because tools could not tell which one is meant.
+    """
+    out: dict[int, str] = {}
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        m = STEP_DIR_RE.match(name)
+        if m is None or not os.path.isdir(os.path.join(root, name)):
+            continue
+        step = int(m.group(1))
+        if step in out:
+            raise ValueError(f"{root}: two directories for step {step}: {out[step]} and {name}")
+        out[step] = name
+    return out
+
+
+def is_link(root: str, name: str) -> bool:
+    """Whether ``root/name`` is a symbolic link (a step directory linked from elsewhere:
+    readable like any other, but never cleaned up or deleted through the link)."""
+    return os.path.islink(os.path.join(root, name))
+
+
+def is_committed(path: str) -> bool:
+    """Whether the checkpoint directory ``path`` has been committed (its ``.metadata`` exists)."""
+    return os.path.isfile(os.path.join(path, METADATA_FILE))
+
+
+@dataclasses.dataclass(frozen=True)
+class Pointer:
+    """What ``latest`` says: the step, and the commit sequence of its checkpoint
+    (None in pointers written before sequences existed)."""
+
+    step: int
+    sequence: int | None
+
+
+def read_pointer(root: str) -> Pointer | None:
+    """The ``latest`` pointer of ``root``, or None when there is none.
+
+    A pointer that is not what :func:`write_latest` writes raises ValueError
+    naming the file (it is never silently ignored).
+    """
+    path = os.path.join(root, LATEST_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        blob = os.read(fd, _POINTER_LIMIT + 1)
+    finally:
+        os.close(fd)
+    try:
+        record = json.loads(blob.decode("utf-8")) if len(blob) <= _POINTER_LIMIT else None
+        step = record["step"]
+        sequence = record.get("sequence")
+        if not _is_count(step) or record["dir"] != step_dir_name(step):
+            raise ValueError
+        if sequence is not None and not _is_count(sequence):
+            raise ValueError
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        raise ValueError(
+            f"{path} is not a checkpoint pointer (expected {{\"step\": N, \"dir\": \"step_...\", \"sequence\": S}})"
+        ) from None
+    return Pointer(step, sequence)
+
+
+def read_latest(root: str) -> int | None:
+    """The step the ``latest`` pointer names, or None when there is no pointer (see :func:`read_pointer`)."""
+    pointer = read_pointer(root)
+    return pointer.step if pointer is not None else None
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def commit_sequence(root: str, name: str) -> int | None:
+    """The commit sequence of the checkpoint in ``root/name`` (None: none recorded, or not committed)."""
+    return read_commit_sequence(os.path.join(root, name, METADATA_FILE))
+
+
+def newest_sequence(root: str) -> int:
+    """The largest commit sequence in ``root`` (its pointer's and every checkpoint's), 0 if none.
+
+    A manager numbers its next commit one above it, so commit order never
+    depends on clocks.
+    """
+    newest = 0
+    try:
+        pointer = read_pointer(root)
+    except ValueError:
+        pointer = None
+    if pointer is not None and pointer.sequence is not None:
+        newest = pointer.sequence
+    for name in step_dirs(root).values():
+        newest = max(newest, commit_sequence(root, name) or 0)
+    return newest
+
+
+@dataclasses.dataclass
+class ResumeOrder:
+    """Which committed checkpoints a resume tries, in order, and which it must not.
+
+    ``candidates``: checkpoints committed after the pointer last moved (a crash
+    fell between their commit and the pointer update; newest commit first),
+    then the step the pointer names, then the steps below it, newest first.
+    ``abandoned``: steps above the pointer's that were committed before it
+    moved: a run resumed from an older step and went on from there (a
+    rollback, or a newer checkpoint skipped as corrupt), so they belong to a
+    trajectory that was given up. They are not resumed from, a new save may
+    replace them, and retention leaves them alone.
+    """
+
+    candidates: list[int]
+    abandoned: list[int]
+    pointer: int | None
+    pointer_error: str | None = None
+
+
+def resume_order(root: str) -> ResumeOrder:
+    """Order the committed checkpoints of ``root`` for a resume (see :class:`ResumeOrder`).
+
+    Commits are ordered by the commit sequence each checkpoint records in
+    its ``.metadata`` trailer before the rename that commits it, and that
+    ``latest`` records with the step: a checkpoint whose sequence is above
+    the pointer's was committed after the pointer last moved. Clocks are
+    not used: ``st_ctime`` ticks too coarsely (a commit and the pointer
+    update a millisecond later can share one value).
+
+    Roots written before sequences existed (a pointer without one) fall
+    back, for checkpoints without a sequence, to comparing the ``st_ctime``
+    of ``.metadata`` and ``latest``; a checkpoint with a sequence under such
+    a pointer was committed after it (its writer wrote sequenced pointers).
+    """
+    dirs = step_dirs(root)
+    times: dict[int, int] = {}  # step -> when its .metadata appeared; a directory deleted meanwhile drops out
+    sequences: dict[int, int] = {}  # step -> its commit sequence (0: none recorded)
+    for step, name in dirs.items():
+        try:
+            times[step] = os.stat(os.path.join(root, name, METADATA_FILE)).st_ctime_ns
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        sequences[step] = commit_sequence(root, name) or 0
+    committed = sorted(times)
+    try:
+        pointer_record = read_pointer(root)
+        error = None
+        pointer = pointer_record.step if pointer_record is not None else None
+        moved = os.stat(os.path.join(root, LATEST_FILE)).st_ctime_ns if pointer is not None else 0
+    except ValueError as exc:
+        pointer_record, pointer, error = None, None, str(exc)
+    except FileNotFoundError:  # replaced between the read and the stat: treat as no pointer
+        pointer_record, pointer, error = None, None, None
+    if pointer is None or pointer not in committed:
+        # No usable pointer: newest commit first where sequences tell, else the highest step.
+        order = sorted(committed, key=lambda s: (sequences[s], s), reverse=True)
+        return ResumeOrder(order, [], pointer, error)
+
+    if pointer_record.sequence is not None:
+        pointed = pointer_record.sequence
+
+        def after_pointer(s: int) -> bool:
+            return sequences[s] > pointed
+
+        newest_first = lambda s: sequences[s]  # noqa: E731
+    else:  # a pointer from before sequences
+
+        def after_pointer(s: int) -> bool:
+            return sequences[s] > 0 or times[s] > moved
+
+        newest_first = lambda s: (sequences[s], times[s])  # noqa: E731
+
+    newer = sorted((s for s in committed if s != pointer and after_pointer(s)), key=newest_first, reverse=True)
+    abandoned = [s for s in committed if s > pointer and s not in newer]
+    below = [s for s in committed[::-1] if s < pointer and s not in newer]
+    return ResumeOrder(newer + [pointer] + below, abandoned, pointer, error)
+
+
+def write_latest(root: str, step: int, sequence: int | None = None) -> None:
+    """Point ``latest`` at ``step``, whose checkpoint has commit ``sequence`` (read from its
+    ``.metadata`` when not given): write a temporary, fsync it, rename it over, fsync ``root``."""
+    if sequence is None:
+        sequence = commit_sequence(root, step_dir_name(step))
+    fields = {"step": step, "dir": step_dir_name(step)}
+    if sequence is not None:
+        fields["sequence"] = sequence
+    record = json.dumps(fields) + "\n"
+    tmp = os.path.join(root, f"{LATEST_FILE}.{os.getpid():x}.tmp")
+    remove_if_present([tmp])
+    write_new_file_durably(tmp, record.encode())
+    try:
+        rename_into_place(tmp, os.path.join(root, LATEST_FILE), root)
+    except BaseException:
+        remove_if_present([tmp])
+        raise
+    fsync_dir(root)
+
+
+def durable_dir(path: str) -> None:
+    """fsync a checkpoint directory and its parent, so its commit survives a power loss."""
+    fsync_dir(path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))

@@ -1,0 +1,1 @@
+"""The ``dcp-datastates`` command-line tool and its commands (list, verify, diff, convert, export)."""

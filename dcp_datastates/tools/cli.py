@@ -1,0 +1,189 @@
+"""``dcp-datastates``: list, inspect, verify, convert, export and compare checkpoints.
+
+Each subcommand parses its arguments here and calls a library function in
+the module that owns its job (``cli_listing``, ``convert``, ``export``,
+``diff``), so everything the tool does is also available from Python.
+Errors are reported as one line on stderr with a non-zero exit status; a
+traceback is printed only with ``--debug``. Exit status: 0 success, 1 a
+failure (a checkpoint that does not verify, an unreadable file, a refused
+conversion), 2 a usage error, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+PROG = "dcp-datastates"
+
+
+def _size(text: str) -> int:
+    """``5GB``, ``500MiB``, ``1048576`` -> bytes (decimal and binary suffixes)."""
+    units = {
+        "": 1, "B": 1,
+        "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+        "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+        "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40,
+    }
+    t = text.strip().upper()
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 5GB, 512MiB, 1048576)") from None
+    if unit not in units or value <= 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 5GB, 512MiB, 1048576)")
+    return int(value * units[unit])
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dcp_datastates import __version__
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Inspect, verify, convert, export and compare dcp_datastates checkpoints "
+        "(and stock torch.distributed.checkpoint ones).",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--debug", action="store_true", help="print a traceback on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, help_text: str, description: str | None = None) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=description or help_text)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="print a traceback on errors")
+        return p
+
+    def allow_pickle(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--allow-pickle", action="store_true",
+            help="unpickle saved Python objects without restriction (only for checkpoints you trust)",
+        )
+
+    p = add("ls", "list the checkpoints under a directory: steps, sizes, committed or not")
+    p.add_argument("root", metavar="ROOT", help="a directory of checkpoints (e.g. a CheckpointManager root) or one checkpoint")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = add("inspect", "show every key of a checkpoint: dtype, global shape, chunks, bytes, rank files")
+    p.add_argument("ckpt", metavar="CKPT", help="a checkpoint directory (ours or stock DCP)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--chunks", action="store_true", help="list every saved chunk (box, file, offset, bytes)")
+
+    p = add("verify", "check every checksum of checkpoints; exit status 1 on any fault")
+    p.add_argument("ckpts", metavar="CKPT", nargs="+", help="checkpoint directories")
+    allow_pickle(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = add("du", "disk usage of checkpoints: their files, and stray files safe to delete")
+    p.add_argument("paths", metavar="PATH", nargs="+", help="checkpoint directories or directories of checkpoints")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = add(
+        "convert", "convert a checkpoint to torch.save, sharded safetensors, stock DCP, or from stock DCP to ours",
+        "Convert a checkpoint, streaming tensor by tensor (memory is bounded by the largest tensor, "
+        "not the checkpoint). --to torch: one torch.save file; --to safetensors: HF-style shards "
+        "plus model.safetensors.index.json; --to dcp: DCP's FileSystemWriter format; --to datastates: "
+        "a stock DCP checkpoint into ours.",
+    )
+    p.add_argument("ckpt", metavar="CKPT", help="the checkpoint to convert")
+    p.add_argument("--to", required=True, choices=["torch", "safetensors", "dcp", "datastates"], help="output format")
+    p.add_argument("out", metavar="OUT", help="output file (torch) or directory (the others)")
+    p.add_argument("--max-shard-size", type=_size, default=_size("5GB"), help="safetensors shard size (default 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    allow_pickle(p)
+
+    p = add(
+        "export", "export checkpoints to HDF5 or zarr for analysis (one dataset per key, a step axis)",
+        "Export one or more checkpoints of a run into one HDF5 file or zarr store: one dataset per "
+        "tensor with its full (unsharded) shape and a leading step axis, written block by block from "
+        "the saved shards. bfloat16 and float8 values are stored as their raw bits (see docs/cli.md).",
+    )
+    p.add_argument("ckpts", metavar="CKPT", nargs="+", help="checkpoints, in step order")
+    p.add_argument("--format", required=True, choices=["hdf5", "zarr"], help="output format")
+    p.add_argument("--out", "-o", required=True, metavar="OUT", help="output .h5 file or zarr directory")
+    p.add_argument("--keys", metavar="GLOB", action="append", help="only keys matching this glob (repeatable)")
+    p.add_argument("--block-bytes", type=_size, default=_size("256MiB"), help="largest block read at once (default 256MiB)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = add("diff", "per-tensor relative change between two checkpoints, top movers, optional plot")
+    p.add_argument("a", metavar="CKPT_A", help="the earlier checkpoint")
+    p.add_argument("b", metavar="CKPT_B", help="the later checkpoint")
+    p.add_argument("--top", type=_positive_int, default=10, metavar="K", help="how many top movers to list (default 10)")
+    p.add_argument("--keys", metavar="GLOB", action="append", help="only keys matching this glob (repeatable)")
+    p.add_argument("--plot", metavar="PNG", help="write a plot of relative change per layer (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--block-bytes", type=_size, default=_size("256MiB"), help="largest block read at once (default 256MiB)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    allow_pickle(p)
+    return parser
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command in ("ls", "inspect", "verify", "du"):
+        from dcp_datastates.tools import listing as cli_listing
+
+        return getattr(cli_listing, f"run_{args.command}")(args)
+    if args.command == "convert":
+        from dcp_datastates.tools import convert
+
+        return convert.run_cli(args)
+    if args.command == "export":
+        from dcp_datastates.tools import export
+
+        return export.run_cli(args)
+    if args.command == "diff":
+        from dcp_datastates.tools import diff
+
+        return diff.run_cli(args)
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from dcp_datastates.native.memory import bound_heap
+
+    bound_heap()  # streaming commands: memory bounded by a block, not by the bytes streamed
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `dcp-datastates inspect X | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one line and a status
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        print(f"{PROG} {args.command}: error: {one_line(exc)}", file=sys.stderr)
+        return 1
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its message (errors from the library name the file and key)."""
+    text = str(exc) if str(exc) else type(exc).__name__
+    if isinstance(exc, KeyError) and exc.args:
+        text = str(exc.args[0])
+    elif isinstance(exc, OSError) and exc.filename and exc.strerror:
+        text = f"{exc.filename}: {exc.strerror}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return "; ".join(lines) if lines else type(exc).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

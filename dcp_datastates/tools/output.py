@@ -1,0 +1,66 @@
+"""Writing a tool's output so that it is never seen half-written.
+
+``convert`` and ``export`` build their output under a temporary name next to
+OUT and only then move it into place. A failure or an interrupt therefore
+leaves no OUT (the caller removes the temporary), and an existing OUT that
+``--overwrite`` replaces is moved aside only once the new output is complete,
+and is put back if the final rename fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+
+from dcp_datastates.core.commit import fsync_dir
+
+
+@contextlib.contextmanager
+def naming_output_errors(tmp: str, out: str):
+    """Give an OSError raised without a file name while the output is written (Python's
+    ``write`` and ``os.fsync`` on a full disk: a bare "[Errno 28] No space left on
+    device") the file it was about: the temporary ``tmp`` being built for ``out``."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, f"writing {out} (built as {tmp}) failed: {exc.strerror or exc}", tmp) from exc
+
+
+def remove_output(path: str) -> None:
+    """Delete a file or directory tree the tool created, if it is there (never through a link)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def move_into_place(tmp: str, out: str, overwrite: bool) -> None:
+    """Rename the finished ``tmp`` to ``out``; an existing ``out`` is replaced only with ``overwrite``.
+
+    A file over a file is one atomic ``rename``. Otherwise the old ``out`` is
+    renamed aside, the new one renamed in (the old one restored if that
+    fails), and the old one deleted. The parent directory is fsynced.
+    """
+    parent = os.path.dirname(out)
+    if not os.path.lexists(out):
+        os.rename(tmp, out)
+    elif not overwrite:
+        raise FileExistsError(f"{out} appeared while writing it; pass --overwrite to replace it")
+    elif os.path.isfile(tmp) and os.path.isfile(out) and not os.path.islink(out):
+        os.replace(tmp, out)  # atomic: readers see the old file or the new one
+    else:
+        old = os.path.join(parent, f".{os.path.basename(out)}.replaced-{uuid.uuid4().hex[:12]}")
+        os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        fsync_dir(parent)
+        remove_output(old)
+    fsync_dir(parent)
