@@ -1,6 +1,6 @@
 """Compression: ratio and save/load speed on real weights and optimizer state.
 
-The state is real, not random: the demo's GPT-like model (dcp_datastates.demo.main.TinyGPT,
+The state is real, not random: the demo's GPT-like model (dcp_datastates.demo.model.TinyGPT,
 made wider and deeper) trained for ``--steps`` AdamW steps on the demo's synthetic
 token streams, saved as it would be in mixed-precision training: fp32 master weights,
 a bf16 copy of them, and AdamW's fp32 ``exp_avg`` / ``exp_avg_sq``. The trained state
@@ -31,7 +31,7 @@ import bench_common  # noqa: E402
 def train_state(steps: int, d_model: int, layers: int, seed: int = 0) -> dict:
     import torch
 
-    from dcp_datastates.demo.main import ModelConfig, TinyGPT, global_batch
+    from dcp_datastates.demo.model import ModelConfig, TinyGPT, global_batch
 
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab=512, seq_len=64, d_model=d_model, n_layers=layers, n_heads=max(1, d_model // 64))

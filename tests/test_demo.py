@@ -12,7 +12,10 @@ import sys
 
 import pytest
 
-from dcp_datastates.demo import main as demo
+from dcp_datastates.demo.checkpoint_dirs import latest_committed_checkpoint
+from dcp_datastates.demo.checks import check_continuation, check_replica
+from dcp_datastates.demo.cli import parse_args
+from dcp_datastates.demo.model import global_batch, lr_at
 
 TINY = ["--vocab", "128", "--seq-len", "32", "--d-model", "64", "--layers", "2", "--heads", "2", "--batch", "8"]
 
@@ -67,14 +70,14 @@ def test_latest_committed_checkpoint_skips_uncommitted(tmp_path):
         if committed:
             (d / ".metadata").write_bytes(b"m")
     (tmp_path / "step_junk").mkdir()
-    assert demo.latest_committed_checkpoint(str(tmp_path)) == (20, str(tmp_path / "step_000020"))
-    assert demo.latest_committed_checkpoint(str(tmp_path / "missing")) is None
+    assert latest_committed_checkpoint(str(tmp_path)) == (20, str(tmp_path / "step_000020"))
+    assert latest_committed_checkpoint(str(tmp_path / "missing")) is None
 
 
 def test_global_batch_depends_only_on_seed_and_step():
-    a = demo.global_batch(7, 3, 8, 16, 64)
-    b = demo.global_batch(7, 3, 8, 16, 64)
-    c = demo.global_batch(7, 4, 8, 16, 64)
+    a = global_batch(7, 3, 8, 16, 64)
+    b = global_batch(7, 3, 8, 16, 64)
+    c = global_batch(7, 4, 8, 16, 64)
     assert all(x.equal(y) for x, y in zip(a, b))
     assert not a[0].equal(c[0])
     assert a[0][:, 1:].equal(a[1][:, :-1])  # targets are the inputs shifted by one
@@ -90,5 +93,46 @@ def test_global_batch_depends_only_on_seed_and_step():
 )
 def test_demo_rejects_bad_arguments(argv):
     with pytest.raises(SystemExit) as exc:
-        demo.parse_args(argv)
+        parse_args(argv)
     assert exc.value.code == 2
+
+
+def test_lr_schedule_warms_up_then_decays_to_a_tenth():
+    assert lr_at(5, 1.0, 10, 100) == 0.5
+    assert lr_at(10, 1.0, 10, 100) == 1.0
+    assert lr_at(11, 1.0, 10, 100) < 1.0
+    assert lr_at(100, 1.0, 10, 100) == pytest.approx(0.1)
+    assert lr_at(150, 1.0, 10, 100) == pytest.approx(0.1)  # flat after the horizon
+
+
+def test_demo_help_exits_cleanly(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--help"])
+    assert exc.value.code == 0
+    assert "--resume-procs" in capsys.readouterr().out
+
+
+def test_checks_name_the_first_diverging_step():
+    reference = {s: 1.0 for s in range(1, 11)}
+    resumed = {s: 1.0 for s in range(6, 11)}
+    resumed[8] = 1.001
+    exact = check_continuation(reference, resumed, 5, 10, same_world=True, rtol=1e-5)
+    assert not exact.continuous and not exact.bit_exact and exact.first_bad == 8
+    assert exact.problems == [
+        "the resumed loss curve diverges from the reference (first at step 8, max |diff| 1.000e-03, "
+        "max rel 1.000e-03; exact equality (M == P))"
+    ]
+    loose = check_continuation(reference, resumed, 5, 10, same_world=False, rtol=1e-2)
+    assert loose.continuous and not loose.bit_exact and loose.problems == []
+    del resumed[9]
+    assert "did not log steps [9]" in check_continuation(reference, resumed, 5, 10, same_world=False,
+                                                         rtol=1e-2).problems[0]
+
+
+def test_replica_check_before_the_failure():
+    reference = {s: float(s) for s in range(1, 11)}
+    assert check_replica(reference, dict(reference), 6, "cpu").problems == []
+    off = {**reference, 3: 3.5}
+    assert check_replica(off, reference, 6, "cpu").max_diff == 0.5
+    assert check_replica(off, reference, 6, "cuda").problems == []  # reported, not failed, off CPU
+    assert "did not log steps [4, 5]" in check_replica(reference, {1: 1.0, 2: 2.0, 3: 3.0}, 6, "cpu").problems[0]

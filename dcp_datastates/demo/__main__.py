@@ -1,7 +1,7 @@
-"""``python -m dcp_datastates.demo``: FSDP2 training with asynchronous checkpoints (see main.py)."""
+"""``python -m dcp_datastates.demo``: FSDP2 training with asynchronous checkpoints (see cli.py)."""
 
 import sys
 
-from dcp_datastates.demo.main import main
+from dcp_datastates.demo.cli import main
 
 sys.exit(main())
