@@ -13,7 +13,7 @@ bench_save_load.py; --quick: 256 MiB).
 
 Variants (all write to a fresh directory and are durable when their upload
 future completes; DCP's FileSystemWriter fsyncs every file, sync_files=True)
-  raw_direct          _engine.probe_sequential_write(direct=True): one thread,
+  raw_direct          _probes.probe_sequential_write(direct=True): one thread,
                       8 MiB O_DIRECT pwrites of the same byte count + fsync
   dcp_default         dcp.async_save(state, storage_writer=FileSystemWriter(p)):
                       FileSystemWriter is itself DCP's (BlockingAsyncStager)
@@ -99,7 +99,7 @@ from bench_common import (  # noqa: E402
 )
 from bench_save_load import BLOCK, GB, GiB, MiB, check_equal, machine_info, make_big_state, state_bytes  # noqa: E402
 from dcp_datastates import DataStatesReader, DataStatesWriter  # noqa: E402
-from dcp_datastates import _engine  # noqa: E402
+from dcp_datastates import _probes  # noqa: E402
 
 VARIANTS = ["raw_direct", "dcp_default", "dcp_stager", "dcp_process", "dcp_process_stager", "ours"]
 DCP_VARIANTS = ["dcp_default", "dcp_stager", "dcp_process", "dcp_process_stager"]
@@ -312,7 +312,7 @@ class Runner:
 
     def raw(self, nbytes: int) -> dict:
         path = self.fresh("raw_direct") + ".bin"
-        s = _engine.probe_sequential_write(path, nbytes, BLOCK, True)
+        s = _probes.probe_sequential_write(path, nbytes, BLOCK, True)
         written = os.path.getsize(path)
         remove(path)
         return {"durable_s": s, "bytes": written}

@@ -2,7 +2,7 @@
 
 Imports neither dcp_datastates nor DCP at module level, so every script can
 use it even when the package under test fails to import (``drop_tree``
-imports the engine when it is called).
+imports the probes module when it is called).
 """
 
 from __future__ import annotations
@@ -55,14 +55,14 @@ def remove_scratch(base: str, root: str, created_base: bool) -> None:
 
 def drop_tree(path: str) -> None:
     """Evict every file under ``path`` from the page cache (the next read hits the disk)."""
-    from dcp_datastates.native.engine import _engine
+    from dcp_datastates import _probes
 
     if os.path.isfile(path):
-        _engine.drop_page_cache(path)
+        _probes.drop_page_cache(path)
         return
     for root, _dirs, files in os.walk(path):
         for name in files:
-            _engine.drop_page_cache(os.path.join(root, name))
+            _probes.drop_page_cache(os.path.join(root, name))
 
 
 def remove(path: str) -> None:

@@ -61,7 +61,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter  # n
 from bench_common import add_common_args, drop_tree, fmt, make_scratch, median, remove, remove_scratch, write_json  # noqa: E402
 from bench_common import machine_info as common_machine_info  # noqa: E402
 from dcp_datastates import DataStatesReader, DataStatesWriter  # noqa: E402
-from dcp_datastates import _engine  # noqa: E402
+from dcp_datastates import _engine, _probes  # noqa: E402
 from dcp_datastates.core.commit import fsync_dir  # noqa: E402
 
 MiB = 1 << 20
@@ -196,23 +196,23 @@ class Runner:
 
     def _raw_direct(self, state, dst, nbytes, verify, what) -> dict:
         path = self.fresh("raw_direct") + ".bin"
-        save_s = _engine.probe_sequential_write(path, nbytes, BLOCK, True)
+        save_s = _probes.probe_sequential_write(path, nbytes, BLOCK, True)
         written = os.path.getsize(path)
         drop_tree(path)
-        n, load_s = _engine.probe_sequential_read(path, BLOCK)
+        n, load_s = _probes.probe_sequential_read(path, BLOCK)
         remove(path)
         return {"save_s": save_s, "load_s": load_s, "save_bytes": written, "load_bytes": n}
 
     def _raw_buffered(self, state, dst, nbytes, verify, what) -> dict:
         path = self.fresh("raw_buffered") + ".bin"
-        save_s = _engine.probe_sequential_write(path, nbytes, BLOCK, False)
+        save_s = _probes.probe_sequential_write(path, nbytes, BLOCK, False)
         written = os.path.getsize(path)
         remove(path)
         return {"save_s": save_s, "load_s": None, "save_bytes": written}
 
     def _raw_read_2t(self, state, dst, nbytes, verify, what) -> dict:
         path = self.fresh("raw_read_2t") + ".bin"
-        _engine.probe_sequential_write(path, nbytes, BLOCK, True)
+        _probes.probe_sequential_write(path, nbytes, BLOCK, True)
         drop_tree(path)
         load_s, n = parallel_read(path, 2)
         remove(path)

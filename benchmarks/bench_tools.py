@@ -102,12 +102,12 @@ def run_child(kind: str, payload) -> dict:
 
 def raw_seconds(root: str, nbytes: int) -> tuple[float, float]:
     """(O_DIRECT write s, cold read s) for ``nbytes`` on this disk, now."""
-    from dcp_datastates.native.engine import _engine
+    from dcp_datastates import _probes
 
     path = os.path.join(root, "raw.bin")
-    w = _engine.probe_sequential_write(path, nbytes, BLOCK, True)
+    w = _probes.probe_sequential_write(path, nbytes, BLOCK, True)
     drop_tree(path)
-    _n, r = _engine.probe_sequential_read(path, BLOCK)
+    _n, r = _probes.probe_sequential_read(path, BLOCK)
     remove(path)
     return w, r
 

@@ -1,17 +1,21 @@
 // Python face of the engine (module dcp_datastates._engine).
 //
 // Conversions from Python happen with the GIL held; everything that blocks
-// (opening files, waiting for jobs, the probes) runs with it released. Job
-// objects keep the Python buffers they point into alive until the job has
-// finished, even when the job is dropped before wait() on an error path.
+// (opening files, waiting for jobs) runs with it released. Job objects keep
+// the Python buffers they point into alive until the job has finished, even
+// when the job is dropped before wait() on an error path. What crosses the
+// boundary is typed: regions, read requests, segments and read failures are
+// the records of py_records.hpp; fault injection is the `faults` submodule.
+// The benchmark-only disk probes are another extension (probes_bindings.cpp).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include "crc32c.hpp"
 #include "cuda_runtime.hpp"
-#include "disk_probe.hpp"
 #include "engine.hpp"
-#include "fault_injection.hpp"
+#include "py_errors.hpp"
+#include "py_faults.hpp"
+#include "py_records.hpp"
 
 namespace py = pybind11;
 using namespace dcpds;
@@ -25,69 +29,30 @@ DirectMode parse_mode(const std::string& s) {
   throw std::invalid_argument("direct_io must be 'auto', 'on' or 'off', got '" + s + "'");
 }
 
-// A region is one of
-//   (pointer, nbytes, file_offset)                              contiguous host memory
-//   (pointer, nbytes, file_offset, sizes, strides, itemsize)    strided host memory
-//                                                                (strides in elements)
-//   (pointer, nbytes, file_offset, device, ready_event)         contiguous CUDA memory
-std::vector<Region> to_regions(const py::list& regions) {
-  std::vector<Region> out;
-  out.reserve(regions.size());
-  for (const auto& item : regions) {
-    auto t = item.cast<py::tuple>();
-    if (t.size() != 3 && t.size() != 5 && t.size() != 6)
-      throw std::invalid_argument(
-          "a region is (pointer, nbytes, file_offset), (pointer, nbytes, file_offset, sizes, "
-          "strides, itemsize) or (pointer, nbytes, file_offset, device, ready_event)");
-    Region r{reinterpret_cast<const uint8_t*>(t[0].cast<uintptr_t>()), t[1].cast<uint64_t>(),
-             t[2].cast<uint64_t>()};
-    if (t.size() == 6) {
-      auto sizes = t[3].cast<std::vector<int64_t>>();
-      auto strides = t[4].cast<std::vector<int64_t>>();
-      auto itemsize = t[5].cast<uint64_t>();
-      uint64_t n = itemsize;
-      for (int64_t s : sizes) n *= static_cast<uint64_t>(s < 0 ? 0 : s);
-      if (n != r.len)
-        throw std::invalid_argument("strided region of " + std::to_string(r.len) +
-                                    " bytes does not match its sizes and itemsize (" +
-                                    std::to_string(n) + " bytes)");
-      r.strided = StridedLayout::make(sizes, strides, itemsize);
-    } else if (t.size() == 5) {
-      r.device = t[3].cast<int>();
-      if (r.device < 0) throw std::invalid_argument("a CUDA region needs a device index >= 0");
-      r.ready_event = reinterpret_cast<void*>(t[4].cast<uintptr_t>());
-    }
-    out.push_back(std::move(r));
-  }
-  return out;
-}
-
 // Drops a reference without ever destroying what it points to: in a fork child
 // a job may still count waiters (threads of the parent) on its condition
 // variable, and destroying that would hang.
 template <class T>
 void leak(std::shared_ptr<T>& p) {
-  new std::shared_ptr<T>(std::move(p));
+  if (p) new std::shared_ptr<T>(std::move(p));
 }
 
-py::list segments_to_py(const std::vector<Segment>& segs) {
-  py::list out;
-  for (const auto& s : segs) out.append(py::make_tuple(s.offset, s.len, s.crc));
-  return out;
-}
-
+// A job holds its engine only while it may still need the engine's threads:
+// once it is done (seen by wait()), the reference is dropped, so a job kept
+// around by a writer or a traceback does not keep a released engine (and its
+// host pool) alive. The creating process is remembered for the fork checks.
 class PyWriteJob {
  public:
   PyWriteJob(std::shared_ptr<Engine> e, std::shared_ptr<WriteJob> j, py::list keep)
-      : engine_(std::move(e)), job_(std::move(j)), keep_(std::move(keep)) {}
+      : owner_pid_(e->owner_pid()), engine_(std::move(e)), job_(std::move(j)), keep_(std::move(keep)) {}
   ~PyWriteJob() {
-    if (!engine_->owned_here()) {  // a fork child: no thread of the engine reads that memory here
+    if (::getpid() != owner_pid_) {  // a fork child: no thread of the engine reads that memory here
       leak(job_);
       leak(engine_);
       return;
     }
     // Never let the engine read memory Python is about to free.
-    if (!job_->done()) {
+    if (engine_ && !job_->done()) {
       job_->cancel("write job for " + job_->path() + " was dropped before it finished");
       engine_->seal(job_);
       py::gil_scoped_release nogil;
@@ -97,12 +62,17 @@ class PyWriteJob {
       }
     }
   }
-  void append(const py::list& regions, const py::list& keep) {
-    auto r = to_regions(regions);
-    for (const auto& k : keep) keep_.append(k);
+  void append(const py::object& regions, const py::object& keep) {
+    owned("appending to a write");
+    auto r = regions_from(regions);
+    if (!engine_) throw std::logic_error("write job for " + job_->path() + " is already sealed");
+    for (auto k : py::reinterpret_borrow<py::iterable>(keep)) keep_.append(k);
     engine_->append(job_, std::move(r));
   }
-  void seal() { engine_->seal(job_); }
+  void seal() {
+    owned("sealing a write");
+    if (engine_) engine_->seal(job_);  // a job without one is finished, hence sealed
+  }
   bool wait_staged() {
     owned("waiting for the staging of a write");
     py::gil_scoped_release nogil;
@@ -131,15 +101,18 @@ class PyWriteJob {
     }
     return ok;
   }
-  py::list wait() {
+  std::vector<Segment> wait() {
     owned("waiting for a write");
     std::vector<Segment> segs;
-    {
+    try {
       py::gil_scoped_release nogil;
       segs = job_->wait();
+    } catch (...) {
+      finished();
+      throw;
     }
-    keep_ = py::list();
-    return segments_to_py(segs);
+    finished();
+    return segs;
   }
   void cancel(const std::string& why) {
     owned("cancelling a write");
@@ -155,8 +128,13 @@ class PyWriteJob {
  private:
   // Every call that takes the job's lock or waits for the engine's threads
   // checks the process first: in a fork child they would block forever.
-  void owned(const char* what) const { engine_->require_owner(what, job_->path()); }
+  void owned(const char* what) const { Engine::require_owner(owner_pid_, what, job_->path()); }
+  void finished() {
+    keep_ = py::list();
+    engine_.reset();
+  }
 
+  pid_t owner_pid_;
   std::shared_ptr<Engine> engine_;
   std::shared_ptr<WriteJob> job_;
   py::list keep_;
@@ -165,65 +143,62 @@ class PyWriteJob {
 class PyReadJob {
  public:
   PyReadJob(std::shared_ptr<Engine> e, std::shared_ptr<ReadJob> j, py::list keep)
-      : engine_(std::move(e)), job_(std::move(j)), keep_(std::move(keep)) {}
+      : owner_pid_(e->owner_pid()), engine_(std::move(e)), job_(std::move(j)), keep_(std::move(keep)) {}
   ~PyReadJob() {
-    if (!engine_->owned_here()) {  // a fork child: see ~PyWriteJob
+    if (::getpid() != owner_pid_) {  // a fork child: see ~PyWriteJob
       leak(job_);
       leak(engine_);
       return;
     }
-    if (!job_->done()) {
+    if (engine_ && !job_->done()) {
       job_->cancel();
       py::gil_scoped_release nogil;
       job_->wait();
     }
   }
-  py::list wait() {
-    engine_->require_owner("waiting for a read");
+  std::vector<ReadFailure> wait() {
+    Engine::require_owner(owner_pid_, "waiting for a read", "");
     std::vector<ReadFailure> f;
     {
       py::gil_scoped_release nogil;
       f = job_->wait();
     }
     keep_ = py::list();
-    py::list out;
-    for (const auto& x : f)
-      out.append(py::make_tuple(x.request, x.kind, x.err, x.path, x.offset, x.message));
-    return out;
+    engine_.reset();
+    return f;
   }
   bool done() {
-    engine_->require_owner("asking whether a read is done");
+    Engine::require_owner(owner_pid_, "asking whether a read is done", "");
     return job_->done();
   }
 
  private:
+  pid_t owner_pid_;
   std::shared_ptr<Engine> engine_;
   std::shared_ptr<ReadJob> job_;
   py::list keep_;
 };
+
+py::list keep_list(const py::object& keep) {
+  py::list out;
+  for (auto k : py::reinterpret_borrow<py::iterable>(keep)) out.append(k);
+  return out;
+}
 
 }  // namespace
 
 PYBIND11_MODULE(_engine, m) {
   m.doc() = "Native data-movement engine of dcp_datastates (pybind11, no torch dependency).";
 
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const IoError& e) {
-      // OSError(errno, message, filename) picks the matching subclass
-      // (FileExistsError, PermissionError, ...); the offset rides along.
-      py::object exc = py::module_::import("builtins").attr("OSError")(e.err(), e.what(), e.path());
-      exc.attr("offset") = e.offset();
-      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
-    }
-  });
-
+  register_io_error_translator();
   py::register_exception<ForkedEngineError>(m, "ForkedEngineError", PyExc_RuntimeError);
 
-  py::class_<PyWriteJob>(m, "WriteJob")
+  bind_records(m);
+
+  py::class_<PyWriteJob>(m, "WriteJob", "A file being written by the engine (Engine.write()).")
       .def("append", &PyWriteJob::append, py::arg("regions"), py::arg("keep") = py::list(),
-           "Add regions at or after every offset planned so far.")
+           "Add regions at or after every offset planned so far (before seal()); `keep` holds what "
+           "their memory belongs to until it is staged.")
       .def("seal", &PyWriteJob::seal, "No more regions: the job fsyncs once all are written.")
       .def("wait_staged", &PyWriteJob::wait_staged,
            "Block until every region has left the caller's memory; False if the job failed.")
@@ -231,81 +206,82 @@ PYBIND11_MODULE(_engine, m) {
            "wait_staged(), then let go of every buffer given so far (the engine no longer "
            "reads them); False (and nothing released) if the job failed.")
       .def("wait", &PyWriteJob::wait,
-           "Block until written and fsynced; returns [(offset, nbytes, crc32c)] per piece.")
-      .def("cancel", &PyWriteJob::cancel)
+           "Block until written and fsynced; returns a Segment (offset, nbytes, crc32c) per piece, "
+           "sorted by offset. Raises the job's OSError (file and offset named) if it failed.")
+      .def("cancel", &PyWriteJob::cancel, py::arg("why"),
+           "Fail the job with ECANCELED and `why`; copies and writes in flight finish first.")
       .def_property_readonly("done", &PyWriteJob::done)
-      .def_property_readonly("direct", &PyWriteJob::direct)
+      .def_property_readonly("direct", &PyWriteJob::direct, "Whether the file is written with O_DIRECT.")
       .def_property_readonly("path", &PyWriteJob::path);
 
-  py::class_<PyReadJob>(m, "ReadJob")
+  py::class_<PyReadJob>(m, "ReadJob", "Reads running in the engine (Engine.read()).")
       .def("wait", &PyReadJob::wait,
-           "Block until done; returns [(request, kind, errno, path, offset, message)] failures.")
+           "Block until done; returns the ReadFailures, sorted by request (empty: all read and verified).")
       .def_property_readonly("done", &PyReadJob::done);
 
-  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
+  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine",
+                                              "A host pool and the threads that stage, checksum, write and "
+                                              "read through it.")
       // Engine::release, not delete: an engine that reaches its end in a fork
       // child is leaked there instead of joining threads that do not exist.
       .def(py::init([](unsigned io_threads, uint64_t pool_bytes, uint64_t window_bytes) {
              return std::shared_ptr<Engine>(new Engine(io_threads, pool_bytes, window_bytes),
                                             &Engine::release);
            }),
-           py::arg("io_threads"), py::arg("pool_bytes"), py::arg("window_bytes"))
+           py::kw_only(), py::arg("io_threads"), py::arg("pool_bytes"), py::arg("window_bytes"))
       .def_property_readonly("owner_pid", &Engine::owner_pid,
                              "The process that created the engine (the only one it works in).")
       .def(
           "write",
-          [](std::shared_ptr<Engine> self, const std::string& path, const py::list& regions,
-             const py::list& keep, const std::string& direct_io, uint64_t preallocate, bool durable) {
-            auto r = to_regions(regions);
+          [](std::shared_ptr<Engine> self, const std::string& path, const py::object& regions,
+             const py::object& keep, const std::string& direct_io, uint64_t preallocate, bool durable) {
+            auto r = regions_from(regions);
             auto mode = parse_mode(direct_io);
             std::shared_ptr<WriteJob> job;
             {
               py::gil_scoped_release nogil;
               job = self->start_write(path, std::move(r), mode, preallocate, durable);
             }
-            return std::make_unique<PyWriteJob>(self, job, keep);
+            return std::make_unique<PyWriteJob>(self, job, keep_list(keep));
           },
-          py::arg("path"), py::arg("regions"), py::arg("keep") = py::list(),
+          py::arg("path"), py::arg("regions"), py::arg("keep") = py::list(), py::kw_only(),
           py::arg("direct_io") = "auto", py::arg("preallocate") = 0, py::arg("durable") = true,
-          "Create `path` and start writing regions [(pointer, nbytes, file_offset)]; "
-          "durable=False skips the final fsync (scratch files only).")
+          "Create `path` (it must not exist) and start writing `regions` (HostRegion, StridedRegion, "
+          "DeviceRegion; non-overlapping). `keep` holds what their memory belongs to. "
+          "`preallocate` bytes are reserved first (a full disk fails here); durable=False skips the "
+          "final fsync (scratch files only).")
       .def(
           "read",
-          [](std::shared_ptr<Engine> self, std::vector<std::string> paths, const py::list& requests,
-             const py::list& keep) {
-            std::vector<ReadRequest> reqs;
-            reqs.reserve(requests.size());
-            for (const auto& item : requests) {
-              auto t = item.cast<py::tuple>();
-              if (t.size() != 5)
-                throw std::invalid_argument(
-                    "a read request is (file_index, offset, nbytes, pointer, checks)");
-              ReadRequest r{t[0].cast<uint32_t>(), t[1].cast<uint64_t>(), t[2].cast<uint64_t>(),
-                            reinterpret_cast<uint8_t*>(t[3].cast<uintptr_t>()), {}};
-              for (const auto& c : t[4].cast<py::list>()) {
-                auto ct = c.cast<py::tuple>();
-                r.checks.push_back(
-                    {ct[0].cast<uint64_t>(), ct[1].cast<uint64_t>(), ct[2].cast<uint32_t>()});
-              }
-              reqs.push_back(std::move(r));
-            }
+          [](std::shared_ptr<Engine> self, std::vector<std::string> paths, const py::object& requests,
+             const py::object& keep) {
+            auto reqs = read_requests_from(requests);
             std::shared_ptr<ReadJob> job;
             {
               py::gil_scoped_release nogil;
               job = self->start_read(std::move(paths), std::move(reqs));
             }
-            return std::make_unique<PyReadJob>(self, job, keep);
+            return std::make_unique<PyReadJob>(self, job, keep_list(keep));
           },
           py::arg("paths"), py::arg("requests"), py::arg("keep") = py::list(),
-          "Read requests [(file_index, offset, nbytes, pointer, [(rel, nbytes, crc32c)])].")
+          "Start the ReadRequests (each names a file by its index in `paths`); `keep` holds the "
+          "destination buffers until the job is done.")
       .def(
           "pin_pool",
           [](Engine& e) {
-            py::gil_scoped_release nogil;
-            return e.pin_pool();
+            std::string why;
+            {
+              py::gil_scoped_release nogil;
+              why = e.pin_pool();
+            }
+            if (!why.empty()) throw std::runtime_error("pinning the host pool failed: " + why);
           },
-          "Pin the host pool for CUDA copies; returns '' or why it could not be pinned.")
+          "Pin the host pool for CUDA copies now (cudaHostRegister; done by the first CUDA copy "
+          "otherwise). Raises RuntimeError naming the failed call; the copies still work unpinned.")
       .def_property_readonly("pool_pinned", &Engine::pool_pinned)
+      .def_property_readonly("pin_error", &Engine::pin_error,
+                             "Why pinning the pool failed ('' if it did not, or was never tried).")
+      .def_property_readonly("jobs_in_flight", &Engine::jobs_in_flight,
+                             "Write and read jobs started and not yet finished.")
       .def_property_readonly("io_threads", &Engine::io_threads)
       .def_property_readonly("window_bytes", &Engine::window_bytes)
       .def_property_readonly("pool_bytes", [](Engine& e) { return e.pool().capacity(); })
@@ -323,7 +299,7 @@ PYBIND11_MODULE(_engine, m) {
         return crc32c_extend(crc, p, n);
       },
       py::arg("data"), py::arg("crc") = 0, "CRC-32C of a contiguous buffer, optionally extended.");
-  m.def("crc32c_backend", &crc32c_backend);
+  m.def("crc32c_backend", &crc32c_backend, "'sse4.2', 'armv8-crc' or 'table'.");
   m.def(
       "load_cuda_runtime",
       [](const std::string& path) {
@@ -332,69 +308,21 @@ PYBIND11_MODULE(_engine, m) {
       },
       py::arg("path") = "",
       "Resolve the CUDA runtime from `path` (or one already loaded in the process); returns '' "
-      "on success or why it failed.");
-  m.def("cuda_runtime_path", []() -> py::object {
-    CudaRuntime* rt = CudaRuntime::get();
-    if (rt == nullptr) return py::none();
-    return py::str(rt->path);
-  });
+      "on success or why it failed. Once per process: the first success wins.");
   m.def(
-      "probe_sequential_write",
-      [](const std::string& path, uint64_t total, uint64_t block, bool direct) {
-        py::gil_scoped_release nogil;
-        return probe_sequential_write(path, total, block, direct);
+      "cuda_runtime_path",
+      []() -> py::object {
+        CudaRuntime* rt = CudaRuntime::get();
+        if (rt == nullptr) return py::none();
+        return py::str(rt->path);
       },
-      py::arg("path"), py::arg("total"), py::arg("block") = 8 << 20, py::arg("direct") = true);
-  m.def(
-      "probe_sequential_read",
-      [](const std::string& path, uint64_t block) {
-        uint64_t n = 0;
-        double s;
-        {
-          py::gil_scoped_release nogil;
-          s = probe_sequential_read(path, block, &n);
-        }
-        return py::make_tuple(n, s);
-      },
-      py::arg("path"), py::arg("block") = 8 << 20);
-  m.def(
-      "drop_page_cache",
-      [](const std::string& path) {
-        py::gil_scoped_release nogil;
-        drop_page_cache(path);
-      },
-      py::arg("path"));
-  // Fault injection, for the reliability tests only (see dcp_datastates._faults).
-  m.def(
-      "_fault_add",
-      [](int op, const std::string& path_part, uint64_t offset, int action, int err, int64_t skip,
-         int64_t times) {
-        if (op < 0 || op > 3) throw std::invalid_argument("fault op must be 0..3");
-        if (action < 0 || action > 2) throw std::invalid_argument("fault action must be 0..2");
-        FaultRule r;
-        r.op = static_cast<FaultOp>(op);
-        r.path_part = path_part;
-        r.offset = offset;
-        r.action = static_cast<FaultAction>(action);
-        r.err = err;
-        r.skip = skip;
-        r.times = times;
-        faults::add(std::move(r));
-      },
-      py::arg("op"), py::arg("path_part"), py::arg("offset"), py::arg("action"), py::arg("err"),
-      py::arg("skip"), py::arg("times"));
-  m.def("_fault_clear", &faults::clear);
-  m.def("_fault_fired", &faults::fired, py::arg("rule_index"));
-  m.def("_faults_armed", []() { return faults::g_armed.load(); });
-  m.def(
-      "_fault_point",
-      [](int op, const std::string& path, uint64_t offset, uint64_t nbytes) -> uint64_t {
-        if (op == static_cast<int>(FaultOp::kWrite) || op == static_cast<int>(FaultOp::kRead))
-          return faults::limit_transfer(static_cast<FaultOp>(op), path, offset, nbytes);
-        faults::check_call(static_cast<FaultOp>(op), path);
-        return nbytes;
-      },
-      py::arg("op"), py::arg("path"), py::arg("offset") = 0, py::arg("nbytes") = 0,
-      "Python-side I/O (index, metadata, renames) passes through the same fault rules.");
+      "The library the CUDA entry points came from, or None before load_cuda_runtime() succeeded.");
   m.attr("ALIGNMENT") = kAlign;
+
+  py::module_ faults = m.def_submodule("faults");
+  bind_faults(faults);
+  // Importable by name too (`import dcp_datastates._engine.faults`), as its stub says.
+  const std::string faults_name = m.attr("__name__").cast<std::string>() + ".faults";
+  py::module_::import("sys").attr("modules")[py::str(faults_name)] = faults;
+
 }

@@ -32,6 +32,7 @@ std::string try_library(void* lib, const std::string& path) {
   resolve(lib, "cudaStreamCreateWithFlags", rt->stream_create_with_flags, missing);
   resolve(lib, "cudaStreamDestroy", rt->stream_destroy, missing);
   resolve(lib, "cudaStreamWaitEvent", rt->stream_wait_event, missing);
+  resolve(lib, "cudaStreamSynchronize", rt->stream_synchronize, missing);
   resolve(lib, "cudaMemcpyAsync", rt->memcpy_async, missing);
   resolve(lib, "cudaEventCreateWithFlags", rt->event_create_with_flags, missing);
   resolve(lib, "cudaEventRecord", rt->event_record, missing);

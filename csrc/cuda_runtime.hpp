@@ -30,6 +30,7 @@ class CudaRuntime {
   Err (*stream_create_with_flags)(void**, unsigned) = nullptr;
   Err (*stream_destroy)(void*) = nullptr;
   Err (*stream_wait_event)(void*, void*, unsigned) = nullptr;
+  Err (*stream_synchronize)(void*) = nullptr;
   Err (*memcpy_async)(void*, const void*, size_t, int, void*) = nullptr;
   Err (*event_create_with_flags)(void**, unsigned) = nullptr;
   Err (*event_record)(void*, void*) = nullptr;

@@ -235,6 +235,7 @@ void WriteJob::finalize() {
   std::lock_guard<std::mutex> lk(mu_);
   std::sort(segments_.begin(), segments_.end(),
             [](const Segment& a, const Segment& b) { return a.offset < b.offset; });
+  if (in_flight_ != nullptr) in_flight_->fetch_sub(1);
   done_ = true;
   cv_.notify_all();
 }
@@ -275,7 +276,9 @@ void ReadJob::add_failure(ReadFailure f) {
 void ReadJob::piece_done(size_t n) {
   std::lock_guard<std::mutex> lk(mu_);
   pending_ -= n;
-  if (pending_ == 0) cv_.notify_all();
+  if (pending_ != 0) return;
+  if (in_flight_ != nullptr) in_flight_->fetch_sub(1);
+  cv_.notify_all();
 }
 
 void ReadJob::run_piece(const Piece& p) {
@@ -351,11 +354,11 @@ void Engine::release(Engine* e) {
 
 bool Engine::owned_here() const { return ::getpid() == owner_pid_; }
 
-void Engine::require_owner(const char* what, const std::string& path) const {
+void Engine::require_owner(pid_t owner, const char* what, const std::string& path) {
   const pid_t here = ::getpid();
-  if (here == owner_pid_) return;
+  if (here == owner) return;
   throw ForkedEngineError(
-      "dcp_datastates: this engine was created in process " + std::to_string(owner_pid_) +
+      "dcp_datastates: this engine was created in process " + std::to_string(owner) +
       " before a fork; its threads do not exist in process " + std::to_string(here) + ", so " +
       what + (path.empty() ? std::string() : " (" + path + ")") +
       " would wait forever. Writers and readers get a new engine in a forked process by "
@@ -380,6 +383,10 @@ void Engine::enqueue_windows(const std::shared_ptr<WriteJob>& job, std::vector<R
     uint64_t prev_end = job->frontier_;
     for (const Region& r : regions) {
       if (r.len == 0) continue;
+      // Checked before any window is added: a job with windows that never
+      // reach the stager would never finish.
+      if (r.strided && r.device >= 0)
+        throw std::invalid_argument("strided CUDA regions are not supported; make them contiguous");
       if (r.offset < prev_end)
         throw std::invalid_argument("region at offset " + std::to_string(r.offset) + " of " +
                                     job->path_ + " overlaps bytes already planned up to offset " +
@@ -388,8 +395,6 @@ void Engine::enqueue_windows(const std::shared_ptr<WriteJob>& job, std::vector<R
     }
     WriteJob::Window* cur = nullptr;
     for (const Region& r : regions) {
-      if (r.strided && r.device >= 0)
-        throw std::invalid_argument("strided CUDA regions are not supported; make them contiguous");
       if (r.strided) job->layouts_.push_back(r.strided);
       uint64_t pos = r.offset, rem = r.len, logical = 0;
       while (rem > 0) {
@@ -423,7 +428,11 @@ std::shared_ptr<WriteJob> Engine::start_write(const std::string& path, std::vect
                                               DirectMode mode, uint64_t preallocate, bool durable) {
   require_owner("writing", path);
   auto job = std::make_shared<WriteJob>(path, mode, preallocate, durable);
-  enqueue_windows(job, regions);
+  enqueue_windows(job, regions);  // throws before any window reaches the stager
+  // Counted only now: a job that failed to start is never finalized. Nothing
+  // can finalize it before this either, since it is not sealed yet.
+  job->in_flight_ = &in_flight_;
+  in_flight_.fetch_add(1);
   return job;
 }
 
@@ -486,6 +495,9 @@ void Engine::stage(StageTask& t) {
         copy_from_devices(job, *w);
       } catch (const IoError& e) {
         job.fail(e);
+      } catch (const std::exception& e) {  // never let an exception end the stager thread
+        job.fail(IoError(EIO, job.path_, static_cast<int64_t>(w->start),
+                         std::string("copying from CUDA memory failed: ") + e.what()));
       }
     }
   }
@@ -495,13 +507,15 @@ void Engine::stage(StageTask& t) {
   post_io([this, job_ptr, w] { flush(job_ptr, w); });
 }
 
-void* Engine::device_stream(int device) {
-  for (const auto& s : streams_)
+void* Engine::device_stream(int device, const WriteJob& job, int64_t at) {
+  for (const auto& s : streams_)  // written by this (the stager) thread only
     if (s.first == device) return s.second;
   CudaRuntime* rt = CudaRuntime::get();
   void* stream = nullptr;
+  // Created while `device` is current (the caller set it): a stream belongs to the current device.
   if (int err = rt->stream_create_with_flags(&stream, CudaRuntime::kStreamNonBlocking))
-    throw IoError(EIO, "", -1, rt->describe("cudaStreamCreateWithFlags", err));
+    throw IoError(EIO, job.path(), at,
+                  rt->describe(("cudaStreamCreateWithFlags for device " + std::to_string(device)).c_str(), err));
   std::lock_guard<std::mutex> lk(cuda_mu_);
   streams_.emplace_back(device, stream);
   return stream;
@@ -521,6 +535,11 @@ std::string Engine::pin_pool() {
   return pin_error_;
 }
 
+std::string Engine::pin_error() {
+  std::lock_guard<std::mutex> lk(cuda_mu_);
+  return pin_error_;
+}
+
 void Engine::copy_from_devices(WriteJob& job, WriteJob::Window& w) {
   CudaRuntime* rt = CudaRuntime::get();
   const int64_t at = static_cast<int64_t>(w.start);
@@ -533,46 +552,72 @@ void Engine::copy_from_devices(WriteJob& job, WriteJob::Window& w) {
     if (p.device >= 0 && std::find(devices.begin(), devices.end(), p.device) == devices.end())
       devices.push_back(p.device);
   for (int dev : devices) {
-    if (int err = rt->set_device(dev)) throw IoError(EIO, job.path_, at, rt->describe("cudaSetDevice", err));
-    void* stream = device_stream(dev);
-    for (const auto& p : w.pieces) {
-      if (p.device != dev) continue;
-      if (p.ready_event != nullptr) {
-        std::pair<int, void*> key{dev, p.ready_event};
-        auto& waited = job.waited_events_;
-        if (std::find(waited.begin(), waited.end(), key) == waited.end()) {
-          // Every later copy on this stream is ordered after the producer's work.
-          if (int err = rt->stream_wait_event(stream, p.ready_event, 0))
-            throw IoError(EIO, job.path_, at, rt->describe("cudaStreamWaitEvent", err));
-          waited.push_back(key);
-        }
-      }
-      if (int err = rt->memcpy_async(w.slot + p.rel, p.src, p.len, CudaRuntime::kMemcpyDeviceToHost, stream))
-        throw IoError(EIO, job.path_, static_cast<int64_t>(w.start + p.rel),
-                      rt->describe("cudaMemcpyAsync device-to-host", err));
+    // Streams and events belong to the current device: it is set before either is made or used.
+    if (int err = rt->set_device(dev))
+      throw IoError(EIO, job.path_, at,
+                    rt->describe(("cudaSetDevice(" + std::to_string(dev) + ")").c_str(), err));
+    void* stream = device_stream(dev, job, at);
+    try {
+      copy_on_stream(job, w, dev, stream);
+    } catch (...) {
+      // Copies already queued on the stream write into the window's slot:
+      // they must finish before the slot goes back to the pool (and the
+      // caller frees the memory they read). An error here is the one being
+      // raised already.
+      (void)rt->stream_synchronize(stream);
+      throw;
     }
-    void* done = nullptr;
-    if (int err = rt->event_create_with_flags(&done, CudaRuntime::kEventDisableTiming))
-      throw IoError(EIO, job.path_, at, rt->describe("cudaEventCreateWithFlags", err));
-    w.copies_done.push_back(done);
-    if (int err = rt->event_record(done, stream))
-      throw IoError(EIO, job.path_, at, rt->describe("cudaEventRecord", err));
   }
 }
 
-void Engine::flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w) {
-  if (!w->copies_done.empty()) {
-    CudaRuntime* rt = CudaRuntime::get();
-    for (void* ev : w->copies_done) {
-      int err = rt->event_synchronize(ev);
-      if (err && !job->failed())
-        job->fail(IoError(EIO, job->path(), static_cast<int64_t>(w->start),
-                          rt->describe("device-to-host copy", err)));
-      rt->event_destroy(ev);
+void Engine::copy_on_stream(WriteJob& job, WriteJob::Window& w, int device, void* stream) {
+  CudaRuntime* rt = CudaRuntime::get();
+  const int64_t at = static_cast<int64_t>(w.start);
+  // Each distinct ready event is waited for once per window. Not once per job:
+  // a caller may destroy an event after wait_staged() and get the same handle
+  // back from cudaEventCreate for a later append, which must still be waited for.
+  std::vector<void*> waited;
+  for (const auto& p : w.pieces) {
+    if (p.device != device) continue;
+    if (p.ready_event != nullptr &&
+        std::find(waited.begin(), waited.end(), p.ready_event) == waited.end()) {
+      // Every later copy on this stream is ordered after the producer's work.
+      if (int err = rt->stream_wait_event(stream, p.ready_event, 0))
+        throw IoError(EIO, job.path_, at, rt->describe("cudaStreamWaitEvent", err));
+      waited.push_back(p.ready_event);
     }
-    w->copies_done.clear();
-    job->on_staged(*w);
+    if (int err = rt->memcpy_async(w.slot + p.rel, p.src, p.len, CudaRuntime::kMemcpyDeviceToHost, stream))
+      throw IoError(EIO, job.path_, static_cast<int64_t>(w.start + p.rel),
+                    rt->describe("cudaMemcpyAsync device-to-host", err));
   }
+  void* done = nullptr;
+  if (int err = rt->event_create_with_flags(&done, CudaRuntime::kEventDisableTiming))
+    throw IoError(EIO, job.path_, at, rt->describe("cudaEventCreateWithFlags", err));
+  if (int err = rt->event_record(done, stream)) {
+    (void)rt->event_destroy(done);
+    throw IoError(EIO, job.path_, at, rt->describe("cudaEventRecord", err));
+  }
+  w.copies_done.push_back(done);
+}
+
+// On an I/O thread: waits for the window's device-to-host copies, then counts
+// the window as staged. Every event is destroyed whatever happens.
+void Engine::finish_device_copies(WriteJob& job, WriteJob::Window& w) {
+  CudaRuntime* rt = CudaRuntime::get();
+  const int64_t at = static_cast<int64_t>(w.start);
+  for (void* ev : w.copies_done) {
+    if (int err = rt->event_synchronize(ev); err && !job.failed())
+      job.fail(IoError(EIO, job.path(), at,
+                       rt->describe("cudaEventSynchronize after the device-to-host copies", err)));
+    if (int err = rt->event_destroy(ev); err && !job.failed())
+      job.fail(IoError(EIO, job.path(), at, rt->describe("cudaEventDestroy", err)));
+  }
+  w.copies_done.clear();
+  job.on_staged(w);
+}
+
+void Engine::flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w) {
+  if (!w->copies_done.empty()) finish_device_copies(*job, *w);
   std::vector<Segment> segs;
   if (w->slot != nullptr && !job->failed()) {
     segs.reserve(w->pieces.size());
@@ -669,6 +714,8 @@ std::shared_ptr<ReadJob> Engine::start_read(std::vector<std::string> paths,
   }
   job->pending_ = batches.size();
   if (batches.empty()) return job;
+  job->in_flight_ = &in_flight_;
+  in_flight_.fetch_add(1);
   for (auto& b : batches) {
     post_io([job, batch = std::move(b)] {
       for (const auto& p : batch) job->run_piece(p);

@@ -98,6 +98,10 @@ class WriteJob {
     int device;
     void* ready_event;
   };
+  // A window holds pieces of one start_write() or append() call only: the
+  // ready events of its pieces are alive while it is staged (the caller keeps
+  // them until wait_staged()), which is what lets copy_from_devices() wait for
+  // each distinct event once per window.
   struct Window {
     size_t index = 0;
     uint64_t start = 0;  // aligned file offset
@@ -152,7 +156,9 @@ class WriteJob {
   size_t staged_prefix_ = 0;  // windows [0, staged_prefix_) are all staged
   size_t flushed_ = 0;
   std::vector<std::shared_ptr<const StridedLayout>> layouts_;
-  std::vector<std::pair<int, void*>> waited_events_;  // stager thread only
+  // The engine's count of unfinished jobs: decremented by finalize() before
+  // the job is marked done, so a waiter that wakes sees it already counted out.
+  std::atomic<int>* in_flight_ = nullptr;
   bool sealed_ = false;
   bool done_ = false;
   std::optional<IoError> error_;
@@ -207,6 +213,7 @@ class ReadJob {
   std::vector<int> open_errors_;
   std::vector<ReadRequest> requests_;
   std::atomic<bool> cancelled_{false};
+  std::atomic<int>* in_flight_ = nullptr;  // see WriteJob::in_flight_
   std::mutex mu_;
   std::condition_variable cv_;
   size_t pending_ = 0;
@@ -228,7 +235,14 @@ class Engine {
   bool owned_here() const;
   // Throws ForkedEngineError outside the creating process: `what` would wait
   // for threads that do not exist there.
-  void require_owner(const char* what, const std::string& path = "") const;
+  void require_owner(const char* what, const std::string& path = "") const {
+    require_owner(owner_pid_, what, path);
+  }
+  // The same check for a job that outlived its engine reference (a finished job).
+  static void require_owner(pid_t owner, const char* what, const std::string& path);
+  // Write and read jobs started and not yet finished (a write job counts until
+  // it is sealed and written, or failed and wound down).
+  int jobs_in_flight() const { return in_flight_.load(); }
 
   // Creates `path` (it must not exist) and starts writing `regions` (sorted by
   // offset, non-overlapping). More regions may be appended until seal().
@@ -242,9 +256,11 @@ class Engine {
 
   // Pins the pool for CUDA copies (cudaHostRegister) if the CUDA runtime is
   // loaded and it is not pinned yet; returns "" or why pinning failed (the
-  // copies then still work, from pageable memory).
+  // copies then still work, from pageable memory). A failure is remembered
+  // (pin_error()) and not retried.
   std::string pin_pool();
   bool pool_pinned() const { return pinned_.load(); }
+  std::string pin_error();
 
   unsigned io_threads() const { return static_cast<unsigned>(io_.size()); }
   uint64_t window_bytes() const { return window_bytes_; }
@@ -262,7 +278,9 @@ class Engine {
   void stage(StageTask& t);
   void flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w);
   void copy_from_devices(WriteJob& job, WriteJob::Window& w);
-  void* device_stream(int device);
+  void copy_on_stream(WriteJob& job, WriteJob::Window& w, int device, void* stream);
+  void* device_stream(int device, const WriteJob& job, int64_t at);
+  void finish_device_copies(WriteJob& job, WriteJob::Window& w);
 
   pid_t owner_pid_;
   uint64_t window_bytes_;
@@ -273,6 +291,7 @@ class Engine {
   std::deque<StageTask> stage_q_;
   std::deque<std::function<void()>> io_q_;
   std::atomic<bool> stopping_{false};
+  std::atomic<int> in_flight_{0};
   std::mutex cuda_mu_;
   std::vector<std::pair<int, void*>> streams_;  // device -> side stream
   std::atomic<bool> pinned_{false};

@@ -68,10 +68,11 @@ void unclaim(size_t index, uint64_t generation) {
 
 }  // namespace
 
-void add(FaultRule rule) {
+size_t add(FaultRule rule) {
   std::lock_guard<std::mutex> lk(g_mu);
   g_rules.push_back(std::move(rule));
   g_armed.store(true);
+  return g_rules.size() - 1;
 }
 
 void clear() {

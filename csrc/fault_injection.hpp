@@ -1,6 +1,6 @@
 // Fault injection for the reliability tests: make chosen I/O calls fail.
 //
-// Tests arm rules (dcp_datastates._faults); production code pays one relaxed
+// Tests arm rules (dcp_datastates.native.faults, through _engine.faults); production code pays one relaxed
 // atomic load per call while none is armed. A rule matches an operation on a
 // file whose path contains `path_part`; for writes and reads it fires on the
 // call whose byte range contains `offset` (kAnyOffset: on every call). What
@@ -41,7 +41,8 @@ namespace faults {
 
 extern std::atomic<bool> g_armed;
 
-void add(FaultRule rule);
+// Returns the rule's index (for fired()).
+size_t add(FaultRule rule);
 void clear();
 int64_t fired(size_t rule_index);
 

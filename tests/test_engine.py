@@ -1,15 +1,34 @@
-"""The native engine on its own: regions to offsets, checksums, errors with context."""
+"""The native engine on its own: regions to offsets, checksums, errors with context.
+
+Also its boundary: the typed records (validated, read-only), the stub that
+describes the module, the benchmark probes kept out of it, and
+release_engines() giving the host pools back.
+"""
 
 from __future__ import annotations
 
 import errno
+import gc
 import os
+import weakref
 
 import pytest
 import torch
 
 from dcp_datastates import _engine
-from dcp_datastates.native.engine import get_engine
+from dcp_datastates.native import engine as _native
+from dcp_datastates.native.engine import (
+    DeviceRegion,
+    EngineBusyError,
+    HostRegion,
+    ReadFailure,
+    ReadRequest,
+    Segment,
+    SegmentCheck,
+    StridedRegion,
+    get_engine,
+    release_engines,
+)
 
 WINDOW = 64 << 10
 
@@ -24,6 +43,19 @@ def _bytes(n, seed=0):
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
 
 
+def host(t: torch.Tensor, offset: int, nbytes: int | None = None) -> HostRegion:
+    return HostRegion(address=t.data_ptr(), nbytes=t.nbytes if nbytes is None else nbytes, file_offset=offset)
+
+
+def request(t: torch.Tensor, offset: int, nbytes: int, checks=(), file_index: int = 0) -> ReadRequest:
+    return ReadRequest(file_index=file_index, offset=offset, nbytes=nbytes, address=t.data_ptr(), checks=checks)
+
+
+def as_checks(segments) -> list[SegmentCheck]:
+    """A written file's segments as the checks of one read of it from offset 0."""
+    return [SegmentCheck(offset_in_request=s.offset, nbytes=s.nbytes, crc32c=s.crc32c) for s in segments]
+
+
 def test_crc32c_known_values():
     assert _engine.crc32c(b"123456789") == 0xE3069283
     assert _engine.crc32c(b"") == 0
@@ -36,7 +68,7 @@ def test_crc32c_known_values():
 @pytest.mark.parametrize("direct_io", ["auto", "off"])
 def test_regions_land_at_their_offsets_with_zero_gaps(engine, tmp_path, direct_io):
     a, b, c = _bytes(1000, 1), _bytes(3 * WINDOW + 123, 2), _bytes(10, 3)
-    regions = [(b.data_ptr(), b.numel(), 8192), (a.data_ptr(), a.numel(), 0), (c.data_ptr(), c.numel(), 8192 + b.numel() + 5)]
+    regions = [host(b, 8192), host(a, 0), host(c, 8192 + b.numel() + 5)]
     path = tmp_path / "f"
     job = engine.write(str(path), regions, [a, b, c], direct_io=direct_io)
     job.seal()
@@ -48,21 +80,23 @@ def test_regions_land_at_their_offsets_with_zero_gaps(engine, tmp_path, direct_i
     end_c = 8192 + b.numel() + 5
     assert blob[end_c : end_c + 10] == bytes(c.tolist()) and blob[end_c + 10 :] == b"\0" * (len(blob) - end_c - 10)
     # Segments cover every region byte once, split at windows, with correct CRCs.
-    assert sum(n for _, n, _ in segments) == 1000 + b.numel() + 10
-    for off, n, crc in segments:
-        assert _engine.crc32c(blob[off : off + n]) == crc
+    assert all(isinstance(s, Segment) for s in segments)
+    assert [s.offset for s in segments] == sorted(s.offset for s in segments)
+    assert sum(s.nbytes for s in segments) == 1000 + b.numel() + 10
+    for s in segments:
+        assert _engine.crc32c(blob[s.offset : s.offset + s.nbytes]) == s.crc32c
 
 
 def test_append_after_seal_is_refused_and_overlap_is_refused(engine, tmp_path):
     a = _bytes(5000)
-    job = engine.write(str(tmp_path / "f"), [(a.data_ptr(), 5000, 0)], [a])
+    job = engine.write(str(tmp_path / "f"), [host(a, 0, 5000)], [a])
     with pytest.raises(ValueError, match="overlaps"):
-        job.append([(a.data_ptr(), 10, 4096)], [a])
-    job.append([(a.data_ptr(), 100, 8192)], [a])
+        job.append([host(a, 4096, 10)], [a])
+    job.append([host(a, 8192, 100)], [a])
     job.seal()
     job.wait()
     with pytest.raises(Exception, match="sealed"):
-        job.append([(a.data_ptr(), 10, 1 << 20)], [a])
+        job.append([host(a, 1 << 20, 10)], [a])
 
 
 def test_existing_file_is_never_overwritten(engine, tmp_path):
@@ -83,7 +117,7 @@ def test_missing_directory_names_the_path(engine, tmp_path):
 def test_enospc_names_file_and_offset(engine, small_tmpfs):
     big = _bytes(4 << 20)
     path = small_tmpfs / "f"
-    job = engine.write(str(path), [(big.data_ptr(), big.numel(), 0)], [big], direct_io="off")
+    job = engine.write(str(path), [host(big, 0)], [big], direct_io="off")
     job.seal()
     with pytest.raises(OSError) as ei:
         job.wait()
@@ -94,14 +128,14 @@ def test_enospc_names_file_and_offset(engine, small_tmpfs):
 def test_enospc_detected_up_front_with_preallocation(engine, small_tmpfs):
     big = _bytes(4 << 20)
     with pytest.raises(OSError) as ei:
-        engine.write(str(small_tmpfs / "g"), [(big.data_ptr(), big.numel(), 0)], [big], preallocate=big.numel())
+        engine.write(str(small_tmpfs / "g"), [host(big, 0)], [big], preallocate=big.numel())
     assert ei.value.errno == errno.ENOSPC and "reserving space" in str(ei.value)
 
 
 def test_dropped_job_waits_before_releasing_memory(engine, tmp_path):
     for i in range(20):
         t = _bytes(256 << 10, i)
-        job = engine.write(str(tmp_path / f"f{i}"), [(t.data_ptr(), t.numel(), 0)], [t])
+        job = engine.write(str(tmp_path / f"f{i}"), [host(t, 0)], [t])
         del t, job  # dropped mid-flight: must cancel and wait, never read freed memory
     assert engine.free_windows == 4
 
@@ -109,28 +143,28 @@ def test_dropped_job_waits_before_releasing_memory(engine, tmp_path):
 def test_reads_verify_checksums_and_report_truncation(engine, tmp_path):
     data = _bytes(200_000, 9)
     path = tmp_path / "f"
-    job = engine.write(str(path), [(data.data_ptr(), data.numel(), 0)], [data])
+    job = engine.write(str(path), [host(data, 0)], [data])
     job.seal()
-    segs = job.wait()
+    checks = as_checks(job.wait())
     out = torch.empty_like(data)
-    checks = [(o, n, c) for o, n, c in segs]
-    assert engine.read([str(path)], [(0, 0, data.numel(), out.data_ptr(), checks)], [out]).wait() == []
+    assert engine.read([str(path)], [request(out, 0, data.numel(), checks)], [out]).wait() == []
     assert torch.equal(out, data)
     raw = bytearray(path.read_bytes())
     raw[70_000] ^= 0xFF
     path.write_bytes(bytes(raw))
-    failures = engine.read([str(path)], [(0, 0, data.numel(), out.data_ptr(), checks)], [out]).wait()
-    assert [f[1] for f in failures] == ["checksum"] and failures[0][3] == str(path)
+    failures = engine.read([str(path)], [request(out, 0, data.numel(), checks)], [out]).wait()
+    assert [f.kind for f in failures] == ["checksum"] and failures[0].path == str(path)
+    assert isinstance(failures[0], ReadFailure) and failures[0].request == 0 and failures[0].offset >= 65536
     big = torch.empty(10 << 20, dtype=torch.uint8)  # kept alive: the engine writes into it
-    failures = engine.read([str(path)], [(0, 0, 10 << 20, big.data_ptr(), [])], [big]).wait()
-    assert failures and failures[0][1] == "truncated"
-    failures = engine.read([str(tmp_path / "missing")], [(0, 0, 10, out.data_ptr(), [])], [out]).wait()
-    assert failures[0][1] == "io" and failures[0][2] == errno.ENOENT
+    failures = engine.read([str(path)], [request(big, 0, 10 << 20)], [big]).wait()
+    assert failures and failures[0].kind == "truncated"
+    failures = engine.read([str(tmp_path / "missing")], [request(out, 0, 10)], [out]).wait()
+    assert failures[0].kind == "io" and failures[0].errno == errno.ENOENT and failures[0].offset == -1
 
 
 def test_many_small_regions_coalesce(engine, tmp_path):
     ts = [_bytes(100, i) for i in range(3000)]
-    regions = [(t.data_ptr(), 100, i * 128) for i, t in enumerate(ts)]
+    regions = [host(t, i * 128) for i, t in enumerate(ts)]
     job = engine.write(str(tmp_path / "f"), regions, ts)
     job.seal()
     segs = job.wait()
@@ -140,12 +174,19 @@ def test_many_small_regions_coalesce(engine, tmp_path):
     assert engine.free_windows == 4
 
 
-def test_probes(tmp_path):
+def test_probes_live_in_their_own_module(tmp_path):
+    """The disk probes are benchmark equipment: in dcp_datastates._probes, not in the engine."""
+    from dcp_datastates import _probes
+
     p = str(tmp_path / "probe")
-    assert _engine.probe_sequential_write(p, 1 << 20, 1 << 18, False) > 0
-    _engine.drop_page_cache(p)
-    n, s = _engine.probe_sequential_read(p, 1 << 18)
+    assert _probes.probe_sequential_write(p, 1 << 20, 1 << 18, False) > 0
+    _probes.drop_page_cache(p)
+    n, s = _probes.probe_sequential_read(p, 1 << 18)
     assert n == 1 << 20 and s > 0
+    with pytest.raises(FileNotFoundError) as info:  # errors name the file, as the engine's do
+        _probes.probe_sequential_read(str(tmp_path / "missing"))
+    assert info.value.filename == str(tmp_path / "missing")
+    assert not [name for name in dir(_engine) if "probe" in name or "page_cache" in name]
 
 
 @pytest.mark.parametrize("durable", [True, False])
@@ -157,7 +198,7 @@ def test_durable_false_skips_the_fsync_of_scratch_files(engine, tmp_path, durabl
     data = _bytes(3 * engine.window_bytes + 17)
     path = str(tmp_path / "scratch")
     with inject_fault("fsync", path=path, errno=errno.EIO):
-        job = engine.write(path, [(data.data_ptr(), data.nbytes, 0)], [data], direct_io="off", durable=durable)
+        job = engine.write(path, [host(data, 0)], [data], direct_io="off", durable=durable)
         job.seal()
         if durable:
             with pytest.raises(OSError) as info:
@@ -186,7 +227,7 @@ def test_preallocation_on_tmpfs_is_left_to_the_io_threads(engine, tmp_path):
         job = engine.write(path, [], [], direct_io="off", preallocate=nbytes)
         assert os.stat(path).st_blocks == 0  # nothing reserved in the caller's thread
         data = _bytes(engine.window_bytes)
-        job.append([(data.data_ptr(), data.nbytes, 0)], [data])
+        job.append([host(data, 0)], [data])
         job.seal()
         job.wait()
         with open(path, "rb") as f:
@@ -207,3 +248,326 @@ def test_preallocation_on_tmpfs_is_left_to_the_io_threads(engine, tmp_path):
         assert os.stat(eager).st_blocks * 512 >= nbytes
     job.seal()
     job.wait()
+
+
+# -- the typed boundary ----------------------------------------------------------------------
+
+
+def test_strided_region_is_gathered_in_row_major_order(engine, tmp_path):
+    base = torch.arange(300 * 200, dtype=torch.int32).reshape(300, 200)
+    view = base.t()[5:150]  # strided: gathered run by run, never made contiguous
+    region = StridedRegion(
+        address=view.data_ptr(), nbytes=view.nbytes, file_offset=4096, sizes=view.shape, strides=view.stride(),
+        itemsize=view.element_size(),
+    )
+    assert region.sizes == (145, 300) and region.strides == (1, 200) and region.itemsize == 4
+    job = engine.write(str(tmp_path / "f"), [region], [base], direct_io="off")
+    job.seal()
+    job.wait()
+    with open(tmp_path / "f", "rb") as f:
+        f.seek(4096)
+        assert f.read(view.nbytes) == view.contiguous().numpy().tobytes()
+
+
+def test_records_have_named_read_only_fields_and_a_useful_repr():
+    r = HostRegion(address=0x1000, nbytes=10, file_offset=4096)
+    assert (r.address, r.nbytes, r.file_offset) == (0x1000, 10, 4096)
+    assert repr(r) == "HostRegion(address=0x1000, nbytes=10, file_offset=4096)"
+    with pytest.raises(AttributeError):
+        r.nbytes = 5
+    d = DeviceRegion(address=0x2000, nbytes=8, file_offset=0, device=1, ready_event=0xBEEF)
+    assert (d.device, d.ready_event) == (1, 0xBEEF) and "device=1, ready_event=0xbeef" in repr(d)
+    assert DeviceRegion(address=0x2000, nbytes=8, file_offset=0, device=0).ready_event is None
+    assert all(isinstance(x, _engine.Region) for x in (r, d))
+    with pytest.raises(TypeError):  # the base class describes; only its subclasses are made
+        _engine.Region()
+    c = SegmentCheck(offset_in_request=0, nbytes=4096, crc32c=0xE3069283)
+    q = ReadRequest(file_index=2, offset=8192, nbytes=4096, address=0x3000, checks=[c])
+    assert q.checks == (c,) and q.file_index == 2 and "crc32c=0xe3069283" in repr(q)
+    assert Segment(offset=1, nbytes=2, crc32c=3) == Segment(offset=1, nbytes=2, crc32c=3)
+    assert len({Segment(offset=1, nbytes=2, crc32c=3), Segment(offset=1, nbytes=2, crc32c=3)}) == 1
+    f = ReadFailure(request=0, kind="checksum", errno=errno.EIO, path="/x", offset=7, message="bad")
+    assert (f.kind, f.errno, f.offset) == ("checksum", errno.EIO, 7) and "kind='checksum'" in repr(f)
+    with pytest.raises(TypeError):  # keyword-only: field order is never guessed
+        HostRegion(0x1000, 10, 4096)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda: HostRegion(address=-1, nbytes=1, file_offset=0), ValueError, r"HostRegion\.address must be >= 0"),
+        (lambda: HostRegion(address=0, nbytes=1, file_offset=0), ValueError, r"HostRegion\.address is 0"),
+        (lambda: HostRegion(address="0x10", nbytes=1, file_offset=0), TypeError, r"HostRegion\.address must be an int"),
+        (lambda: HostRegion(address=16, nbytes=True, file_offset=0), TypeError, r"HostRegion\.nbytes must be an int"),
+        (lambda: HostRegion(address=16, nbytes=1, file_offset=-4096), ValueError, r"HostRegion\.file_offset must be >= 0"),
+        (lambda: HostRegion(address=16, nbytes=1 << 62, file_offset=1 << 62), ValueError, r"past the largest file offset"),
+        (
+            lambda: StridedRegion(address=16, nbytes=40, file_offset=0, sizes=[3, 4], strides=[1, 3], itemsize=4),
+            ValueError, r"StridedRegion\.nbytes is 40 but sizes \(3, 4\) of itemsize 4 hold 48 bytes",
+        ),
+        (
+            lambda: StridedRegion(address=16, nbytes=48, file_offset=0, sizes=[3, 4], strides=[1], itemsize=4),
+            ValueError, r"sizes has 2 dimensions but strides has 1",
+        ),
+        (
+            lambda: StridedRegion(address=16, nbytes=48, file_offset=0, sizes=[3, 4], strides=[-1, 3], itemsize=4),
+            ValueError, r"StridedRegion\.strides\[0\] must be >= 0",
+        ),
+        (
+            lambda: StridedRegion(address=16, nbytes=0, file_offset=0, sizes=[0], strides=[1], itemsize=0),
+            ValueError, r"StridedRegion\.itemsize must be > 0",
+        ),
+        (lambda: DeviceRegion(address=16, nbytes=1, file_offset=0, device=-1), ValueError, r"DeviceRegion\.device must be >= 0"),
+        (
+            lambda: DeviceRegion(address=16, nbytes=1, file_offset=0, device=0, ready_event="ev"),
+            TypeError, r"DeviceRegion\.ready_event must be an int",
+        ),
+        (lambda: SegmentCheck(offset_in_request=0, nbytes=1, crc32c=1 << 32), ValueError, r"SegmentCheck\.crc32c must be at most"),
+        (
+            lambda: ReadRequest(file_index=0, offset=0, nbytes=10, address=16, checks=[
+                SegmentCheck(offset_in_request=0, nbytes=6, crc32c=0), SegmentCheck(offset_in_request=4, nbytes=6, crc32c=0)]),
+            ValueError, r"ReadRequest\.checks\[1\] covers bytes \[4, 10\)",
+        ),
+        (
+            lambda: ReadRequest(file_index=0, offset=0, nbytes=10, address=16, checks=[SegmentCheck(offset_in_request=8, nbytes=6, crc32c=0)]),
+            ValueError, r"ReadRequest\.checks\[0\] covers bytes \[8, 14\)",
+        ),
+        (lambda: ReadRequest(file_index=0, offset=0, nbytes=10, address=16, checks=[object()]), TypeError, r"ReadRequest\.checks\[0\] must be a SegmentCheck"),
+        (lambda: ReadRequest(file_index=1 << 32, offset=0, nbytes=1, address=16), ValueError, r"ReadRequest\.file_index must be at most"),
+        (lambda: ReadFailure(request=0, kind="disk", errno=5, path="p", offset=0, message="m"), ValueError, r"ReadFailure\.kind must be"),
+    ],
+)
+def test_records_are_validated_naming_the_field(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_jobs_refuse_what_is_not_a_record(engine, tmp_path):
+    with pytest.raises(TypeError, match=r"regions\[0\] must be a HostRegion, StridedRegion or DeviceRegion, got int"):
+        engine.write(str(tmp_path / "f"), [5])
+    assert not (tmp_path / "f").exists()
+    with pytest.raises(TypeError, match=r"requests\[0\] must be a ReadRequest, got dict"):
+        engine.read([str(tmp_path / "f")], [{}])
+
+
+def test_records_accept_numpy_integers(engine, tmp_path):
+    np = pytest.importorskip("numpy")
+    a = _bytes(100)
+    job = engine.write(str(tmp_path / "f"), [HostRegion(address=a.data_ptr(), nbytes=np.int64(100), file_offset=np.uint32(0))], [a])
+    job.seal()
+    assert [s.nbytes for s in job.wait()] == [100]
+
+
+def test_fault_hooks_are_a_submodule_of_the_engine():
+    import dcp_datastates._engine.faults as faults
+
+    assert faults is _engine.faults
+    assert {"add", "clear", "fired", "armed", "point", "Op", "Action", "ANY_OFFSET"} <= set(dir(faults))
+    try:
+        index = faults.add(faults.Op.rename, "no-such-file-ever", action=faults.Action.error, errno=errno.EIO)
+        assert faults.armed() and faults.fired(index) == 0
+        with pytest.raises(OSError) as info:
+            faults.point(faults.Op.rename, "/x/no-such-file-ever")
+        assert info.value.errno == errno.EIO and faults.fired(index) == 1
+        with pytest.raises(IndexError):
+            faults.fired(index + 1)
+    finally:
+        faults.clear()
+    assert not faults.armed()
+    assert not [n for n in dir(_engine) if n.startswith("_fault")]
+
+
+# -- the stub ----------------------------------------------------------------------------------
+
+
+def _stub_members(path: str) -> tuple[set[str], dict[str, set[str]]]:
+    """Public names of a .pyi, and each class's public members (its stub bases' included)."""
+    import ast
+
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    names: set[str] = set()
+    classes: dict[str, ast.ClassDef] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            classes[node.name] = node
+            names.add(node.name)
+        elif isinstance(node, ast.FunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.ImportFrom) and node.module is None:
+            names.update(a.asname or a.name for a in node.names)
+
+    def members(cls: ast.ClassDef) -> set[str]:
+        out = set()
+        for node in cls.body:
+            if isinstance(node, ast.FunctionDef):
+                out.add(node.name)
+            elif isinstance(node, ast.Assign):
+                out.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        for base in cls.bases:
+            if isinstance(base, ast.Name) and base.id in classes:
+                out |= members(classes[base.id])
+        return {m for m in out if not m.startswith("_")}
+
+    return {n for n in names if not n.startswith("_")}, {n: members(c) for n, c in classes.items()}
+
+
+def _module_members(module) -> tuple[set[str], dict[str, set[str]]]:
+    import enum
+    import inspect
+
+    names = {n for n in dir(module) if not n.startswith("_")}
+    classes = {}
+    for n in names:
+        obj = getattr(module, n)
+        if not inspect.isclass(obj):
+            continue
+        if issubclass(obj, BaseException):
+            classes[n] = set()  # exceptions: described by their base
+        elif hasattr(obj, "__members__") and not issubclass(obj, enum.Enum):  # a pybind11 enum
+            classes[n] = set(obj.__members__)
+        else:
+            classes[n] = {m for m in vars(obj) if not m.startswith("_")}
+            for base in obj.__mro__[1:]:
+                if base.__module__ == module.__name__:
+                    classes[n] |= {m for m in vars(base) if not m.startswith("_")}
+    return names, classes
+
+
+@pytest.mark.parametrize("module_name", ["_engine", "_engine.faults", "_probes"])
+def test_stub_and_module_name_the_same_things(module_name):
+    """Every public function, class, attribute and class member of the extension is in its
+    stub, and every name in the stub exists: the stub cannot drift from the module."""
+    import importlib
+
+    import dcp_datastates
+
+    module = importlib.import_module(f"dcp_datastates.{module_name}")
+    base = os.path.dirname(dcp_datastates.__file__)
+    stub = {
+        "_engine": os.path.join(base, "_engine", "__init__.pyi"),
+        "_engine.faults": os.path.join(base, "_engine", "faults.pyi"),
+        "_probes": os.path.join(base, "_probes.pyi"),
+    }[module_name]
+    stub_names, stub_classes = _stub_members(stub)
+    names, classes = _module_members(module)
+    assert names == stub_names, f"only in the module: {names - stub_names}; only in the stub: {stub_names - names}"
+    for cls, members in classes.items():
+        assert members == stub_classes[cls], (
+            f"{cls}: only in the module: {members - stub_classes[cls]}; only in the stub: {stub_classes[cls] - members}"
+        )
+
+
+def test_stubs_are_installed_with_the_package():
+    """The stubs and py.typed sit in the package directory, which the wheel ships whole."""
+    import dcp_datastates
+
+    base = os.path.dirname(dcp_datastates.__file__)
+    for name in ("_engine/__init__.pyi", "_engine/faults.pyi", "_probes.pyi", "py.typed"):
+        assert os.path.isfile(os.path.join(base, name)), name
+
+
+# -- release_engines() ---------------------------------------------------------------------------
+
+
+def _mapped(address: int, nbytes: int) -> bool:
+    """Whether any mapping of this process overlaps [address, address + nbytes)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
+            if lo < address + nbytes and address < hi:
+                return True
+    return False
+
+
+def _released_and_gone(ref: weakref.ref, address: int, nbytes: int) -> None:
+    gc.collect()
+    assert ref() is None, "the released engine is still alive"
+    assert not _mapped(address, nbytes), "the released engine's pool is still mapped"
+
+
+@pytest.fixture()
+def private_settings():
+    """Engine settings no other test uses (3 windows of 68 KiB), so its engine is this test's."""
+    return dict(host_cache_bytes=3 * (68 << 10), io_threads=1, window_bytes=68 << 10)
+
+
+def test_release_engines_gives_the_host_pool_back(tmp_path, private_settings):
+    eng = get_engine(**private_settings)
+    data = _bytes(3 * (68 << 10) + 5)
+    job = eng.write(str(tmp_path / "f"), [host(data, 0)], [data])
+    job.seal()
+    job.wait()  # a finished job keeps no reference to its engine
+    ref, address, nbytes = weakref.ref(eng), eng.pool_address, eng.pool_bytes
+    assert _mapped(address, nbytes) and eng.jobs_in_flight == 0
+    del eng
+    assert release_engines() >= 1
+    _released_and_gone(ref, address, nbytes)
+    fresh = get_engine(**private_settings)
+    assert fresh.pool_address != 0 and ref() is None
+    del job  # a finished job outliving the release is harmless
+
+
+def test_release_engines_refuses_while_a_job_is_in_flight(tmp_path, private_settings):
+    eng = get_engine(**private_settings)
+    data = _bytes(1000)
+    job = eng.write(str(tmp_path / "open"), [host(data, 0)], [data])  # not sealed: in flight
+    reader_job = None
+    try:
+        assert eng.jobs_in_flight == 1
+        with pytest.raises(EngineBusyError, match=r"io_threads=1, window_bytes=69632: 1 job\(s\)"):
+            release_engines()
+        assert get_engine(**private_settings) is eng  # nothing was released
+    finally:
+        job.seal()
+        job.wait()
+    assert eng.jobs_in_flight == 0
+    out = torch.empty_like(data)
+    reader_job = eng.read([str(tmp_path / "open")], [request(out, 0, 1000)], [out])
+    assert reader_job.wait() == [] and eng.jobs_in_flight == 0
+    ref, address, nbytes = weakref.ref(eng), eng.pool_address, eng.pool_bytes
+    del eng
+    release_engines()
+    _released_and_gone(ref, address, nbytes)
+
+
+def test_failed_and_dropped_jobs_are_not_left_in_flight(tmp_path, private_settings):
+    eng = get_engine(**private_settings)
+    with pytest.raises(FileNotFoundError):
+        eng.write(str(tmp_path / "no" / "dir"), [])
+    a = _bytes(100)
+    job = eng.write(str(tmp_path / "f"), [host(a, 0)], [a])
+    job.cancel("the test gives up")
+    job.seal()
+    with pytest.raises(OSError, match="the test gives up"):
+        job.wait()
+    dropped = eng.write(str(tmp_path / "g"), [host(a, 0)], [a])
+    del dropped  # cancelled and waited for by the binding
+    assert eng.jobs_in_flight == 0
+
+
+def test_writers_and_readers_get_a_fresh_engine_after_a_release(tmp_path, private_settings):
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesReader, DataStatesWriter
+
+    state = {"w": torch.randn(64, 64), "step": 3}
+    writer = DataStatesWriter(tmp_path / "a", **private_settings)
+    reader = DataStatesReader(tmp_path / "a", io_threads=1, window_bytes=68 << 10)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    out = {"w": torch.zeros(64, 64), "step": 0}
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    old_writer_engine, old_reader_engine = writer._engine, reader._engine
+    refs = [weakref.ref(old_writer_engine), weakref.ref(old_reader_engine)]
+    pools = [(e.pool_address, e.pool_bytes) for e in (old_writer_engine, old_reader_engine)]
+    del old_writer_engine, old_reader_engine
+    release_engines()
+    for ref, (address, nbytes) in zip(refs, pools):
+        _released_and_gone(ref, address, nbytes)
+    dcp.save(state, storage_writer=writer, checkpoint_id=tmp_path / "b", no_dist=True)  # same writer, new engine
+    out = {"w": torch.zeros(64, 64), "step": 0}
+    dcp.load(out, storage_reader=reader, checkpoint_id=tmp_path / "b", no_dist=True)
+    assert torch.equal(out["w"], state["w"]) and out["step"] == 3
+    assert writer._engine is _native.get_engine(**private_settings)

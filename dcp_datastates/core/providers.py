@@ -27,45 +27,44 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch builds without distributed
-    DTensor = None  # type: ignore[assignment]
+from dcp_datastates import _dcp_compat
+from dcp_datastates.native.engine import DeviceRegion, HostRegion, Region, StridedRegion, ensure_cuda_runtime
 
 
 @dataclasses.dataclass
 class TensorSource:
     """The bytes of one tensor as the engine will read them.
 
-    ``region`` is the engine's region tuple without its CUDA event: CUDA
-    sources get the event of their device when the batch is submitted (see
-    :func:`finish_regions`). ``keep`` must stay alive until the write ends.
+    ``tensor`` must stay alive until the engine has staged its region (it is
+    handed to the engine's ``keep``).
     """
 
     tensor: torch.Tensor
     nbytes: int
     device: int  # -1 for host memory, else the CUDA device index
 
-    def region(self, offset: int) -> tuple:
+    def region(self, offset: int, ready_event: int | None = None) -> Region:
+        """The engine's record for these bytes at file ``offset``. CUDA sources need the
+        ``cudaEvent_t`` of their device, recorded when the batch is submitted (see
+        :func:`finish_regions`): the engine's copy waits for it."""
         t = self.tensor
         if self.device >= 0:
-            return (t.data_ptr(), self.nbytes, offset, self.device)
+            return DeviceRegion(
+                address=t.data_ptr(), nbytes=self.nbytes, file_offset=offset, device=self.device,
+                ready_event=ready_event,
+            )
         if t.is_contiguous():
-            return (t.data_ptr(), self.nbytes, offset)
-        return (t.data_ptr(), self.nbytes, offset, list(t.shape), list(t.stride()), t.element_size())
-
-
-def local_tensor(value: torch.Tensor) -> torch.Tensor:
-    """The tensor that holds this rank's bytes (a DTensor's local shard)."""
-    if DTensor is not None and isinstance(value, DTensor):
-        return value._local_tensor
-    return value
+            return HostRegion(address=t.data_ptr(), nbytes=self.nbytes, file_offset=offset)
+        return StridedRegion(
+            address=t.data_ptr(), nbytes=self.nbytes, file_offset=offset, sizes=t.shape, strides=t.stride(),
+            itemsize=t.element_size(),
+        )
 
 
 def tensor_source(value: Any, key: str) -> TensorSource:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"state dict entry {key!r} should be a tensor, got {type(value).__name__}")
-    tensor = local_tensor(value)
+    tensor = _dcp_compat.local_shard(value)
     if tensor.layout != torch.strided:
         raise TypeError(f"state dict entry {key!r} has layout {tensor.layout}; only strided tensors can be saved")
     device = tensor.device
@@ -81,7 +80,7 @@ def tensor_source(value: Any, key: str) -> TensorSource:
     return TensorSource(tensor, nbytes, -1)
 
 
-def finish_regions(sources_and_offsets: list[tuple[TensorSource, int]]) -> tuple[list[tuple], list]:
+def finish_regions(sources_and_offsets: list[tuple[TensorSource, int]]) -> tuple[list[Region], list]:
     """Engine regions for placed sources, with CUDA ready-events recorded now.
 
     One event per device, recorded on that device's current stream after
@@ -92,19 +91,18 @@ def finish_regions(sources_and_offsets: list[tuple[TensorSource, int]]) -> tuple
     for src, offset in sources_and_offsets:
         if src.nbytes == 0:
             continue
-        region = src.region(offset)
-        if src.device >= 0:
+        if src.device < 0:
+            region = src.region(offset)
+        else:
             ev = events.get(src.device)
             if ev is None:
-                from dcp_datastates.native.engine import ensure_cuda_runtime
-
                 ensure_cuda_runtime()
                 with torch.cuda.device(src.device):
                     ev = torch.cuda.Event()
                     ev.record(torch.cuda.current_stream(src.device))
                 events[src.device] = ev
                 keep.append(ev)
-            region = (*region, ev.cuda_event)
+            region = src.region(offset, _dcp_compat.cuda_event_handle(ev))
         regions.append(region)
         keep.append(src.tensor)
     return regions, keep

@@ -2,7 +2,14 @@
 
 An engine owns a pre-faulted host pool and its threads. Creating one costs
 time and memory, so writers and readers with the same settings share one per
-process: every later save reuses the pool that the first save mapped.
+process: every later save reuses the pool that the first save mapped. A
+long-lived process that is done checkpointing gives the pools back with
+:func:`release_engines`; the next save or load makes a fresh engine.
+
+What crosses into the engine is typed: the records re-exported here
+(``HostRegion``, ``StridedRegion``, ``DeviceRegion``, ``ReadRequest``,
+``SegmentCheck``; jobs answer with ``Segment`` and ``ReadFailure``) are
+described, with every engine call, in ``dcp_datastates/_engine.pyi``.
 
 A forked process (DataLoader workers, ``multiprocessing`` with fork) inherits
 the engines but not their threads: there they would never finish a job, and
@@ -19,15 +26,18 @@ import ctypes
 import os
 import threading
 
+_NOT_BUILT = (
+    "dcp_datastates' native engine (dcp_datastates._engine) is not built. Install the "
+    "package with `pip install .` (or `pip install -e .` for development); if you run "
+    "from the source checkout, run from another directory so the installed package is "
+    "imported rather than the sources."
+)
 try:
     from dcp_datastates import _engine
 except ImportError as exc:  # pragma: no cover - depends on how the package was installed
-    raise ImportError(
-        "dcp_datastates' native engine (dcp_datastates._engine) is not built. Install the "
-        "package with `pip install .` (or `pip install -e .` for development); if you run "
-        "from the source checkout, run from another directory so the installed package is "
-        "imported rather than the sources."
-    ) from exc
+    raise ImportError(_NOT_BUILT) from exc
+if not hasattr(_engine, "Engine"):  # pragma: no cover - the stub directory _engine/, imported as a namespace
+    raise ImportError(_NOT_BUILT)
 
 MiB = 1 << 20
 DEFAULT_WINDOW_BYTES = 8 * MiB
@@ -40,6 +50,21 @@ ALIGNMENT = _engine.ALIGNMENT
 DIRECT_IO_MODES = ("auto", "on", "off")
 
 ForkedEngineError = _engine.ForkedEngineError
+
+# The records of the engine's boundary (validated when made; read-only).
+Region = _engine.Region
+HostRegion = _engine.HostRegion
+StridedRegion = _engine.StridedRegion
+DeviceRegion = _engine.DeviceRegion
+ReadRequest = _engine.ReadRequest
+SegmentCheck = _engine.SegmentCheck
+Segment = _engine.Segment
+ReadFailure = _engine.ReadFailure
+
+
+class EngineBusyError(RuntimeError):
+    """:func:`release_engines` was called while an engine still had jobs in flight."""
+
 
 _lock = threading.Lock()
 _engines: dict[tuple[int, int, int], _engine.Engine] = {}
@@ -59,12 +84,7 @@ def _forget_inherited_engines() -> None:
 os.register_at_fork(after_in_child=_forget_inherited_engines)
 
 
-def get_engine(
-    host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
-    io_threads: int = DEFAULT_IO_THREADS,
-    window_bytes: int = DEFAULT_WINDOW_BYTES,
-) -> _engine.Engine:
-    """Return the process-wide engine for these settings, creating it on first use."""
+def _check_settings(host_cache_bytes: int, io_threads: int, window_bytes: int) -> None:
     if window_bytes <= 0 or window_bytes % ALIGNMENT:
         raise ValueError(f"window_bytes must be a positive multiple of {ALIGNMENT}, got {window_bytes}")
     if host_cache_bytes < 2 * window_bytes:
@@ -74,9 +94,21 @@ def get_engine(
         )
     if not 1 <= io_threads <= 256:
         raise ValueError(f"io_threads must be between 1 and 256, got {io_threads}")
+
+
+def get_engine(
+    host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
+    io_threads: int = DEFAULT_IO_THREADS,
+    window_bytes: int = DEFAULT_WINDOW_BYTES,
+) -> _engine.Engine:
+    """Return the process-wide engine for these settings, creating it on first use."""
     key = (int(host_cache_bytes), int(io_threads), int(window_bytes))
     if _engines_pid != os.getpid():  # forked without os.fork's hooks (a fork() from C)
         _forget_inherited_engines()
+    eng = _engines.get(key)  # the common case: no lock (a dict lookup is atomic)
+    if eng is not None:
+        return eng
+    _check_settings(*key)
     with _lock:
         eng = _engines.get(key)
         if eng is None:
@@ -85,26 +117,75 @@ def get_engine(
         return eng
 
 
-class ProcessEngine:
-    """The engine for fixed settings, in whichever process asks.
+def release_engines() -> int:
+    """Drop this process's engines so their host pools go back to the OS; returns how many.
 
-    Writers and readers hold one: made before a fork, it hands the child the
-    child's own engine (the parent's has no threads there and would never
-    finish a job), and the parent keeps its own.
+    Engines are cached per settings for the life of the process, so a
+    process that saved once keeps ``host_cache_bytes`` of pre-faulted (and,
+    with CUDA, pinned) memory. Call this when it is done checkpointing for a
+    while; the next save or load creates a fresh engine, and writers and
+    readers made before the release work on unchanged (they look their
+    engine up on every use).
+
+    Refuses with :class:`EngineBusyError`, releasing nothing, while any
+    engine has a job in flight: a save being written, a snapshot whose save
+    has not ended, a load. Waiting instead could wait forever (an async
+    snapshot's job stays open until its save appends the objects, which
+    may be on this very thread), and dropping a busy engine would leave its
+    pool mapped until the job ends while the next save maps another. Finish
+    first (``writer.close()``, or wait for the upload future), then release.
+
+    An engine is destroyed (threads joined, pool unregistered and unmapped)
+    when its last reference goes: the cache's is dropped here, and a finished
+    job holds none once its ``wait()`` returned. One still referenced by the
+    caller (``get_engine()``'s result kept in a variable) lives until that
+    reference goes.
+    """
+    if _engines_pid != os.getpid():
+        _forget_inherited_engines()
+    with _lock:
+        busy = {key: eng.jobs_in_flight for key, eng in _engines.items() if eng.jobs_in_flight}
+        if busy:
+            which = "; ".join(
+                f"host_cache_bytes={c}, io_threads={t}, window_bytes={w}: {n} job(s)"
+                for (c, t, w), n in busy.items()
+            )
+            raise EngineBusyError(
+                f"release_engines(): engines still have jobs in flight ({which}); nothing was "
+                "released. Close the writers (writer.close()) or wait for their saves and loads "
+                "to finish, then call it again"
+            )
+        released = list(_engines.values())
+        _engines.clear()
+    count = len(released)
+    del released  # outside the lock: destroying an engine joins its threads
+    return count
+
+
+class ProcessEngine:
+    """The engine for fixed settings, in whichever process asks, whenever it asks.
+
+    Writers and readers hold one instead of an engine. It keeps no engine
+    itself: each ``get()`` looks the process-wide one up, so a writer made
+    before a fork hands the child the child's own engine (the parent's has no
+    threads there and would never finish a job), and one made before
+    :func:`release_engines` gets a fresh engine instead of keeping the
+    released one (and its host pool) alive.
     """
 
-    __slots__ = ("settings", "_pid", "_engine")
+    __slots__ = ("settings",)
 
     def __init__(self, host_cache_bytes: int, io_threads: int, window_bytes: int) -> None:
         self.settings = (host_cache_bytes, io_threads, window_bytes)
-        self._pid = os.getpid()
-        self._engine = get_engine(*self.settings)
+        get_engine(*self.settings)  # bad settings fail here, where the writer or reader is made
 
     def get(self) -> _engine.Engine:
-        if self._pid != os.getpid():
-            self._engine = get_engine(*self.settings)
-            self._pid = os.getpid()
-        return self._engine
+        return get_engine(*self.settings)
+
+
+def segment_checks(triples) -> list[SegmentCheck]:
+    """A rank index's ``(offset_in_request, nbytes, crc32c)`` checks as the engine's records."""
+    return [SegmentCheck(offset_in_request=o, nbytes=n, crc32c=c) for o, n, c in triples]
 
 
 def bytes_address(blob: bytes) -> int:

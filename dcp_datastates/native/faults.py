@@ -3,7 +3,9 @@
 The rules live in the native engine, so they hit the engine's own writes,
 reads and fsyncs, and the Python side of a save (rank index, metadata,
 renames, directory fsyncs) passes through the same rules via
-:func:`checkpoint` calls in :mod:`commit`. Nothing is armed unless a test
+:func:`fault_point` calls in :mod:`commit`. The engine side is the
+``faults`` submodule of the extension (``dcp_datastates._engine.faults``),
+kept apart from the production API. Nothing is armed unless a test
 arms it; while nothing is, each I/O call pays one atomic load.
 
     with inject_fault("write", path="rank00000", offset=1 << 20, errno=errno.ENOSPC):
@@ -23,10 +25,16 @@ from typing import Iterator
 
 from dcp_datastates.native.engine import _engine
 
-_ANY_OFFSET = (1 << 64) - 1  # the engine's kAnyOffset
-OPS = {"write": 0, "read": 1, "fsync": 2, "rename": 3}
-ACTIONS = {"error": 0, "short": 1, "kill": 2}
-_count = 0  # rules armed since the last clear(): the next rule's index
+_faults = _engine.faults  # the rules live in the engine: they hook its own I/O calls
+OPS = {op.name: op for op in _faults.Op.__members__.values()}
+ACTIONS = {action.name: action for action in _faults.Action.__members__.values()}
+
+
+def _op(op: str) -> "_faults.Op":
+    try:
+        return OPS[op]
+    except KeyError:
+        raise ValueError(f"fault op must be one of {sorted(OPS)}, got {op!r}") from None
 
 
 def arm(
@@ -44,27 +52,30 @@ def arm(
     A write or read rule fires on the call whose bytes contain ``offset``
     (``None``: on every call); ``times=-1`` fires on every match.
     """
-    if op not in OPS:
-        raise ValueError(f"fault op must be one of {sorted(OPS)}, got {op!r}")
     if action not in ACTIONS:
         raise ValueError(f"fault action must be one of {sorted(ACTIONS)}, got {action!r}")
-    where = _ANY_OFFSET if offset is None else int(offset)
-    _engine._fault_add(OPS[op], path, where, ACTIONS[action], int(errno), int(skip), int(times))
-    global _count
-    _count += 1
-    return _count - 1
+    where = _faults.ANY_OFFSET if offset is None else int(offset)
+    return _faults.add(_op(op), path, where, ACTIONS[action], int(errno), int(skip), int(times))
 
 
 def clear() -> None:
     """Remove every rule."""
-    global _count
-    _engine._fault_clear()
-    _count = 0
+    _faults.clear()
 
 
 def fired(rule_index: int) -> int:
     """How many times rule ``rule_index`` has fired."""
-    return _engine._fault_fired(rule_index)
+    return _faults.fired(rule_index)
+
+
+def fault_point(op: str, path: str, offset: int = 0, nbytes: int = 0) -> int:
+    """Python-side I/O passes through the same rules: how many of ``nbytes`` the next
+    transfer at ``offset`` may move (all of them unless a test armed a fault), or the
+    injected ``OSError`` (or death, for ``"kill"``). For ``"fsync"`` and ``"rename"``
+    only the raise matters."""
+    if not _faults.armed():
+        return nbytes
+    return _faults.point(_op(op), path, offset, nbytes)
 
 
 @contextlib.contextmanager
@@ -75,5 +86,3 @@ def inject_fault(op: str, **rule) -> Iterator[int]:
         yield index
     finally:
         clear()
-
-
