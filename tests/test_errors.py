@@ -149,7 +149,7 @@ def test_checkpoint_written_by_filesystem_writer_is_named(tmp_path):
 def test_newer_format_version_is_refused(ckpt):
     md_path = ckpt / ".metadata"
     md = pickle.loads(md_path.read_bytes())
-    md.storage_data.version = 99
+    md.storage_data["version"] = 99  # plain data (format 5): DCP's own unpickling yields a dict
     md_path.write_bytes(pickle.dumps(md))
     assert_metadata_error(ckpt, UnsupportedFormatError, "version 99")
 

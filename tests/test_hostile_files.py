@@ -6,10 +6,11 @@ an error naming the file; and ``verify`` sees a change to any byte of a checkpoi
   header whose counts match the file's size): ``dcp.load``, ``verify`` and the command-line
   tool refuse it, and the peak RSS of the process grows by far less than the file's size
   (measured with ``getrusage`` in a subprocess, against the same run on an intact checkpoint).
-* A ``.metadata`` whose layout was given a crafted state (a non-dict, unknown or shadowing
+* A ``.metadata`` whose layout was crafted (a non-dict, unknown or shadowing keys or
   attributes, fields of the wrong kinds), pickled with a valid checksum as a hostile writer
-  would: a named :class:`CorruptCheckpointError` (or :class:`UnsupportedFormatError`), never
-  an AttributeError or TypeError from deep inside the reader; hypothesis crafts many more.
+  would, both as format 5's plain data and as the classes formats 1-4 pickled (under their old
+  class paths): a named :class:`CorruptCheckpointError` (or :class:`UnsupportedFormatError`),
+  never an AttributeError or TypeError from deep inside the reader; hypothesis crafts many more.
 * A byte flipped in any gap no checksum covers (alignment padding between items, after the
   last tensor, after the objects) or appended past the data size: ``verify`` reports the
   file, the offset and the key before it. Clean checkpoints of every dtype still verify.
@@ -17,7 +18,6 @@ an error naming the file; and ``verify`` sees a change to any byte of a checkpoi
 
 from __future__ import annotations
 
-import copyreg
 import dataclasses
 import json
 import os
@@ -35,8 +35,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from conftest import assert_same, data_files, index_files, load, save, unwrap
 from dcp_datastates import CheckpointError, CorruptCheckpointError, DataStatesReader, DataStatesWriter, verify
-from dcp_datastates.format.rank_index import _HEADER, FORMAT_VERSION, INDEX_MAGIC, CheckpointLayout, RankFiles
+from dcp_datastates.format.rank_index import _HEADER, FORMAT_VERSION, INDEX_MAGIC, CheckpointLayout
 from dcp_datastates.format.metadata_file import _TRAILER, TRAILER_MAGIC, encode_metadata
+from dcp_datastates.format.storage_data import PLAIN_KEYS, layout_to_plain
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures"))
+from pickle_tools import crafted, old_paths_importable  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -235,54 +239,60 @@ def test_index_counts_are_bounded_by_the_layout_and_the_data_file(ckpt):
 
 # -- 2. crafted layout states ----------------------------------------------------------------
 
-
-def _Crafted(cls, state):
-    """An object that pickles as ``cls`` with any ``state`` given to its BUILD (what a hostile
-    writer can do: the pickle names only ``cls``, so the restricted unpickler admits it)."""
-    obj = cls.__new__(cls)
-    obj.__dict__["__reduce_ex__"] = lambda _protocol: (copyreg.__newobj__, (cls,), state)
-    return obj
+# Where a crafted layout goes: format 5's plain data (storage_data itself), or the state of the
+# CheckpointLayout class formats 1-4 pickled (under its old path, as version 4).
+FORMS = ["plain", "classes"]
 
 
 def _real(ckpt):
     return DataStatesReader(ckpt).read_metadata()
 
 
-def _write_crafted(ckpt, layout_state, metadata=None) -> None:
+def _fields(layout: CheckpointLayout, form: str) -> dict:
+    """The layout as ``form`` stores it: the plain dict, or the pickled class's state."""
+    if form == "plain":
+        return layout_to_plain(layout)
+    ranks = [crafted("RankFiles", dataclasses.asdict(r)) for r in layout.ranks]
+    return {**{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}, "version": 4, "ranks": ranks}
+
+
+def _write_crafted(ckpt, state, form: str, metadata=None) -> None:
     metadata = metadata or _real(ckpt)
-    crafted = Metadata(metadata.state_dict_metadata, metadata.planner_data, _Crafted(CheckpointLayout, layout_state))
-    (ckpt / ".metadata").write_bytes(encode_metadata(crafted))
+    storage = state if form == "plain" else crafted("CheckpointLayout", state)
+    with old_paths_importable():
+        blob = encode_metadata(Metadata(metadata.state_dict_metadata, metadata.planner_data, storage))
+    (ckpt / ".metadata").write_bytes(blob)
 
 
-def _state(layout: CheckpointLayout) -> dict:
-    return {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}
-
-
-def _records_as_tuples(layout):
+def _records_as_tuples(fields, layout):
     table = {(e[0], e[1]): tuple(e[2:]) for e in layout.entries}  # a tuple where a record is expected
-    return {**_state(layout), "_table": table}
+    return {**fields, "_table": table}
 
 
-def _rank_files_shadowing_a_method(layout):
-    r = layout.ranks[0]
-    ranks = [_Crafted(RankFiles, {**dataclasses.asdict(r), "files_save_id": "x"})]
-    return {**_state(layout), "ranks": ranks}
+def _rank_files_shadowing_a_method(fields, layout):
+    ranks = [crafted("RankFiles", {**dataclasses.asdict(layout.ranks[0]), "files_save_id": "x"})]
+    return {**fields, "ranks": ranks}
 
 
 CRAFTED = {
     "records replaced by tuples (_table)": _records_as_tuples,
-    "a method shadowed (validate)": lambda lay: {**_state(lay), "validate": 5},
-    "a tuple state": lambda lay: tuple(_state(lay).values()),
-    "a list state": lambda lay: [_state(lay)],
-    "an int state": lambda lay: 7,
-    "a (dict, slots) state": lambda lay: (_state(lay), {"save_id": "x"}),
-    "a non-string key": lambda lay: {**_state(lay), 3: 4},
-    "an unknown field": lambda lay: {**_state(lay), "extra": [1, 2]},
-    "a required field missing": lambda lay: {k: v for k, v in _state(lay).items() if k != "entries"},
-    "entries not a list": lambda lay: {**_state(lay), "entries": "abc"},
+    "a method shadowed (validate)": lambda f, lay: {**f, "validate": 5},
+    "a tuple state": lambda f, lay: tuple(f.values()),
+    "a list state": lambda f, lay: [f],
+    "an int state": lambda f, lay: 7,
+    "a (dict, slots) state": lambda f, lay: (f, {"save_id": "x"}),
+    "a non-string key": lambda f, lay: {**f, 3: 4},
+    "an unknown field": lambda f, lay: {**f, "extra": [1, 2]},
+    "a required field missing": lambda f, lay: {k: v for k, v in f.items() if k != "entries"},
+    "entries not a list": lambda f, lay: {**f, "entries": "abc"},
     "a rank file's method shadowed": _rank_files_shadowing_a_method,
-    "a rank file of the wrong kind": lambda lay: {**_state(lay), "ranks": [(0, "a", "b")]},
+    "a rank file of the wrong kind": lambda f, lay: {**f, "ranks": [(0, "a", "b")]},
 }
+
+
+def _crafted_state(ckpt, case: str, form: str):
+    layout = _real(ckpt).storage_data
+    return CRAFTED[case](_fields(layout, form), layout)
 
 
 def _assert_named_corrupt(exc: BaseException, where: str) -> None:
@@ -291,9 +301,10 @@ def _assert_named_corrupt(exc: BaseException, where: str) -> None:
     assert where in text and "has no attribute" not in text and "not callable" not in text, text
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("case", sorted(CRAFTED))
-def test_a_crafted_layout_state_is_a_named_corrupt_checkpoint(ckpt, case):
-    _write_crafted(ckpt, CRAFTED[case](_real(ckpt).storage_data))
+def test_a_crafted_layout_state_is_a_named_corrupt_checkpoint(ckpt, case, form):
+    _write_crafted(ckpt, _crafted_state(ckpt, case, form), form)
     md = str(ckpt / ".metadata")
     with pytest.raises(CheckpointError) as info:  # corrupt; or unsafe, for a slot state
         DataStatesReader(ckpt).read_metadata()
@@ -306,9 +317,12 @@ def test_a_crafted_layout_state_is_a_named_corrupt_checkpoint(ckpt, case):
     _assert_named_corrupt(CorruptCheckpointError(report.problems[0]), md)
 
 
-@pytest.mark.parametrize("case", ["records replaced by tuples (_table)", "a method shadowed (validate)", "a tuple state"])
-def test_the_cli_names_the_file_of_a_crafted_layout(ckpt, case):
-    _write_crafted(ckpt, CRAFTED[case](_real(ckpt).storage_data))
+@pytest.mark.parametrize(
+    "case,form",
+    [("records replaced by tuples (_table)", "classes"), ("a method shadowed (validate)", "plain"), ("a tuple state", "classes")],
+)
+def test_the_cli_names_the_file_of_a_crafted_layout(ckpt, case, form):
+    _write_crafted(ckpt, _crafted_state(ckpt, case, form), form)
     for cmd in ("inspect", "verify"):
         r = cli(cmd, str(ckpt))
         out = r.stdout + r.stderr
@@ -316,15 +330,21 @@ def test_the_cli_names_the_file_of_a_crafted_layout(ckpt, case):
 
 
 def test_a_layout_of_an_older_version_without_newer_fields_still_loads(ckpt):
-    """Fields added later (with a default) are filled in, not called corrupt."""
+    """Fields added later (with a default) are filled in, not called corrupt: a version 1 rank
+    without its save id, a version 3 layout without compression."""
     layout = _real(ckpt).storage_data
-    defaults = [f.name for f in dataclasses.fields(layout) if f.default is not dataclasses.MISSING]
-    _write_crafted(ckpt, {k: v for k, v in _state(layout).items() if k not in defaults})
+    fields = _fields(layout, "classes")
+    ranks = [crafted("RankFiles", {k: v for k, v in dataclasses.asdict(r).items() if k != "save_id"}) for r in layout.ranks]
+    _write_crafted(ckpt, {**{k: v for k, v in fields.items() if k != "compression"}, "version": 3, "ranks": ranks}, "classes")
+    assert _real(ckpt).storage_data.version == 3
     assert_same(load(target(), ckpt), make_state())
     assert verify(ckpt).ok
 
 
-_FIELDS = [f.name for f in dataclasses.fields(CheckpointLayout)]
+_KEYS = {
+    "plain": list(PLAIN_KEYS),
+    "classes": [f.name for f in dataclasses.fields(CheckpointLayout)] + ["locations"],
+}
 _leaf = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**64), 2**64), st.text(max_size=8), st.binary(max_size=8),
     st.floats(allow_nan=False),
@@ -332,9 +352,9 @@ _leaf = st.one_of(
 _junk = st.recursive(
     _leaf,
     lambda inner: st.one_of(
-        st.lists(inner, max_size=4), st.tuples(inner, inner), st.tuples(*[inner] * 6),
+        st.lists(inner, max_size=4), st.tuples(inner, inner), st.tuples(*[inner] * 4), st.tuples(*[inner] * 6),
         st.dictionaries(st.one_of(st.text(max_size=4), st.integers()), inner, max_size=3),
-        st.builds(lambda s: _Crafted(RankFiles, s), st.dictionaries(st.sampled_from(["rank", "data_file", "index_file", "save_id", "x"]), inner, max_size=5)),
+        st.builds(lambda s: crafted("RankFiles", s), st.dictionaries(st.sampled_from(["rank", "data_file", "index_file", "save_id", "x"]), inner, max_size=5)),
     ),
     max_leaves=12,
 )
@@ -344,8 +364,9 @@ _junk = st.recursive(
 @given(data=st.data())
 def test_crafted_layout_states_only_ever_raise_named_checkpoint_errors(template, ckpt, data):
     real = _real(template)
-    state = _state(real.storage_data)
-    kind = data.draw(st.sampled_from(["edit fields", "junk state", "edit an entry"]), label="kind")
+    form = data.draw(st.sampled_from(FORMS), label="form")
+    state = _fields(real.storage_data, form)
+    kind = data.draw(st.sampled_from(["edit fields", "junk state", "edit an entry", "edit a rank"]), label="kind")
     if kind == "junk state":
         state = data.draw(_junk, label="state")
     elif kind == "edit an entry":  # a record that still passes the type checks, or nearly
@@ -355,14 +376,18 @@ def test_crafted_layout_states_only_ever_raise_named_checkpoint_errors(template,
         value = data.draw(st.one_of(st.integers(-3, 1 << 20), st.sampled_from([2**62, 2**63, 2**64]), _junk), label="value")
         entries[i] = entries[i][:field] + (value,) + entries[i][field + 1 :]
         state["entries"] = entries
+    elif kind == "edit a rank" and form == "plain":  # (rank, data file, index file, save id)
+        rank = list(state["ranks"][0])
+        rank[data.draw(st.integers(0, 3), label="field")] = data.draw(_junk, label="value")
+        state["ranks"] = [tuple(rank)]
     else:
         for _ in range(data.draw(st.integers(1, 3), label="edits")):
-            key = data.draw(st.sampled_from(_FIELDS + ["_table", "validate", "location", "__dict__", "extra"]), label="key")
+            key = data.draw(st.sampled_from(_KEYS[form] + ["_table", "validate", "location", "__dict__", "extra"]), label="key")
             if data.draw(st.booleans(), label="delete") and key in state:
                 del state[key]
             else:
                 state[key] = data.draw(_junk, label="value")
-    _write_crafted(ckpt, state, real)
+    _write_crafted(ckpt, state, form, real)
     md = str(ckpt / ".metadata")
     try:
         DataStatesReader(ckpt).read_metadata()

@@ -1,12 +1,8 @@
 """The on-disk format: file names, the per-rank index, ``.metadata`` and the
 stored Python objects. Nothing here imports the save or load paths.
 
-``.metadata`` files written before format 5 pickled ``CheckpointLayout``,
-``RankFiles`` and ``ItemLocation`` under the module path
-``dcp_datastates.format``; these names stay importable from here so that
-those checkpoints keep loading (see ``rank_index.py``).
+No ``.metadata`` pins a module of ours to a path: format 5 stores the layout
+as plain data, and the class paths formats 1-4 pickled (``dcp_datastates.format.CheckpointLayout``
+and others) are resolved by the unpicklers to stand-ins (``storage_data.py``),
+so nothing needs to be importable under those names.
 """
-
-from dcp_datastates.format.rank_index import CheckpointLayout, ItemLocation, RankFiles
-
-__all__ = ["CheckpointLayout", "ItemLocation", "RankFiles"]

@@ -1,7 +1,13 @@
 """Reading and writing ``.metadata``: DCP's pickle, checksummed, unpickled safely.
 
 ``.metadata`` must stay DCP's pickled ``Metadata`` so DCP's own tools can
-read it. Two things are added around the pickle:
+read it. Its ``storage_data`` is our layout as plain data (format 5,
+``storage_data.py``): the pickle names DCP's and torch's classes only, so
+DCP's ``pickle.load`` reads it without dcp_datastates, and none of our
+modules is pinned to a path. :func:`encode_metadata` stores the plain form;
+decoding (:func:`read_metadata_file`, :func:`decode_metadata`) hands back
+the ``Metadata`` with a validated :class:`CheckpointLayout` in its place.
+Two things are added around the pickle:
 
 * a trailer after it (DCP's ``pickle.load`` stops at the pickle's end and
   never sees it)::
@@ -16,13 +22,16 @@ read it. Two things are added around the pickle:
   3 had a 24-byte trailer without the sequence (magic ``b"DCPDSMDC"``),
   still read; older checkpoints have no trailer;
 * a restricted unpickler, used unless the caller allows arbitrary pickles:
-  it admits only DCP's metadata classes, our layout classes and torch's
-  dtypes, layouts and ``Size``. A hostile ``.metadata`` that names any other
-  global raises :class:`UnsafeCheckpointError` instead of running code.
+  it admits only DCP's metadata classes, torch's dtypes, layouts and
+  ``Size``, and the class paths formats 1 to 4 pickled our layout under,
+  which it resolves to inert stand-ins (``storage_data.LEGACY_CLASSES``, in
+  both unpicklers). A hostile ``.metadata`` that names any other global
+  raises :class:`UnsafeCheckpointError` instead of running code.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import pickle
@@ -38,10 +47,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from dcp_datastates._dcp_compat import legacy_tensor_properties_class, storage_info_class
 from dcp_datastates.native.engine import crc32c, gc_paused
 from dcp_datastates.format.checkpoint_files import open_checkpoint_file
 from dcp_datastates.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
-from dcp_datastates.format.rank_index import show
+from dcp_datastates.format.rank_index import CheckpointLayout, show
+from dcp_datastates.format.storage_data import LEGACY_CLASSES, layout_of, layout_to_plain
 
 TRAILER_MAGIC = b"DCPDSMD4"
 _TRAILER = struct.Struct("<8sQQII")  # magic, pickle length, commit sequence, crc32c, reserved
@@ -49,7 +60,8 @@ _SEQUENCE = struct.Struct("<Q")
 TRAILER_MAGIC_V3 = b"DCPDSMDC"
 _TRAILER_V3 = struct.Struct("<8sQII")  # magic, pickle length, crc32c, reserved
 
-# Globals a dcp_datastates .metadata may name, besides torch dtypes and layouts.
+# Globals a dcp_datastates .metadata may name, besides torch dtypes and layouts and
+# (formats 1-4) our layout classes, which LEGACY_CLASSES maps to stand-ins.
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata",
@@ -68,7 +80,6 @@ _ALLOWED = {
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
-    "dcp_datastates.format.rank_index": {"CheckpointLayout", "RankFiles"},
     "collections": {"OrderedDict"},
     # StorageMeta.checkpoint_id may be a path object.
     "pathlib": {"Path", "PosixPath", "PurePath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
@@ -100,6 +111,9 @@ class _MetadataUnpickler(pickle._Unpickler):
         )
 
     def find_class(self, module: str, name: str):
+        legacy = LEGACY_CLASSES.get((module, name))
+        if legacy is not None:
+            return legacy
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUE_TYPES):
@@ -119,45 +133,53 @@ class _MetadataUnpickler(pickle._Unpickler):
     dispatch[pickle.BUILD[0]] = load_build
 
 
+class _TrustingUnpickler(pickle.Unpickler):
+    """``allow_pickle=True``: any global, except that the class paths formats 1-4 pickled our
+    layout under resolve to the same stand-ins as in safe mode (no module of ours is pinned)."""
+
+    def find_class(self, module: str, name: str):
+        return LEGACY_CLASSES.get((module, name)) or super().find_class(module, name)
+
+
 def _buildable() -> frozenset:
     """The classes whose instances may receive a state (the dataclasses of the metadata)."""
     from torch.distributed.checkpoint import metadata as md
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    from dcp_datastates.format.rank_index import CheckpointLayout, RankFiles
-
+    stock = {storage_info_class(), legacy_tensor_properties_class()} - {None}
     return frozenset(
         {
             md.Metadata, md.TensorStorageMetadata, md.BytesStorageMetadata, md.ChunkStorageMetadata,
-            md.TensorProperties, md.StorageMeta, md.MetadataIndex, CheckpointLayout, RankFiles, _StorageInfo,
+            md.TensorProperties, md.StorageMeta, md.MetadataIndex,
         }
-        | set(_LEGACY_TENSOR_PROPERTIES)
+        | set(LEGACY_CLASSES.values())
+        | stock
     )
 
 
-def _legacy_tensor_properties() -> tuple:
-    """The sharded-tensor ``TensorProperties`` older torch wrote into ``.metadata`` (if this
-    torch still has it): a dataclass of the same five plain fields as DCP's own."""
-    try:
-        from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as Legacy
-    except ImportError:  # pragma: no cover - a torch without it cannot have written one either
-        return ()
-    return (Legacy,) if Legacy is not TensorProperties else ()
-
-
-_LEGACY_TENSOR_PROPERTIES = _legacy_tensor_properties()
-
-
+_LEGACY_TENSOR_PROPERTIES = tuple({legacy_tensor_properties_class()} - {None})
 _BUILDABLE = _buildable()
 
 
 def encode_metadata(metadata: Metadata, sequence: int = 0) -> bytes:
-    """The bytes of ``.metadata``: the pickle and its checksum trailer carrying ``sequence``."""
+    """The bytes of ``.metadata``: the pickle and its checksum trailer carrying ``sequence``.
+
+    A :class:`CheckpointLayout` in ``storage_data`` is pickled as its plain form (format 5),
+    in a shallow copy of ``metadata``: the caller's object keeps its layout. Any other
+    ``storage_data`` is pickled as it is.
+    """
+    if isinstance(metadata.storage_data, CheckpointLayout):
+        metadata = copy.copy(metadata)
+        metadata.storage_data = layout_to_plain(metadata.storage_data)
+    blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+    return blob + encode_trailer(blob, sequence)
+
+
+def encode_trailer(pickled: bytes, sequence: int = 0) -> bytes:
+    """The 32 bytes that follow the pickle ``pickled`` in ``.metadata`` (see the module docstring)."""
     if not isinstance(sequence, int) or not 0 <= sequence < 1 << 64:
         raise ValueError(f"a commit sequence is an integer in [0, 2**64), got {sequence!r}")
-    blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-    crc = crc32c(_SEQUENCE.pack(sequence), crc32c(blob))
-    return blob + _TRAILER.pack(TRAILER_MAGIC, len(blob), sequence, crc, 0)
+    crc = crc32c(_SEQUENCE.pack(sequence), crc32c(pickled))
+    return _TRAILER.pack(TRAILER_MAGIC, len(pickled), sequence, crc, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +312,7 @@ def read_metadata_file(path: str, allow_pickle: bool = False) -> tuple[Metadata,
             actual = trailer_crc(body, trailer)
             if actual != trailer.crc:  # it changed since it was checked
                 raise _checksum_error(path, actual, trailer.crc)
-    return _unpickle_metadata(memoryview(body), path, allow_pickle), trailer is not None
+    return _unpickle_metadata(memoryview(body), path, allow_pickle, trailer is not None), trailer is not None
 
 
 def _checksum_error(where: str, actual: int, stored: int) -> CorruptCheckpointError:
@@ -326,25 +348,30 @@ def decode_metadata(blob: bytes, where: str, allow_pickle: bool = False) -> tupl
     """Verify and unpickle ``.metadata``; returns (metadata, had a checksum trailer).
 
     Every failure is a :class:`CheckpointError` naming ``where``: a corrupt or
-    truncated file, a pickle that is not DCP ``Metadata``, or (unless
-    ``allow_pickle``) a pickle that names a global outside the allowed set.
-    For a file, :func:`read_metadata_file` does the same in bounded memory.
+    truncated file, a pickle that is not DCP ``Metadata``, (unless
+    ``allow_pickle``) a pickle that names a global outside the allowed set,
+    or a layout of ours that does not validate. Our layout comes back as a
+    validated :class:`CheckpointLayout` in ``storage_data``; any other
+    storage data (a stock DCP checkpoint's) as it was pickled. For a file,
+    :func:`read_metadata_file` does the same in bounded memory.
     """
     body, checked = split_trailer(blob, where)
     _check_pickle_shape(body[:2], None if checked or not len(body) else body[-1], where)
-    return _unpickle_metadata(body, where, allow_pickle), checked
+    return _unpickle_metadata(body, where, allow_pickle, checked), checked
 
 
-def _unpickle_metadata(body: memoryview, where: str, allow_pickle: bool) -> Metadata:
+def _unpickle_metadata(body: memoryview, where: str, allow_pickle: bool, checksummed: bool) -> Metadata:
+    """The one place a ``.metadata`` pickle is decoded (unpickled, then checked), for files and
+    buffers alike: the Metadata, with our layout decoded and validated in its storage data."""
     try:
         with gc_paused():
             if allow_pickle:
-                metadata = pickle.loads(body)
+                metadata = _TrustingUnpickler(_BufferReader(body)).load()
             else:
                 metadata = _MetadataUnpickler(_BufferReader(body), where).load()
     except UnsafeCheckpointError:
         raise
-    except CheckpointError as exc:  # a layout's __setstate__ refusing its state
+    except CheckpointError as exc:  # a stand-in refusing its pickled state
         raise CorruptCheckpointError(f"{where}: {exc}") from exc
     except RecursionError as exc:
         raise CorruptCheckpointError(f"{where} cannot be decoded: nested too deeply") from exc
@@ -355,6 +382,15 @@ def _unpickle_metadata(body: memoryview, where: str, allow_pickle: bool) -> Meta
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP Metadata")
     check_metadata(metadata, where)
+    layout = layout_of(metadata.storage_data, where)
+    if layout is not None:
+        layout.check_covers(metadata, where)
+        if layout.version >= 3 and not checksummed:
+            raise CorruptCheckpointError(
+                f"{where} is corrupt: format version {layout.version} ends with a checksum trailer, "
+                "and this file has none (truncated or edited?)"
+            )
+        metadata.storage_data = layout
     return metadata
 
 

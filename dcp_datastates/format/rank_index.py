@@ -11,10 +11,12 @@ A checkpoint is one directory::
 save never overwrite those of the committed one it replaces, so an
 interrupted overwrite leaves the old checkpoint loadable.
 
-``Metadata.storage_data`` is a :class:`CheckpointLayout`: the format version,
-the save id, the files, and for every saved item (a tensor chunk or a pickled
-object) an :class:`ItemLocation`. Tensor bytes are raw, row-major, in the
-dtype recorded in the metadata, at offsets fixed when the save was planned.
+``Metadata.storage_data`` holds a :class:`CheckpointLayout`: the format
+version, the save id, the files, and for every saved item (a tensor chunk or
+a pickled object) an :class:`ItemLocation`. On disk it is plain data since
+format 5 (``storage_data.py``); in memory it is always a validated
+:class:`CheckpointLayout`. Tensor bytes are raw, row-major, in the dtype
+recorded in the metadata, at offsets fixed when the save was planned.
 Python objects are placed after the tensors when they are serialized, so
 their offsets live in the rank's index, found by ordinal.
 
@@ -53,7 +55,8 @@ FORMAT_NAME = "dcp_datastates"
 # 2: RankFiles may carry their own save id (files named by an asynchronous snapshot).
 # 3: .metadata ends with a checksum trailer (see metadata_file.py).
 # 4: the trailer carries the commit sequence (CheckpointManager's order of commits).
-FORMAT_VERSION = 4
+# 5: storage_data is plain data, no class of ours (storage_data.py); the index is unchanged.
+FORMAT_VERSION = 5
 METADATA_FILE = ".metadata"
 
 INDEX_MAGIC = b"DCPDSIDX"
@@ -87,6 +90,17 @@ def show(value, limit: int = 100) -> str:
     except Exception:  # noqa: BLE001
         return f"<a damaged {type(value).__name__}>"
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_format_version(format_name, version, where: str) -> None:
+    """Ours (``format``), and a version this code reads: else :class:`UnsupportedFormatError`."""
+    if format_name != FORMAT_NAME:
+        raise UnsupportedFormatError(f"{where}: storage format {show(format_name)} is not {FORMAT_NAME!r}")
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"{where}: written with format version {show(version)}; this dcp_datastates "
+            f"reads versions 1 to {FORMAT_VERSION}. Upgrade dcp_datastates to load it."
+        )
 
 
 def check_save_id(save_id: str, where: str) -> str:
@@ -132,57 +146,58 @@ class RankFiles:
     index_file: str
     save_id: str = ""
 
-    def __setstate__(self, state):
-        _set_fields_strictly(self, state, _RANK_FILES_KINDS)
+    def __setstate__(self, state):  # in-process copies only: on disk a rank is a plain tuple
+        _set_fields_strictly(self, state, RANK_FILES_FIELDS)
 
     def files_save_id(self, checkpoint_save_id: str) -> str:
         return getattr(self, "save_id", "") or checkpoint_save_id
 
 
-_RANK_FILES_KINDS = {"rank": int, "data_file": str, "index_file": str, "save_id": str}
-_LAYOUT_KINDS = {
+RANK_FILES_FIELDS = {"rank": int, "data_file": str, "index_file": str, "save_id": str}
+LAYOUT_FIELDS = {
     "format": str, "version": int, "save_id": str, "ranks": list, "entries": list, "compression": (tuple, type(None)),
 }
 
 
-def _set_fields_strictly(obj, state, kinds: dict) -> None:
-    """``__setstate__`` of our pickled dataclasses: only their fields, of the right kinds.
+def strict_fields(name: str, state, kinds: dict, defaults: dict) -> dict:
+    """The fields of a ``name`` object from its pickled ``state``: exactly ``kinds``' names.
 
     A state from a damaged or hostile ``.metadata`` fails here with a
     :class:`CorruptCheckpointError` (the metadata reader adds the file's
     name): not a dict, a name that is not a field (``_table``, ``validate``:
-    attributes that would shadow ours), a field of the wrong kind (checked
-    for the fields in ``kinds``; :meth:`CheckpointLayout.validate` checks
-    the contents), or a field without a default missing. A field with a
-    default that the state lacks was added by a later format version and
-    gets its default.
+    attributes that would shadow ours), a field not of its kind (bools are
+    no ints), or a field without a default missing. A field with a default
+    that the state lacks was added by a later format version and gets its
+    default.
     """
-    name = type(obj).__name__
 
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"the storage layout is corrupt: a {name} {why}")
 
     if not isinstance(state, dict):
         raise bad(f"has a {type(state).__name__} state, not a dict of its fields")
-    fields = {f.name: f for f in dataclasses.fields(obj)}
-    unknown = [k for k in state if k not in fields]
+    unknown = [k for k in state if k not in kinds]
     if unknown:
         raise bad(f"has fields {show(unknown)}, which it does not have")
     values = {}
-    for field_name, field in fields.items():
+    for field_name, kind in kinds.items():
         if field_name in state:
             value = state[field_name]
-            kind = kinds.get(field_name)
-            if kind is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            if not isinstance(value, kind) or isinstance(value, bool):
                 raise bad(f"has a {type(value).__name__} as its {field_name}")
-        elif field.default is not dataclasses.MISSING:
-            value = field.default
-        elif field.default_factory is not dataclasses.MISSING:
-            value = field.default_factory()
+        elif field_name in defaults:
+            value = defaults[field_name]
         else:
             raise bad(f"lacks its {field_name}")
         values[field_name] = value
-    obj.__dict__.update(values)
+    return values
+
+
+def _set_fields_strictly(obj, state, kinds: dict) -> None:
+    """``__setstate__`` of our dataclasses (in-process copies): :func:`strict_fields` of their
+    fields (``kinds`` names every one), with the dataclass's defaults."""
+    defaults = {f.name: f.default for f in dataclasses.fields(obj) if f.default is not dataclasses.MISSING}
+    obj.__dict__.update(strict_fields(type(obj).__name__, state, kinds, defaults))
 
 
 COMPRESSION_CODECS = ("zstd",)
@@ -221,13 +236,18 @@ def location_key(fqn: str, offset) -> tuple:
 
 @dataclasses.dataclass
 class CheckpointLayout:
-    """``Metadata.storage_data`` of a dcp_datastates checkpoint.
+    """``Metadata.storage_data`` of a dcp_datastates checkpoint, in memory.
 
     ``entries`` holds one plain tuple per saved item,
     ``(fqn, chunk_offsets or None, rank, offset, length, object_ordinal)``:
     plain tuples pickle several times faster than one object per item,
     which matters for states of tens of thousands of tensors. Lookups by
     ``MetadataIndex`` go through a dict built on first use.
+
+    It is never pickled into ``.metadata``: ``encode_metadata`` stores its
+    plain form and decoding rebuilds it (``storage_data.py``), so this class
+    may move or change without breaking a checkpoint. Its pickling methods
+    serve in-process copies only.
     """
 
     format: str
@@ -245,7 +265,7 @@ class CheckpointLayout:
     def __setstate__(self, state):
         # Strict: a hostile pickle could otherwise set any attribute (a cached ``_table``,
         # a method). Fields added later (with a default, e.g. compression) get the default.
-        _set_fields_strictly(self, state, _LAYOUT_KINDS)
+        _set_fields_strictly(self, state, LAYOUT_FIELDS)
 
     def _lookup(self) -> dict:
         table = self.__dict__.get("_table")
@@ -284,13 +304,7 @@ class CheckpointLayout:
         missing = [f.name for f in dataclasses.fields(self) if f.name not in self.__dict__]
         if missing:
             raise CorruptCheckpointError(f"{where}: the storage layout is corrupt: it lacks {', '.join(missing)}")
-        if self.format != FORMAT_NAME:
-            raise UnsupportedFormatError(f"{where}: storage format {show(self.format)} is not {FORMAT_NAME!r}")
-        if not isinstance(self.version, int) or self.version > FORMAT_VERSION or self.version < 1:
-            raise UnsupportedFormatError(
-                f"{where}: written with format version {show(self.version)}; this dcp_datastates "
-                f"reads versions 1 to {FORMAT_VERSION}. Upgrade dcp_datastates to load it."
-            )
+        check_format_version(self.format, self.version, where)
         check_save_id(self.save_id, where)
         check_compression(self.compression, where)
         self._validate_structure(where)
@@ -310,7 +324,7 @@ class CheckpointLayout:
         ranks = set()
         for r in self.ranks:
             rank = getattr(r, "rank", None)
-            if not isinstance(r, RankFiles) or not isinstance(rank, int) or rank < 0:
+            if not isinstance(r, RankFiles) or not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
                 raise bad(f"rank entry {show(r)}")
             sid = getattr(r, "save_id", "")
             if sid and not (isinstance(sid, str) and _SID_RE.match(sid)):

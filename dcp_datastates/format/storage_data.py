@@ -1,0 +1,219 @@
+"""``Metadata.storage_data`` of our checkpoints as stored: plain data since format 5.
+
+Format 5 stores the layout as plain Python data, so the ``.metadata`` pickle
+names no class of ours: this package's modules can move and be renamed
+without breaking a single checkpoint, and DCP's own ``pickle.load`` reads it
+without importing dcp_datastates. :class:`CheckpointLayout` stays the object
+the code works with: :func:`layout_to_plain` turns it into plain data when
+``.metadata`` is encoded, and :func:`layout_of` turns the stored form back
+into a validated layout when it is decoded. The plain form::
+
+    {
+        "format": "dcp_datastates",
+        "version": 5,
+        "save_id": "3f9c2a71b0de",
+        "ranks": [(rank, data_file, index_file, files_save_id), ...],
+        "entries": [(fqn, chunk_offsets or None, rank, offset, length, object_ordinal), ...],
+        "compression": None or (codec, block_bytes),
+    }
+
+``files_save_id`` is ``""`` when the rank's files carry the checkpoint's own
+save id; an entry is what :class:`CheckpointLayout` documents. Only ``str``,
+``int``, ``None``, tuples, lists and the one dict: exactly these six keys.
+
+Versions 1 to 4 pickled the layout as our classes, under the module path
+each had when it was written: ``dcp_datastates.format.CheckpointLayout`` and
+``.RankFiles`` (version 1 also ``.ItemLocation``: its layout held a dict of
+``MetadataIndex`` to ``ItemLocation`` instead of entries), and
+``dcp_datastates.format.rank_index.CheckpointLayout`` and ``.RankFiles``
+from the last writers of version 4. The unpicklers resolve those names
+(:data:`LEGACY_CLASSES`) to the stand-ins below, which only take the
+pickled state, strictly, and are then decoded into a :class:`CheckpointLayout`
+by :func:`layout_of`: no module of ours has to stay at an old path.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from dcp_datastates.errors import CorruptCheckpointError
+from dcp_datastates.format.rank_index import (
+    FORMAT_NAME,
+    LAYOUT_FIELDS,
+    RANK_FILES_FIELDS,
+    CheckpointLayout,
+    RankFiles,
+    check_format_version,
+    show,
+    strict_fields,
+)
+
+PLAIN_SINCE = 5  # the first format version whose layout is plain data
+PLAIN_KEYS = ("format", "version", "save_id", "ranks", "entries", "compression")
+_PLAIN_KINDS = {"save_id": str, "ranks": list, "entries": list, "compression": (tuple, type(None))}
+
+
+def _corrupt(where: str, why: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{where}: the storage layout is corrupt: {why}")
+
+
+# -- format 5: plain data --------------------------------------------------------------
+
+
+def layout_to_plain(layout: CheckpointLayout) -> dict:
+    """``layout`` as format 5 stores it (see the module docstring); shares its entries list.
+
+    A layout read from a checkpoint of version 1 to 4 is written as version
+    5: those versions differ from it only in how the layout was pickled and
+    in the ``.metadata`` trailer, which is always written in its current form.
+    """
+    return {
+        "format": layout.format,
+        "version": max(layout.version, PLAIN_SINCE),
+        "save_id": layout.save_id,
+        "ranks": [(r.rank, r.data_file, r.index_file, r.save_id) for r in layout.ranks],
+        "entries": layout.entries,
+        "compression": layout.compression,
+    }
+
+
+def _layout_from_plain(data: dict, where: str) -> CheckpointLayout:
+    """The layout stored as ``data`` (a dict with a ``"format"`` key); checked by kinds here,
+    by contents in :meth:`CheckpointLayout.validate`."""
+    version = data.get("version")
+    check_format_version(data.get("format"), version, where)  # a newer version may have other keys
+    if version < PLAIN_SINCE:
+        raise _corrupt(where, f"it is plain data of version {version}; before {PLAIN_SINCE} it was pickled as a class")
+    unknown = [k for k in data if k not in PLAIN_KEYS]
+    missing = [k for k in PLAIN_KEYS if k not in data]
+    if unknown or missing:
+        raise _corrupt(where, f"it has keys {show(unknown)} it may not have and lacks {show(missing)}")
+    for key, kind in _PLAIN_KINDS.items():
+        if not isinstance(data[key], kind):
+            raise _corrupt(where, f"its {key} is a {type(data[key]).__name__}")
+    ranks = []
+    for r in data["ranks"]:
+        if not (isinstance(r, tuple) and len(r) == 4 and all(isinstance(x, str) for x in r[1:])):
+            raise _corrupt(where, f"rank entry {show(r)} is not (rank, data file, index file, save id)")
+        ranks.append(RankFiles(*r))  # the rank's kind and range are checked by validate
+    return CheckpointLayout(FORMAT_NAME, version, data["save_id"], ranks, data["entries"], data["compression"])
+
+
+# -- formats 1 to 4: our classes, pickled ---------------------------------------------------
+
+
+class _Pickled:
+    """A stand-in for one of our classes as formats 1-4 pickled it: it only takes the state
+    a pickle's BUILD gives it, strictly (:func:`strict_fields`), for :func:`layout_of`."""
+
+    __slots__ = ("state",)
+    NAME = ""
+    KINDS: dict = {}
+    DEFAULTS: dict = {}
+
+    def __init__(self, *_args, **_kwargs) -> None:
+        # Pickles restore these with NEWOBJ and BUILD; a REDUCE calling the class is hostile.
+        raise CorruptCheckpointError(f"the storage layout is corrupt: a {self.NAME} is called, not restored")
+
+    def __setstate__(self, state) -> None:
+        self.state = strict_fields(self.NAME, state, self.KINDS, self.DEFAULTS)
+
+
+class PickledLayout(_Pickled):
+    """``CheckpointLayout`` of formats 1-4 (version 1: ``locations``; 2-4: ``entries``)."""
+
+    __slots__ = ()
+    NAME = "CheckpointLayout"
+    KINDS = {**LAYOUT_FIELDS, "locations": dict}
+    DEFAULTS = {"entries": None, "locations": None, "compression": None}
+
+
+class PickledRankFiles(_Pickled):
+    __slots__ = ()
+    NAME = "RankFiles"
+    KINDS = RANK_FILES_FIELDS
+    DEFAULTS = {"save_id": ""}  # version 1 had no per-rank save id
+
+
+class PickledItemLocation(_Pickled):
+    """Version 1's ``ItemLocation`` (a frozen dataclass then), the values of its ``locations``."""
+
+    __slots__ = ()
+    NAME = "ItemLocation"
+    KINDS = {"relative_path": str, "offset": int, "length": int, "object_ordinal": int}
+    DEFAULTS = {"object_ordinal": -1}
+
+
+# Every class path a format 1-4 .metadata names for our records, and its stand-in.
+LEGACY_CLASSES = {
+    ("dcp_datastates.format", "CheckpointLayout"): PickledLayout,
+    ("dcp_datastates.format", "RankFiles"): PickledRankFiles,
+    ("dcp_datastates.format", "ItemLocation"): PickledItemLocation,
+    ("dcp_datastates.format.rank_index", "CheckpointLayout"): PickledLayout,
+    ("dcp_datastates.format.rank_index", "RankFiles"): PickledRankFiles,
+}
+
+
+def _state_of(obj, kind: type, where: str) -> dict:
+    state = getattr(obj, "state", None) if type(obj) is kind else None
+    if state is None:
+        raise _corrupt(where, f"{show(obj)} is not a {kind.NAME} restored from its fields")
+    return state
+
+
+def _layout_from_pickled(obj: PickledLayout, where: str) -> CheckpointLayout:
+    s = _state_of(obj, PickledLayout, where)
+    version = s["version"]
+    check_format_version(s["format"], version, where)
+    if version >= PLAIN_SINCE:
+        raise _corrupt(where, f"a layout of version {version} pickled as a class; from {PLAIN_SINCE} on it is plain data")
+    field, other = ("locations", "entries") if version == 1 else ("entries", "locations")
+    if s[field] is None or s[other] is not None:
+        raise _corrupt(where, f"a version {version} layout has {other} instead of {field}")
+    if s["compression"] is not None and version < 4:
+        raise _corrupt(where, f"a version {version} layout records compression, which came with version 4")
+    ranks = []
+    for r in s["ranks"]:
+        rs = _state_of(r, PickledRankFiles, where)
+        ranks.append(RankFiles(rs["rank"], rs["data_file"], rs["index_file"], rs["save_id"]))
+    entries = _entries_of_locations(s["locations"], ranks, where) if version == 1 else s["entries"]
+    return CheckpointLayout(FORMAT_NAME, version, s["save_id"], ranks, entries, s["compression"])
+
+
+def _entries_of_locations(locations: dict, ranks: list[RankFiles], where: str) -> list[tuple]:
+    """Version 1's ``{MetadataIndex: ItemLocation(data file, offset, length, ordinal)}`` as entries."""
+    rank_of = {r.data_file: r.rank for r in ranks}
+    entries = []
+    for index, loc in locations.items():
+        fqn, off = getattr(index, "fqn", None), getattr(index, "offset", None)
+        if type(index) is not MetadataIndex or not isinstance(fqn, str) or not isinstance(off, (tuple, type(None))):
+            raise _corrupt(where, f"item key {show(index)} is not a MetadataIndex")
+        ls = _state_of(loc, PickledItemLocation, where)
+        rank = rank_of.get(ls["relative_path"])
+        if rank is None:
+            raise _corrupt(where, f"{fqn!r} is stored in {show(ls['relative_path'])}, which is no rank's data file")
+        entries.append((fqn, None if off is None else tuple(off), rank, ls["offset"], ls["length"], ls["object_ordinal"]))
+    return entries
+
+
+# -- decoding either ------------------------------------------------------------------------
+
+
+def layout_of(storage_data, where: str) -> CheckpointLayout | None:
+    """The validated layout that ``storage_data`` of a decoded ``.metadata`` stores, or None when
+    it is not ours (a stock DCP checkpoint's ``{MetadataIndex: _StorageInfo}``, for instance).
+
+    Ours is the plain form (a dict with a ``"format"`` key) or a format 1-4
+    :class:`PickledLayout`; anything wrong with it is a
+    :class:`CorruptCheckpointError` (or :class:`UnsupportedFormatError` for
+    another format or a newer version) naming ``where``.
+    """
+    if type(storage_data) is PickledLayout:
+        layout = _layout_from_pickled(storage_data, where)
+    elif isinstance(storage_data, dict) and "format" in storage_data:
+        layout = _layout_from_plain(storage_data, where)
+    else:
+        return None
+    layout.validate(where)
+    return layout
+

@@ -1,0 +1,225 @@
+"""Golden bytes of the format: the rank index, the ``.metadata`` trailer and the plain layout.
+
+The expected bytes are written out here field by field, as docs/format.md
+describes them, so that a change to the encoders (a field moved, a width or
+an endianness changed, the checksum taken over other bytes) fails here even
+when the decoders change with it. The CRC-32C values were computed with a
+bitwise reference implementation (``_crc32c`` below), not with the engine's.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from dcp_datastates.errors import CorruptCheckpointError
+from dcp_datastates.format.metadata_file import decode_metadata, encode_trailer, parse_trailer, split_trailer
+from dcp_datastates.format.rank_index import FORMAT_VERSION, CheckpointLayout, ItemLocation, RankFiles, decode_index, encode_index
+from dcp_datastates.format.storage_data import layout_of, layout_to_plain
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures"))
+from pickle_tools import plain_types  # noqa: E402
+
+
+def _crc32c(data: bytes, crc: int = 0) -> int:
+    """CRC-32C (Castagnoli), bit by bit: the reference the golden checksums were computed with."""
+    crc ^= 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def test_the_reference_crc32c():
+    assert _crc32c(b"123456789") == 0xE3069283
+
+
+# -- the rank index ------------------------------------------------------------------------
+
+INDEX_ARGS = dict(
+    rank=3,
+    save_id="0123456789ab",
+    data_size=8192,
+    segments=[(0, 100, 0xE3069283), (128, 4000, 0x89ABCDEF)],
+    objects=[(4160, 37), (4224, 0)],
+)
+INDEX_GOLDEN = bytes.fromhex(
+    "4443504453494458"  # magic b"DCPDSIDX"
+    "05000000"  # format version 5 (u32)
+    "03000000"  # rank 3 (u32)
+    "30313233343536373839616200000000"  # save id, ASCII, zero-padded to 16
+    "0020000000000000"  # data size 8192 (u64)
+    "0200000000000000"  # 2 segments (u64)
+    "0200000000000000"  # 2 objects (u64)
+    "0000000000000000" "6400000000000000" "839206e3" "00000000"  # segment: offset 0, 100 bytes, crc, 0
+    "8000000000000000" "a00f000000000000" "efcdab89" "00000000"  # segment: offset 128, 4000 bytes, crc, 0
+    "4010000000000000" "2500000000000000"  # object: offset 4160, 37 bytes
+    "8010000000000000" "0000000000000000"  # object: offset 4224, 0 bytes
+    "6cf39a23"  # CRC-32C of every byte before it
+)
+
+
+def test_rank_index_bytes():
+    assert FORMAT_VERSION == 5
+    blob = encode_index(**INDEX_ARGS)
+    assert blob.hex() == INDEX_GOLDEN.hex()
+    assert len(blob) == 56 + 2 * 24 + 2 * 16 + 4
+    assert struct.unpack("<I", blob[-4:])[0] == _crc32c(blob[:-4])
+
+
+def test_rank_index_decodes_from_the_golden_bytes():
+    idx = decode_index(INDEX_GOLDEN, "rank00003-0123456789ab.index")
+    assert (idx.rank, idx.save_id, idx.data_size) == (3, "0123456789ab", 8192)
+    assert list(zip(idx.seg_offsets, idx.seg_lengths, idx.seg_crcs)) == INDEX_ARGS["segments"]
+    assert idx.objects == INDEX_ARGS["objects"]
+
+
+@pytest.mark.parametrize("version", [1, 4])
+def test_rank_indexes_of_older_versions_decode(version):
+    """The index layout has not changed since version 1; only its version field differs."""
+    body = INDEX_GOLDEN[:8] + struct.pack("<I", version) + INDEX_GOLDEN[12:-4]
+    idx = decode_index(body + struct.pack("<I", _crc32c(body)), "old.index")
+    assert idx.objects == INDEX_ARGS["objects"]
+
+
+def test_a_rank_index_of_a_newer_version_is_refused_by_name():
+    from dcp_datastates.errors import UnsupportedFormatError
+
+    body = INDEX_GOLDEN[:8] + struct.pack("<I", FORMAT_VERSION + 1) + INDEX_GOLDEN[12:-4]
+    with pytest.raises(UnsupportedFormatError, match=r"new\.index has format version 6"):
+        decode_index(body + struct.pack("<I", _crc32c(body)), "new.index")
+
+
+# -- the .metadata trailer -------------------------------------------------------------------
+
+PICKLE = b"\x80\x05N."  # pickle.dumps(None, protocol=5): any pickle; the trailer only counts and sums it
+TRAILER_GOLDEN = bytes.fromhex(
+    "44435044534d4434"  # magic b"DCPDSMD4"
+    "0400000000000000"  # the pickle's length, 4 (u64)
+    "0700000000000000"  # commit sequence 7 (u64)
+    "3dd2db73"  # CRC-32C of the pickle, then of the 8 sequence bytes (u32)
+    "00000000"  # reserved
+)
+# Version 3's trailer, still read: no sequence, the CRC-32C covers the pickle only.
+TRAILER_V3_GOLDEN = bytes.fromhex("44435044534d44430400000000000000" "ebd151a6" "00000000")
+
+
+def test_metadata_trailer_bytes():
+    trailer = encode_trailer(PICKLE, 7)
+    assert trailer.hex() == TRAILER_GOLDEN.hex()
+    assert struct.unpack_from("<I", trailer, 24)[0] == _crc32c(PICKLE + struct.pack("<Q", 7))
+
+
+@pytest.mark.parametrize("golden,sequence,size", [(TRAILER_GOLDEN, 7, 32), (TRAILER_V3_GOLDEN, 0, 24)])
+def test_metadata_trailers_decode_from_the_golden_bytes(golden, sequence, size):
+    blob = PICKLE + golden
+    trailer = parse_trailer(blob[-32:], len(blob), "m")
+    assert (trailer.pickle_length, trailer.sequence, trailer.size) == (len(PICKLE), sequence, size)
+    body, checked = split_trailer(blob, "m")
+    assert checked and bytes(body) == PICKLE
+    flipped = bytearray(blob)
+    flipped[2] ^= 1  # a byte of the pickle
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        split_trailer(bytes(flipped), "m")
+
+
+def test_a_trailer_sequence_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="commit sequence"):
+        encode_trailer(PICKLE, 1 << 64)
+
+
+# -- the plain storage data ------------------------------------------------------------------
+
+LAYOUT = CheckpointLayout(
+    "dcp_datastates",
+    FORMAT_VERSION,
+    "0123456789ab",
+    [
+        RankFiles(0, "rank00000-0123456789ab.data", "rank00000-0123456789ab.index"),
+        RankFiles(1, "rank00001-cafef00d0042.data", "rank00001-cafef00d0042.index", "cafef00d0042"),
+    ],
+    [
+        ("model.w", (0, 0), 0, 0, 4096, -1),  # a raw tensor chunk
+        ("model.w", (4, 0), 1, 4096, 4096, -1),
+        ("big", (0,), 1, -1, 262144, 1),  # a compressed chunk: raw length, blocks from ordinal 1
+        ("step", None, 0, -1, -1, 0),  # an object: its ordinal in rank 0's object table
+    ],
+    ("zstd", 4 << 20),
+)
+PLAIN_GOLDEN = {
+    "format": "dcp_datastates",
+    "version": 5,
+    "save_id": "0123456789ab",
+    "ranks": [
+        (0, "rank00000-0123456789ab.data", "rank00000-0123456789ab.index", ""),
+        (1, "rank00001-cafef00d0042.data", "rank00001-cafef00d0042.index", "cafef00d0042"),
+    ],
+    "entries": [
+        ("model.w", (0, 0), 0, 0, 4096, -1),
+        ("model.w", (4, 0), 1, 4096, 4096, -1),
+        ("big", (0,), 1, -1, 262144, 1),
+        ("step", None, 0, -1, -1, 0),
+    ],
+    "compression": ("zstd", 4194304),
+}
+
+
+def test_plain_storage_data_of_a_fixed_layout():
+    plain = layout_to_plain(LAYOUT)
+    assert plain == PLAIN_GOLDEN
+    assert list(plain) == list(PLAIN_GOLDEN)  # the keys in their documented order
+    assert plain_types(plain) <= {dict, list, tuple, str, int, type(None)}
+
+
+def test_plain_storage_data_decodes_to_the_layout():
+    layout = layout_of(PLAIN_GOLDEN, "m")
+    assert layout == LAYOUT
+    assert layout.location(MetadataIndex("model.w", torch.Size([4, 0]))) == ItemLocation(
+        "rank00001-cafef00d0042.data", 4096, 4096, -1
+    )
+    assert layout.location(MetadataIndex("step")).is_object
+    assert layout.ranks[1].files_save_id(layout.save_id) == "cafef00d0042"
+
+
+def test_layouts_read_from_older_versions_are_written_as_version_5():
+    old = CheckpointLayout("dcp_datastates", 3, "0123456789ab", LAYOUT.ranks, LAYOUT.entries[:2])
+    assert layout_to_plain(old)["version"] == 5 and layout_to_plain(old)["compression"] is None
+
+
+def test_a_metadata_file_decodes_its_plain_layout():
+    """decode_metadata hands back a CheckpointLayout, validated, in storage_data."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    md = Metadata(
+        {
+            "model.w": TensorStorageMetadata(
+                TensorProperties(dtype=torch.float32),
+                torch.Size([8, 256]),
+                [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 256])),
+                 ChunkStorageMetadata(torch.Size([4, 0]), torch.Size([4, 256]))],
+            ),
+            "big": TensorStorageMetadata(
+                TensorProperties(dtype=torch.float32), torch.Size([65536]),
+                [ChunkStorageMetadata(torch.Size([0]), torch.Size([65536]))],
+            ),
+            "step": BytesStorageMetadata(),
+        },
+        storage_data=PLAIN_GOLDEN,
+    )
+    blob = pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
+    decoded, checked = decode_metadata(blob + encode_trailer(blob, 7), "ckpt/.metadata")
+    assert checked and decoded.storage_data == LAYOUT
