@@ -22,7 +22,7 @@ import pytest
 from dcp_datastates.manager.checkpoint_root import write_latest
 from dcp_datastates.tools.checkpoint_view import CheckpointView
 from dcp_datastates.tools.listing import _rank_numbers
-from dcp_datastates.tools.text import human_bytes
+from dcp_datastates.tools.common import human_bytes
 from dcp_datastates.format.rank_index import FORMAT_VERSION
 
 FAKE_RANK_FILE = "rank00000-0123456789ab.data"
@@ -165,7 +165,7 @@ def test_inspect_sharded_matches_metadata(sharded_checkpoint):
     view = CheckpointView(path)
     doc = json.loads(js.stdout)
     assert doc["format"] == "dcp_datastates" and doc["ranks"] == 2
-    assert doc["save_id"] == view.reader._layout.save_id
+    assert doc["save_id"] == view.reader.layout.save_id
     assert [k["key"] for k in doc["keys"]] == view.keys()
     assert doc["tensors"] == len(sharded_checkpoint.tensors) and doc["objects"] == len(sharded_checkpoint.objects)
     assert {f["name"]: f["bytes"] for f in doc["files"]} == {

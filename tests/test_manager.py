@@ -20,7 +20,8 @@ from dcp_datastates.manager.checkpoint_root import LATEST_FILE, is_committed, re
 from dcp_datastates.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from dcp_datastates.format.rank_index import METADATA_FILE
 from dcp_datastates.format.metadata_file import read_commit_sequence
-from dcp_datastates.manager.checkpoint_manager import LOCK_FILE, CheckpointManager, CheckpointManagerWarning, SkippedCheckpointWarning
+from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning, SkippedCheckpointWarning
+from dcp_datastates.manager.cleanup import LOCK_FILE
 from manager_workers import run_ranks, state_at, zeros_like_state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -104,11 +105,11 @@ def test_retention_keep_last_and_keep_every(tmp_path, async_save):
 
 
 def test_pointer_moves_only_after_commit_and_fsync(tmp_path, monkeypatch):
-    import dcp_datastates.manager.checkpoint_manager as manager_module
+    import dcp_datastates.manager.checkpoint_root as root_module
 
     root = str(tmp_path / "run")
     events = []
-    real_fsync, real_write = manager_module.fsync_dir, manager_module.write_latest
+    real_fsync, real_write = root_module.fsync_dir, root_module.write_latest
 
     def fsync_spy(path):
         events.append(("fsync", os.path.relpath(path, root)))
@@ -121,11 +122,12 @@ def test_pointer_moves_only_after_commit_and_fsync(tmp_path, monkeypatch):
         events.append(("pointer", step))
         real_write(r, step, sequence)
 
-    monkeypatch.setattr(manager_module, "fsync_dir", fsync_spy)
-    monkeypatch.setattr(manager_module, "write_latest", write_spy)
+    monkeypatch.setattr(root_module, "fsync_dir", fsync_spy)
+    monkeypatch.setattr(root_module, "write_latest", write_spy)
     with CheckpointManager(root, async_save=True) as mgr:
         mgr.save(7, state_at(7))
-    assert events[-3:] == [("fsync", "step_00000007"), ("fsync", "."), ("pointer", 7)]
+    pointer = events.index(("pointer", 7))
+    assert events[pointer - 2:pointer + 1] == [("fsync", "step_00000007"), ("fsync", "."), ("pointer", 7)]
 
 
 @pytest.mark.parametrize("async_save", MODES)
@@ -203,6 +205,48 @@ def test_async_save_fence_waits_before_optimizer_step(tmp_path):
     target = {"p": torch.zeros_like(expect)}
     CheckpointManager(root).load(target)
     assert torch.equal(target["p"], expect)
+
+
+_FENCE_HOLDERS = """
+import sys, torch
+from dcp_datastates import CheckpointManager
+from dcp_datastates.core import fence
+
+steps = []
+fence.wait_for_snapshots = lambda timeout=None: steps.append(timeout)  # what the hook calls
+param = torch.nn.Parameter(torch.zeros(4))
+opt = torch.optim.SGD([param], lr=0.1)
+param.grad = torch.ones_like(param)
+
+def fenced():
+    steps.clear()
+    opt.step()
+    return bool(steps)
+
+a = CheckpointManager(sys.argv[1] + "/a")
+b = CheckpointManager(sys.argv[1] + "/b")
+seen = [fenced()]
+a.save(1, {"p": param}).result()
+b.save(1, {"p": param}).result()
+seen.append(fenced())
+a.close()
+seen.append(fenced())  # b is still open: the one process-wide hook stays
+b.close()
+seen.append(fenced())  # the last manager closed: no hook left behind
+print(seen)
+"""
+
+
+def test_closed_managers_leave_no_fence_hook_behind(tmp_path):
+    """Two managers share the process-wide fence; it goes when the last one closes.
+
+    In a fresh interpreter: a manager another test left open would hold the hook here.
+    """
+    proc = subprocess.run(
+        [sys.executable, "-c", _FENCE_HOLDERS, str(tmp_path)], capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[-2] == "[False, True, True, False]"
 
 
 # ---------------------------------------------------------------------------
@@ -468,15 +512,22 @@ def _as_unsequenced(root) -> None:
     import pickle
     import time
 
+    sys.path.insert(0, os.path.join(HERE, "fixtures"))
+    from pickle_tools import crafted, old_paths_importable  # the class paths format 3 pickled
+
     from dcp_datastates.native.engine import crc32c
-    from dcp_datastates.format.metadata_file import _TRAILER_V3, TRAILER_MAGIC_V3, split_trailer
+    from dcp_datastates.format.metadata_file import _TRAILER_V3, TRAILER_MAGIC_V3, read_metadata_file
 
     for name in sorted(step_dirs(str(root)).values(), key=lambda n: os.stat(root / n / METADATA_FILE).st_ctime_ns):
         md = root / name / METADATA_FILE
-        body, _ = split_trailer(md.read_bytes(), str(md))
-        metadata = pickle.loads(body)
-        metadata.storage_data.version = 3
-        blob = pickle.dumps(metadata)
+        metadata, _ = read_metadata_file(str(md), False)
+        layout = metadata.storage_data
+        metadata.storage_data = crafted("CheckpointLayout", {
+            "format": layout.format, "version": 3, "save_id": layout.save_id,
+            "ranks": [crafted("RankFiles", dict(r.__dict__)) for r in layout.ranks], "entries": layout.entries,
+        })
+        with old_paths_importable():
+            blob = pickle.dumps(metadata)
         tmp = root / name / "md.tmp"
         tmp.write_bytes(blob + _TRAILER_V3.pack(TRAILER_MAGIC_V3, len(blob), crc32c(blob), 0))
         os.replace(tmp, md)
@@ -552,3 +603,36 @@ def test_two_ranks_agree_to_skip_a_checkpoint_only_one_rank_finds_corrupt(tmp_pa
     _three_steps(root)
     flip_byte(data_file(root / "step_00000030"), offset=64)  # in the rows rank 0 reads
     run_ranks("manager_resume_skips_corrupt", 2, tmp_path / "logs", root=str(root))
+
+
+def test_an_async_save_that_fails_after_staging_neither_hangs_nor_blocks_the_next(tmp_path, monkeypatch):
+    """dcp.async_save stages, then raises (its executor refused the work): the manager gives the
+    staged snapshot up explicitly (its error path), so closing its writer does not wait for a
+    save that will never run, and the next save is not held back by it."""
+    import threading
+
+    from torch.distributed.checkpoint import _async_thread_executor
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    outcome = {}
+
+    def run():
+        with CheckpointManager(tmp_path / "run", keep_last=2) as mgr:
+            monkeypatch.setattr(_async_thread_executor._ThreadBasedAsyncCheckpointExecutor, "execute_save", refuse)
+            try:
+                mgr.save(10, state_at(10))
+            except CheckpointError as exc:
+                outcome["error"] = str(exc)
+            monkeypatch.undo()
+            mgr.save(20, state_at(20)).result(timeout=60)
+        outcome["done"] = True
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "the manager hung on a snapshot no save will run"
+    assert "cannot schedule" in outcome.get("error", "") and outcome.get("done")
+    assert saved_steps(tmp_path / "run") == [20] and read_latest(tmp_path / "run") == 20
+    assert os.listdir(tmp_path / "run" / "step_00000010") == [] if os.path.exists(tmp_path / "run" / "step_00000010") else True

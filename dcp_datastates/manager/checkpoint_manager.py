@@ -1,7 +1,10 @@
 """``CheckpointManager``: step-numbered checkpoints of a run, retention, and resume.
 
 What torchtitan's, Lightning's and Orbax's checkpoint managers do, on top of
-``DataStatesWriter``/``DataStatesReader``, with these guarantees:
+``DataStatesWriter``/``DataStatesReader``, with these guarantees. The root's
+names, its pointer and the resume order are :mod:`checkpoint_root`; every
+deletion (crash leftovers, retention) and the owner's lock are
+:mod:`cleanup`; this module decides when each happens.
 
 * **Step directories.** Step N lives in ``ROOT/step_<N>`` (see
   :mod:`checkpoint_root`); it is a checkpoint once it is committed (its
@@ -13,7 +16,7 @@ What torchtitan's, Lightning's and Orbax's checkpoint managers do, on top of
   after a newer one has committed, never the newest committed one, and never
   one with a larger step than the one just committed. A deletion removes
   ``.metadata`` first, so a crash during it leaves an uncommitted directory,
-  never a committed one with files missing.
+  never a committed one with files missing (see :mod:`cleanup`).
 * **Resume** (:meth:`load` with no step) takes the newest committed
   checkpoint that loads; an incomplete or corrupt one is skipped with a
   :class:`SkippedCheckpointWarning` saying why, and the next older is tried.
@@ -27,8 +30,9 @@ What torchtitan's, Lightning's and Orbax's checkpoint managers do, on top of
 * **Asynchronous saves** go through ``dcp.async_save``: :meth:`save` returns
   once the snapshot is enqueued, and a process-wide optimizer step pre-hook
   (the fence) makes any ``optimizer.step()`` wait while a snapshot is still
-  copying. Errors of background saves are raised by the next :meth:`save`,
-  :meth:`wait` or :meth:`close`.
+  copying. Managers open at once share that one hook; the last of them to
+  close removes it. Errors of background saves are raised by the next
+  :meth:`save`, :meth:`wait` or :meth:`close`.
 
 Distributed: every rank constructs the manager and calls :meth:`save` and
 :meth:`load` with its part of the state (SPMD, like ``dcp.save``); rank 0 of
@@ -39,9 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import fcntl
 import os
-import shutil
 import threading
 import warnings
 from concurrent.futures import Future
@@ -51,19 +53,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_datastates.native import engine as _native
-from dcp_datastates.manager.checkpoint_root import (
-    LATEST_FILE,
-    LATEST_TMP_RE,
-    is_committed,
-    is_link,
-    newest_sequence,
-    resume_order,
-    step_dir_name,
-    step_dirs,
-    write_latest,
-)
-from dcp_datastates.core.commit import fsync_dir, remove_if_present
+from dcp_datastates.core.fence import install_global_fence
+from dcp_datastates.core.reader import DataStatesReader
+from dcp_datastates.core.writer import DataStatesWriter
 from dcp_datastates.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -73,10 +65,24 @@ from dcp_datastates.errors import (
     UnsafeCheckpointError,
     UnsupportedFormatError,
 )
-from dcp_datastates.core.fence import install_global_fence
-from dcp_datastates.format.rank_index import DATA_FILE_RE, METADATA_FILE
-from dcp_datastates.core.reader import DataStatesReader
-from dcp_datastates.core.writer import DataStatesWriter
+from dcp_datastates.manager.checkpoint_root import (
+    LATEST_FILE,
+    is_committed,
+    newest_sequence,
+    point_latest_at,
+    resume_order,
+    step_dir_name,
+    step_dirs,
+)
+from dcp_datastates.manager.cleanup import (
+    LOCK_FILE,
+    delete_checkpoint_dir,
+    lock_root,
+    recover_root,
+    retention_victims,
+    unlock_root,
+)
+from dcp_datastates.native import engine as _native
 
 
 class CheckpointManagerWarning(UserWarning):
@@ -86,8 +92,6 @@ class CheckpointManagerWarning(UserWarning):
 class SkippedCheckpointWarning(CheckpointManagerWarning):
     """A checkpoint was passed over on resume (incomplete, corrupt, abandoned) or removed as a crash leftover."""
 
-
-LOCK_FILE = ".manager.lock"
 
 # Resume skips a checkpoint for these, and a new save may replace it: its files are bad.
 _BAD_FILES = (CorruptCheckpointError, IncompleteCheckpointError)
@@ -139,7 +143,8 @@ class CheckpointManager:
             ``async_save`` in a distributed run, a new gloo group, so the
             background save's collectives never interleave with training's.
         fence: install the process-wide optimizer step pre-hook that waits
-            for in-flight snapshots (asynchronous saves only).
+            for in-flight snapshots (asynchronous saves only; from the first
+            save until :meth:`close`, shared with other open managers).
         allow_pickle: load checkpoints whose objects need arbitrary unpickling
             (only checkpoints you trust; see :class:`DataStatesReader`).
         cleanup: on start, remove crash leftovers (see module docs).
@@ -186,12 +191,13 @@ class CheckpointManager:
         self._pending: list[_PendingSave] = []
         self._replaceable: set[int] = set()  # committed steps a save may overwrite (skipped as bad)
         self._closed = False
-        self._lock_fd: int | None = None
+        self._lock_fd: int | None = None  # rank 0's hold on root/.manager.lock (cleanup.lock_root)
+        self._fence_handle = None  # this manager's hold on the process-wide fence, from its first async save
 
         def start() -> tuple[bool, int]:
             os.makedirs(self.root, exist_ok=True)
             if self._take_ownership() and cleanup:
-                self._recover()
+                recover_root(self.root, self.allow_pickle, _warn)
             return self._lock_fd is not None, newest_sequence(self.root)
 
         self.owner, newest = self._on_rank0(start, "opening the checkpoint root")
@@ -263,12 +269,15 @@ class CheckpointManager:
             self._forget(pending)
             self._replaceable.discard(step)
             return pending.done
-        if self._fence:
-            install_global_fence()
+        if self._fence and self._fence_handle is None:
+            self._fence_handle = install_global_fence()
         try:
             resp = dcp.async_save(state, storage_writer=writer, checkpoint_id=path, **self._dcp_kwargs())
         except (Exception, CheckpointException) as exc:  # noqa: BLE001
             self._forget(pending)
+            # dcp.async_save raised, perhaps after it staged: no save will run that snapshot
+            # (and this frame still holds its future), so give it up before draining the writer.
+            writer.abandon_unbegun(f"dcp.async_save of step {step} failed: {type(exc).__name__}")
             writer.close()
             raise _save_error(step, path, exc) from _unwrap(exc)
         pending.upload = getattr(resp, "upload_completion", resp)
@@ -336,10 +345,13 @@ class CheckpointManager:
                 return None
         refused: list[str] = []
         for s in candidates:
+            # One reader per candidate: its .metadata is decoded once for the check, the
+            # verification and the load.
             path = self.path_of(s)
-            verdict = self._agree(self._check(path, full_verify))
+            reader = DataStatesReader(path, allow_pickle=self.allow_pickle)
+            verdict = self._agree(self._check(reader, full_verify))
             if verdict is None:
-                verdict = self._try_load(state, path)
+                verdict = self._try_load(state, reader)
             if verdict is None:
                 self._replaceable.update(c for c in order.candidates if c > s)
                 return s
@@ -355,14 +367,18 @@ class CheckpointManager:
         )
 
     def close(self) -> None:
-        """Wait for the saves in flight (raising their errors), then give up the root."""
+        """Wait for the saves in flight (raising their errors), then give up the root and the fence.
+
+        The process-wide fence hook is shared by every open manager: it is
+        uninstalled when the last one that installed it closes.
+        """
         if self._closed:
             return
         try:
             self.wait()
         finally:
             self._closed = True
-            self._release_ownership()
+            self._release()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -377,7 +393,7 @@ class CheckpointManager:
                 pass
 
     def __del__(self) -> None:
-        self._release_ownership()
+        self._release()
 
     # -- saving -------------------------------------------------------------------
 
@@ -415,12 +431,11 @@ class CheckpointManager:
             return
         try:
             with self._lock:
-                fsync_dir(pending.path)
-                fsync_dir(self.root)  # the step directory's own entry
                 if pending.seq > self._pointed_seq:
-                    write_latest(self.root, pending.step, pending.seq)
+                    point_latest_at(self.root, pending.step, pending.seq)
                     self._pointed_seq = pending.seq
-                victims = self._retention_victims(pending.step)
+                in_flight = {p.step for p in self._pending if not p.done.done()}
+                victims = retention_victims(self.root, pending.step, self.keep_last, self.keep_every, in_flight)
             for name in victims:
                 delete_checkpoint_dir(os.path.join(self.root, name))
         except Exception as exc:  # noqa: BLE001
@@ -430,28 +445,6 @@ class CheckpointManager:
                 CheckpointManagerWarning,
                 stacklevel=2,
             )
-
-    def _retention_victims(self, committed_step: int) -> list[str]:
-        """Directories to delete now that ``committed_step`` is committed (called under ``_lock``).
-
-        Candidates are steps below ``committed_step`` only: committed ones the
-        policy does not keep (``keep_last`` counts steps up to
-        ``committed_step``, so steps of an abandoned trajectory above it take
-        no slot) and uncommitted ones (failed saves) that no save of ours is
-        writing. Symbolic links are never followed into.
-        """
-        dirs = step_dirs(self.root)
-        committed = sorted(s for s, name in dirs.items() if is_committed(os.path.join(self.root, name)))
-        upto = [s for s in committed if s <= committed_step]
-        keep = {committed_step}
-        keep.update(upto if self.keep_last is None else upto[-self.keep_last:])
-        if self.keep_every is not None:
-            keep.update(s for s in committed if s % self.keep_every == 0)
-        in_flight = {p.step for p in self._pending if not p.done.done()}
-        return [
-            name for s, name in sorted(dirs.items())
-            if s < committed_step and s not in keep and s not in in_flight and not is_link(self.root, name)
-        ]
 
     def _raise_finished_errors(self) -> None:
         """Close the writers of finished saves; raise the first error not yet raised."""
@@ -475,31 +468,28 @@ class CheckpointManager:
 
     # -- loading ------------------------------------------------------------------
 
-    def _check(self, path: str, full_verify: bool) -> tuple[str, bool] | None:
-        """Why ``path`` cannot be loaded (and whether its files are bad), found without
-        reading tensor data, or None. Each rank checks every W-th rank index; with
+    def _check(self, reader: DataStatesReader, full_verify: bool) -> tuple[str, bool] | None:
+        """Why the reader's checkpoint cannot be loaded (and whether its files are bad), found
+        without reading tensor data, or None. Each rank checks every W-th rank index; with
         ``full_verify`` rank 0 reads every byte."""
         try:
             if full_verify and self._rank == 0:
                 from dcp_datastates.core.verify import verify
 
-                report = verify(path, allow_pickle=self.allow_pickle)
+                report = verify(reader.path, reader=reader)
                 if not report.ok:
                     return "; ".join(report.problems[:3]) or "not committed", True
-            reader = DataStatesReader(path, allow_pickle=self.allow_pickle)
             reader.read_metadata()
             world = dist.get_world_size(self._group) if self._distributed else 1
-            for files in reader._layout.ranks[self._rank::world]:
+            for files in reader.layout.ranks[self._rank::world]:
                 reader.rank_index(files.data_file)
         except BaseException as exc:  # noqa: BLE001 - classified; unknown errors travel to every rank
             return _classify(exc)
         return None
 
-    def _try_load(self, state: dict, path: str) -> tuple[str, bool] | None:
-        reader = DataStatesReader(path, allow_pickle=self.allow_pickle)
-        kwargs = {"process_group": self._group} if self._distributed else {"no_dist": True}
+    def _try_load(self, state: dict, reader: DataStatesReader) -> tuple[str, bool] | None:
         try:
-            dcp.load(state, storage_reader=reader, checkpoint_id=path, **kwargs)
+            dcp.load(state, storage_reader=reader, checkpoint_id=reader.path, **self._dcp_kwargs())
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP fails every rank alike
             verdict = _classify(_unwrap(exc))
             if verdict[0] is _RAISE:
@@ -544,55 +534,27 @@ class CheckpointManager:
             raise CheckpointError(f"{self.root}: rank 0 failed {what}: {value}")
         return value
 
-    # -- owning the root, crash recovery ------------------------------------------
+    # -- owning the root and the fence ---------------------------------------------
 
     def _take_ownership(self) -> bool:
-        fd = os.open(os.path.join(self.root, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        self._lock_fd = lock_root(self.root)
+        if self._lock_fd is None:
             warnings.warn(
                 f"another CheckpointManager owns {self.root} (it holds {LOCK_FILE}); this one will load but "
                 "not save, clean up, move the pointer or delete checkpoints",
                 CheckpointManagerWarning,
                 stacklevel=4,
             )
-            return False
-        self._lock_fd = fd
-        return True
+        return self._lock_fd is not None
 
-    def _release_ownership(self) -> None:
+    def _release(self) -> None:
+        """Give up the root's lock and this manager's hold on the fence (close, or garbage collection)."""
         fd, self._lock_fd = getattr(self, "_lock_fd", None), None
         if fd is not None:
-            os.close(fd)  # drops the flock
-
-    def _recover(self) -> None:
-        """Remove what crashed saves left behind and repair a stale pointer (owner, at start)."""
-        for name in os.listdir(self.root):
-            if LATEST_TMP_RE.match(name):
-                remove_if_present([os.path.join(self.root, name)])
-        for s, name in sorted(step_dirs(self.root).items()):
-            path = os.path.join(self.root, name)
-            if is_link(self.root, name):
-                continue  # linked from elsewhere: not ours to clean
-            if not is_committed(path):
-                _warn(f"removing {path}: a checkpoint that was never committed (left by an interrupted save)")
-                delete_checkpoint_dir(path)
-                continue
-            for stray in stray_files(path, self.allow_pickle):
-                remove_if_present([os.path.join(path, stray)])
-        order = resume_order(self.root)
-        if order.pointer_error:
-            _warn(f"{order.pointer_error}; rewriting it")
-        if order.candidates and order.pointer != order.candidates[0]:
-            newest = self.path_of(order.candidates[0])
-            fsync_dir(newest)
-            fsync_dir(self.root)
-            write_latest(self.root, order.candidates[0])
-        elif not order.candidates and (order.pointer is not None or order.pointer_error):
-            remove_if_present([os.path.join(self.root, LATEST_FILE)])
-            fsync_dir(self.root)
+            unlock_root(fd)
+        handle, self._fence_handle = getattr(self, "_fence_handle", None), None
+        if handle is not None:
+            handle.remove()
 
 
 _RAISE = object()  # a verdict that is not about the checkpoint's files: raise it
@@ -615,45 +577,6 @@ def _save_error(step: int, path: str, exc: BaseException, background: bool = Fal
         return inner
     what = "the asynchronous save" if background else "the save"
     return CheckpointError(f"{what} of step {step} into {path} failed: {_describe(inner)}")
-
-
-def stray_files(path: str, allow_pickle: bool = False) -> list[str]:
-    """Files in the committed checkpoint ``path`` that it does not name (safe to delete).
-
-    Rank files of an earlier save into the same directory that was killed,
-    and ``.metadata`` temporaries. Returns [] when the metadata cannot be read
-    (a damaged checkpoint is left exactly as it is).
-    """
-    try:
-        reader = DataStatesReader(path, allow_pickle=allow_pickle)
-        reader.read_metadata()
-    except (CheckpointError, OSError):
-        return []
-    named = {n for r in reader._layout.ranks for n in (r.data_file, r.index_file)}
-    out = []
-    for name in sorted(os.listdir(path)):
-        if DATA_FILE_RE.match(name) and name not in named:
-            out.append(name)
-        elif name.startswith(METADATA_FILE + ".") and name.endswith(".tmp"):
-            out.append(name)
-    return out
-
-
-def delete_checkpoint_dir(path: str) -> None:
-    """Delete a checkpoint directory so that no crash can leave it committed but partial.
-
-    ``.metadata`` goes first and the directory is fsynced: from then on the
-    directory is an uncommitted leftover, which readers refuse and the next
-    manager start removes.
-    """
-    if os.path.islink(path):
-        raise CheckpointError(f"{path} is a symbolic link; checkpoints are never deleted through a link")
-    if not os.path.isdir(path):
-        return  # already gone (another cleanup got there first)
-    remove_if_present([os.path.join(path, METADATA_FILE)])
-    fsync_dir(path)
-    shutil.rmtree(path)
-    fsync_dir(os.path.dirname(path))
 
 
 def _future_exception(fut) -> BaseException | None:

@@ -45,6 +45,12 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def step_of(name: str) -> int | None:
+    """The step a directory named ``name`` holds (``step_00000042`` -> 42), or None for another name."""
+    m = STEP_DIR_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
 def step_dirs(root: str) -> dict[int, str]:
     """``{step: directory name}`` of every step directory under ``root`` (committed or not).
 
@@ -57,10 +63,9 @@ def step_dirs(root: str) -> dict[int, str]:
     except FileNotFoundError:
         return out
     for name in names:
-        m = STEP_DIR_RE.match(name)
-        if m is None or not os.path.isdir(os.path.join(root, name)):
+        step = step_of(name)
+        if step is None or not os.path.isdir(os.path.join(root, name)):
             continue
-        step = int(m.group(1))
         if step in out:
             raise ValueError(f"{root}: two directories for step {step}: {out[step]} and {name}")
         out[step] = name
@@ -227,6 +232,14 @@ def resume_order(root: str) -> ResumeOrder:
     abandoned = [s for s in committed if s > pointer and s not in newer]
     below = [s for s in committed[::-1] if s < pointer and s not in newer]
     return ResumeOrder(newer + [pointer] + below, abandoned, pointer, error)
+
+
+def point_latest_at(root: str, step: int, sequence: int | None = None) -> None:
+    """Move ``latest`` to the committed checkpoint of ``step`` once nothing can take it back:
+    fsync its directory and ``root`` (the step directory's own entry), then :func:`write_latest`.
+    A pointer written first could name a checkpoint that a power loss removes."""
+    durable_dir(os.path.join(root, step_dir_name(step)))
+    write_latest(root, step, sequence)
 
 
 def write_latest(root: str, step: int, sequence: int | None = None) -> None:

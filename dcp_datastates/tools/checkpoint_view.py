@@ -34,9 +34,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from dcp_datastates.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
+from dcp_datastates.format.file_names import layout_files
 from dcp_datastates.format.rank_index import METADATA_FILE, CheckpointLayout
 from dcp_datastates.format.metadata_file import read_metadata_file
-from dcp_datastates.core.reader import DataStatesReader
+from dcp_datastates.core.reader import DataStatesReader, missing_checkpoint_error
 from dcp_datastates.format.safe_objects import CheckedObject, load_plain_object
 
 T = TypeVar("T")
@@ -78,11 +79,11 @@ class CheckpointView:
         try:
             metadata, _ = read_metadata_file(md_path, allow_pickle)  # bounded by its structure, not its size
         except FileNotFoundError:
-            raise ours._missing_checkpoint_error() from None
+            raise missing_checkpoint_error(self.path) from None
         if isinstance(metadata.storage_data, CheckpointLayout):
             self.format = FORMAT_OURS
             self.reader = ours
-            self.metadata = ours.read_metadata()  # validates the layout and the trailer
+            self.metadata = metadata  # validated by read_metadata_file: decoded once
         else:
             from torch.distributed.checkpoint import FileSystemReader
 
@@ -128,7 +129,7 @@ class CheckpointView:
         """(file, stored bytes) of the saved object ``fqn``."""
         file, _offset, length = self._location(MetadataIndex(fqn))
         if self.format == FORMAT_OURS:
-            loc = self.reader._layout.location(MetadataIndex(fqn))
+            loc = self.reader.layout.location(MetadataIndex(fqn))
             idx = self.reader.rank_index(loc.relative_path)
             length = idx.objects[loc.object_ordinal][1] if 0 <= loc.object_ordinal < len(idx.objects) else -1
         return file, length
@@ -136,8 +137,7 @@ class CheckpointView:
     def files(self) -> list[str]:
         """The files the checkpoint consists of, relative to its directory (``.metadata`` first)."""
         if self.format == FORMAT_OURS:
-            layout = self.reader._layout
-            return [METADATA_FILE] + [name for r in layout.ranks for name in (r.data_file, r.index_file)]
+            return [METADATA_FILE] + layout_files(self.reader.layout)
         names = sorted({info.relative_path for info in self.metadata.storage_data.values()})
         return [METADATA_FILE] + names
 
@@ -167,14 +167,14 @@ class CheckpointView:
 
     def _location(self, index: MetadataIndex) -> tuple[str, int, int]:
         if self.format == FORMAT_OURS:
-            loc = self.reader._layout.location(index)
+            loc = self.reader.layout.location(index)
             if loc is None:
                 raise CorruptCheckpointError(f"{self.path}: no stored location for {index.fqn!r}")
             if loc.is_compressed:  # stored bytes: the sum of its frames (offset -1: several places)
                 from dcp_datastates.format.rank_index import compressed_blocks
 
                 frames = self.reader.rank_index(loc.relative_path).objects
-                n = compressed_blocks(loc.length, self.reader._layout.compression[1])
+                n = compressed_blocks(loc.length, self.reader.layout.compression[1])
                 return loc.relative_path, -1, sum(m for _, m in frames[loc.object_ordinal : loc.object_ordinal + n])
             return loc.relative_path, loc.offset, loc.length
         info = self.metadata.storage_data.get(index)

@@ -1,8 +1,10 @@
 """``dcp-datastates``: list, inspect, verify, convert, export and compare checkpoints.
 
 Each subcommand parses its arguments here and calls a library function in
-the module that owns its job (``cli_listing``, ``convert``, ``export``,
-``diff``), so everything the tool does is also available from Python.
+the module that owns its job (``listing``, ``convert``, ``export``,
+``diff``), so everything the tool does is also available from Python. This
+is the entry point: it imports the commands, and none of them imports it
+(what they share is in ``common``).
 Errors are reported as one line on stderr with a non-zero exit status; a
 traceback is printed only with ``--debug``. Exit status: 0 success, 1 a
 failure (a checkpoint that does not verify, an unreadable file, a refused
@@ -16,7 +18,7 @@ import os
 import sys
 import traceback
 
-PROG = "dcp-datastates"
+from dcp_datastates.tools.common import PROG, one_line
 
 
 def _size(text: str) -> int:
@@ -134,9 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command in ("ls", "inspect", "verify", "du"):
-        from dcp_datastates.tools import listing as cli_listing
+        from dcp_datastates.tools import listing
 
-        return getattr(cli_listing, f"run_{args.command}")(args)
+        return getattr(listing, f"run_{args.command}")(args)
     if args.command == "convert":
         from dcp_datastates.tools import convert
 
@@ -172,17 +174,6 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"{PROG} {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return 1
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception as one line: its message (errors from the library name the file and key)."""
-    text = str(exc) if str(exc) else type(exc).__name__
-    if isinstance(exc, KeyError) and exc.args:
-        text = str(exc.args[0])
-    elif isinstance(exc, OSError) and exc.filename and exc.strerror:
-        text = f"{exc.filename}: {exc.strerror}"
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return "; ".join(lines) if lines else type(exc).__name__
 
 
 if __name__ == "__main__":

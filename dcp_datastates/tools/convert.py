@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from dcp_datastates.tools.text import human_bytes
+from dcp_datastates.tools.common import PROG, format_fields, human_bytes
 from dcp_datastates.core.commit import fsync_dir
 from dcp_datastates.tools.progress import ByteCounter
 from dcp_datastates.tools.output import move_into_place, naming_output_errors, remove_output
@@ -204,10 +204,10 @@ def _write_torch(view: CheckpointView, tmp: str, summary: ConvertSummary, tracke
     through the page cache (the mapping), which the kernel writes back and
     reclaims, and are flushed with an fsync before the rename.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from dcp_datastates._dcp_compat import fake_tensor_mode
 
     flat: dict[str, Any] = {}
-    with FakeTensorMode():
+    with fake_tensor_mode():
         for fqn, md in view.tensors.items():
             flat[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
     for fqn in view.objects:
@@ -603,7 +603,6 @@ def _sigterm_as_interrupt():
 
 def run_cli(args) -> int:
     """``dcp-datastates convert``: convert, print a summary table; exit status 0."""
-    from dcp_datastates.tools.cli import PROG
     from dcp_datastates.tools.progress import LazyProgress
 
     progress = LazyProgress(f"convert to {args.to}", quiet=args.quiet)
@@ -633,7 +632,5 @@ def run_cli(args) -> int:
         rows[-1] = ("objects", f"{summary.objects} written, {len(summary.skipped)} skipped (safetensors holds tensors only)")
     files = summary.files
     rows.append(("files", ", ".join(files) if len(files) <= 4 else f"{len(files)}: {files[0]} ... {files[-1]}"))
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key:<{width}}  {value}")
+    print("\n".join(format_fields(rows)))
     return 0

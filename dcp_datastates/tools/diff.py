@@ -22,7 +22,6 @@ the rest moved.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import json
 import math
 import os
@@ -35,7 +34,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from dcp_datastates.tools.checkpoint_view import DEFAULT_BLOCK_BYTES, CheckpointView
-from dcp_datastates.tools.text import dtype_name, format_table, human_bytes
+from dcp_datastates.tools.common import dtype_name, format_table, human_bytes, select_keys
 from dcp_datastates.errors import UnsafeCheckpointError
 
 # Elements widened to float64 at once: bounds the working memory of a block
@@ -193,8 +192,8 @@ def diff_checkpoints(
     """
     view_a = CheckpointView(a, allow_pickle=allow_pickle)
     view_b = CheckpointView(b, allow_pickle=allow_pickle)
-    keys_a = _select(view_a.keys(), keys)
-    keys_b = _select(view_b.keys(), keys)
+    keys_a = select_keys(view_a.keys(), keys)
+    keys_b = select_keys(view_b.keys(), keys)
     if keys and not keys_a and not keys_b:
         raise ValueError(f"--keys {' '.join(keys)}: no key of {view_a.path} or {view_b.path} matches")
     in_b = set(keys_b)
@@ -223,13 +222,6 @@ def diff_checkpoints(
         mismatched=mismatched, objects_changed=changed, objects_same=same, objects_skipped=skipped,
         bytes_compared=total,
     )
-
-
-def _select(names: list[str], globs: list[str] | None) -> list[str]:
-    """The keys matching any glob (all of them without globs), in checkpoint order."""
-    if not globs:
-        return list(names)
-    return [n for n in names if any(fnmatch.fnmatchcase(n, g) for g in globs)]
 
 
 def _classify(view_a: CheckpointView, view_b: CheckpointView, common: list[str]):

@@ -26,7 +26,6 @@ Conventions (the same for HDF5 and zarr, documented in docs/cli.md):
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import importlib
 import json
 import math
@@ -38,7 +37,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from dcp_datastates.manager.checkpoint_root import is_committed, step_dirs
-from dcp_datastates.tools.text import dtype_name, human_bytes
+from dcp_datastates.tools.common import dtype_name, format_fields, human_bytes, key_selected
 from dcp_datastates.tools.progress import ByteCounter
 from dcp_datastates.tools.output import move_into_place, naming_output_errors, remove_output
 from dcp_datastates.tools.checkpoint_view import DEFAULT_BLOCK_BYTES, CheckpointView, check_output_apart, read_ahead
@@ -179,17 +178,13 @@ def _expand_run_roots(paths: list[str]) -> tuple[list[str], list[str]]:
     return out, skipped
 
 
-def _selected(key: str, globs: list[str] | None) -> bool:
-    return globs is None or any(fnmatch.fnmatchcase(key, g) for g in globs)
-
-
 def _plan_datasets(views: list[CheckpointView], globs: list[str] | None) -> list[_Dataset]:
     """One dataset per selected tensor key; every checkpoint must have it with one shape and dtype."""
     first = views[0]
     order: dict[str, CheckpointView] = {}
     for v in views:
         for key in v.tensors:
-            if _selected(key, globs):
+            if key_selected(key, globs):
                 order.setdefault(key, v)
     if not order:
         what = f"match --keys {' '.join(globs)}" if globs else "are in the checkpoint"
@@ -281,7 +276,7 @@ def _collect_objects(views: list[CheckpointView], globs: list[str] | None) -> tu
     for v in views:
         values = {}
         for key in v.objects:
-            if not _selected(key, globs):
+            if not key_selected(key, globs):
                 continue
             try:
                 value = v.read_object(key)
@@ -508,7 +503,5 @@ def run_cli(args) -> int:
             if summary.objects_omitted else "")),
         ("written", human_bytes(summary.bytes)),
     ]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
+    print("\n".join(format_fields(rows)))
     return 0

@@ -22,22 +22,18 @@ import dataclasses
 import datetime
 import json
 import os
-import re
 import stat
 import sys
 from typing import Any, Callable
 
-from dcp_datastates.manager.checkpoint_root import STEP_DIR_RE, read_latest
-from dcp_datastates.tools.text import dtype_name, format_table, human_bytes
 from dcp_datastates.errors import CheckpointNotFoundError
+from dcp_datastates.format.file_names import is_metadata_temporary, is_save_file, stray_files
 from dcp_datastates.format.rank_index import DATA_FILE_RE, METADATA_FILE
+from dcp_datastates.manager.checkpoint_root import read_latest, step_of
+from dcp_datastates.tools.common import PROG, dtype_name, format_table, human_bytes, one_line
 from dcp_datastates.tools.progress import LazyProgress
 
-PROG = "dcp-datastates"
-
 COMMITTED, STOCK_DCP, INCOMPLETE, CORRUPT = "committed", "dcp", "incomplete", "corrupt"
-
-_DISTCP_RE = re.compile(r"\.distcp$")
 
 
 # ---------------------------------------------------------------------------
@@ -72,31 +68,13 @@ def _dir_files(path: str) -> list[tuple[str, os.stat_result]]:
     return sorted(out)
 
 
-def _is_checkpoint_file(name: str) -> bool:
-    """A file only a checkpoint save writes: rank files, stock DCP ``.distcp``, ``.metadata`` and its temporaries."""
-    return (
-        name == METADATA_FILE
-        or bool(DATA_FILE_RE.match(name))
-        or bool(_DISTCP_RE.search(name))
-        or _is_metadata_tmp(name)
-    )
-
-
-def _is_metadata_tmp(name: str) -> bool:
-    return name.startswith(METADATA_FILE + ".") and name.endswith(".tmp")
-
-
 def looks_like_checkpoint(path: str) -> bool:
-    """Whether directory ``path`` holds a checkpoint, committed or not (by its file names only)."""
+    """Whether directory ``path`` holds a checkpoint, ours or stock DCP, committed or not
+    (by its file names only: ``format/file_names.py``)."""
     try:
-        return any(_is_checkpoint_file(n) for n in os.listdir(path))
+        return any(is_save_file(n, stock_dcp=True) for n in os.listdir(path))
     except (NotADirectoryError, FileNotFoundError):
         return False
-
-
-def _step_of(name: str) -> int | None:
-    m = STEP_DIR_RE.match(name)
-    return int(m.group(1)) if m else None
 
 
 def _require_dir(path: str) -> None:
@@ -115,13 +93,13 @@ def find_checkpoints(path: str) -> list[tuple[int | None, str]]:
     """
     _require_dir(path)
     if looks_like_checkpoint(path):
-        return [(_step_of(os.path.basename(os.path.normpath(path))), path)]
+        return [(step_of(os.path.basename(os.path.normpath(path))), path)]
     found = []
     for name in os.listdir(path):
         sub = os.path.join(path, name)
         if not os.path.isdir(sub):  # a symlinked checkpoint is listed too (du counts it once)
             continue
-        step = _step_of(name)
+        step = step_of(name)
         if step is not None or looks_like_checkpoint(sub):
             found.append((step, sub))
     found.sort(key=lambda sp: (sp[0] is None, sp[0] or 0, os.path.basename(sp[1])))
@@ -141,15 +119,13 @@ def open_checkpoint(path: str, allow_pickle: bool = False):
     try:
         view = CheckpointView(path, allow_pickle=allow_pickle)
     except Exception as exc:  # noqa: BLE001 - whatever makes it unreadable is reported, not raised
-        from dcp_datastates.tools.cli import one_line
-
         return CORRUPT, None, one_line(exc)
     return (COMMITTED if view.format == FORMAT_OURS else STOCK_DCP), view, None
 
 
 def _rank_count(view) -> int:
     """Rank files the metadata names (ours: one data file per rank; stock DCP: its ``.distcp`` files)."""
-    return len(view.files()) - 1 if view.format == "dcp" else len(view.reader._layout.ranks)
+    return len(view.files()) - 1 if view.format == "dcp" else len(view.reader.layout.ranks)
 
 
 # ---------------------------------------------------------------------------
@@ -214,8 +190,6 @@ def list_checkpoints(root: str) -> Listing:
     try:
         latest = read_latest(root)
     except (ValueError, OSError) as exc:
-        from dcp_datastates.tools.cli import one_line
-
         warnings.append(one_line(exc))
     if latest is not None:
         marked = [e for e in entries if e.step == latest]
@@ -317,7 +291,7 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
             entry["nested"] = list(nested)
         keys.append(entry)
     if ours:
-        layout = view.reader._layout
+        layout = view.reader.layout
         fmt, version, save_id = layout.format, layout.version, layout.save_id
     else:
         fmt, version = "dcp", getattr(md, "version", None)
@@ -419,7 +393,6 @@ def run_inspect(args) -> int:
 def verify_one(path: str, *, allow_pickle: bool = False, quiet: bool = True) -> tuple[bool, str]:
     """``(ok, report text)`` for one path: never raises, so one bad path does not stop the others."""
     from dcp_datastates.core.verify import verify as verify_checkpoint
-    from dcp_datastates.tools.cli import one_line
 
     if not os.path.exists(path):
         return False, f"NOT FOUND: {path}: no such file or directory"
@@ -485,21 +458,31 @@ def checkpoint_usage(path: str, step: int | None = None) -> Usage:
     files = _dir_files(path)
     state, view, _ = open_checkpoint(path)
     named = set(view.files()) if view is not None else set()
+    strays = _strays(state, [name for name, _ in files], named)
     used = stray = other = 0
-    stray_files = []
+    stray_names = []
     for name, st in files:
         if name in named:
             used += st.st_size
-        elif state == INCOMPLETE or (_is_checkpoint_file(name) and (state != CORRUPT or _is_metadata_tmp(name))):
+        elif name in strays:
             stray += st.st_size
-            stray_files.append(name)
+            stray_names.append(name)
         else:
             other += st.st_size
     return Usage(
         path, step, state, len(files),
         sum(st.st_size for _, st in files), sum(st.st_blocks * 512 for _, st in files),
-        used, stray, other, stray_files,
+        used, stray, other, stray_names,
     )
+
+
+def _strays(state: str, names: list[str], named: set[str]) -> set[str]:
+    """The files of a checkpoint directory in ``state`` that no checkpoint needs."""
+    if state == INCOMPLETE:
+        return set(names)  # nothing ever committed them
+    if state == CORRUPT:  # its metadata cannot say which rank files it needs: only temporaries are sure
+        return {name for name in names if is_metadata_temporary(name)}
+    return set(stray_files(names, named, stock_dcp=True))
 
 
 def disk_usage(paths: list[str], warn: Callable[[str], None] = lambda _msg: None) -> list[Usage]:
