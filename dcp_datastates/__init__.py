@@ -28,6 +28,10 @@ except ImportError as exc:  # pragma: no cover
         "(for example `pip install torch==2.13.0`)"
     ) from exc
 
+from dcp_datastates._dcp_compat import check_torch_version
+
+check_torch_version()
+
 from dcp_datastates.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -45,6 +49,7 @@ from dcp_datastates.core.planner import DataStatesSavePlanner
 from dcp_datastates.core.reader import DataStatesReader
 from dcp_datastates.core.verify import VerifyReport, verify
 from dcp_datastates.core.writer import DataStatesWriter, SaveStats
+from dcp_datastates.native.engine import EngineBusyError, release_engines
 
 __version__ = "0.1.0"
 
@@ -56,6 +61,8 @@ __all__ = [
     "DataStatesWriter",
     "DataStatesReader",
     "DataStatesSavePlanner",
+    "EngineBusyError",
+    "release_engines",
     "SaveStats",
     "CheckpointError",
     "CheckpointExistsError",

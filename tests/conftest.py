@@ -35,12 +35,10 @@ def pytest_collection_modifyitems(config, items):
 def _no_error_leaks_between_tests():
     """Every background save error must have been raised to the test that caused it:
     one left unraised would otherwise surface in (and fail) an unrelated later test."""
-    import dcp_datastates.core.writer as writer_module
+    from dcp_datastates.core.save_state import BACKGROUND_ERRORS
 
     yield
-    with writer_module._unreported_lock:
-        leaked = list(writer_module._unreported)
-        writer_module._unreported.clear()
+    leaked = BACKGROUND_ERRORS.drain()
     assert not leaked, f"background save errors never raised: {leaked}"
 
 

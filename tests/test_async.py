@@ -234,10 +234,10 @@ def test_disk_full_in_background_reaches_the_future_and_next_save(small_tmpfs, t
     assert_same(load({"w": torch.zeros(64 * 1024), "blob": b""}, tmp_path / "d"), state)
 
 
-def test_async_save_failing_after_stage_does_not_block_later_saves(tmp_path, monkeypatch):
+def test_async_save_failing_after_stage_does_not_block_later_saves(tmp_path):
     # DCP stages first, then refuses the process executor without a process group:
-    # the staged snapshot is never saved and must not hold the next save back.
-    monkeypatch.setattr(dcp_datastates.core.snapshot, "ABANDON_AFTER_S", 0.2)
+    # the staged snapshot is never saved and must not hold the next save back. Nothing
+    # holds its staging future once the error is handled, which gives it up.
     state = make_state(1)
     with pytest.raises(ValueError, match="process group"):
         async_save(state, DataStatesWriter(tmp_path / "p"), async_checkpointer_type=AsyncCheckpointerType.PROCESS)
@@ -306,7 +306,7 @@ def test_stage_does_not_copy_in_the_callers_thread(tmp_path):
         torch.Tensor.clone = real
     assert copied_in == []
     future.result()
-    # finish the save through DCP so the sequencer is not left waiting
+    # finish the save through DCP (this thread took the staged dict, so it runs the save)
     dcp.save(future.result(), storage_writer=writer, no_dist=True)
     assert_same(load(zeros_like_state(state), tmp_path / "c"), state)
 
@@ -336,3 +336,42 @@ def test_cuda_state_async_round_trip_and_event_ordering(tmp_path):
     load(out, tmp_path / "c")
     assert_same({k: v.cpu() for k, v in out.items()}, expected)
     assert writer._engine.pool_pinned
+
+
+_DTENSOR_MUTATION_SCRIPT = r"""
+import os, sys, warnings
+warnings.filterwarnings("ignore")
+import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from dcp_datastates import DataStatesWriter, SnapshotMutatedError
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+state = {"big": torch.randn(12 << 20), "param": distribute_tensor(torch.zeros(1024, 16), mesh, [Shard(0)])}
+writer = DataStatesWriter(sys.argv[1], host_cache_bytes=4 << 20, window_bytes=1 << 20)
+resp = dcp.async_save(state, storage_writer=writer, process_group=dist.new_group(backend="gloo"))
+state["param"].add_(1)  # an optimizer step on an FSDP2 parameter, before the copy completed
+try:
+    resp.upload_completion.result()
+    print("SAVED", flush=True)
+except BaseException as exc:  # DCP's CheckpointException is a BaseException
+    print("REFUSED" if "param" in str(exc) and "modified in place" in str(exc) else f"OTHER {exc!r}", flush=True)
+try:
+    writer.close()
+except Exception:
+    pass
+dist.destroy_process_group()
+"""
+
+
+def test_a_dtensor_mutated_before_its_copy_fails_the_save(tmp_path):
+    """In-place ops on a DTensor bump the DTensor's version counter, not its local shard's:
+    the snapshot must watch the DTensor (it watched only the shard, so an FSDP2 optimizer step
+    before the fence went unnoticed and could commit a torn checkpoint)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _DTENSOR_MUTATION_SCRIPT, str(tmp_path / "c")],
+                         capture_output=True, text=True, timeout=300)
+    assert "REFUSED" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert not os.path.exists(tmp_path / "c" / ".metadata")

@@ -73,7 +73,7 @@ def compressible_state() -> dict:
 
 
 def layout_of(path) -> CheckpointLayout:
-    return CheckpointView(path).reader._layout
+    return CheckpointView(path).reader.layout
 
 
 def data_bytes(path) -> int:
@@ -188,7 +188,7 @@ def test_corrupt_frame_fails_load_and_verify(tmp_path, small_blocks):
     state = {"w": torch.arange(40_000, dtype=torch.float32)}
     save(state, tmp_path / "c", compression="zstd")
     view = CheckpointView(tmp_path / "c")
-    layout = view.reader._layout
+    layout = view.reader.layout
     (_, _, _, _, _, first), = layout.entries
     rel = layout.ranks[0].data_file
     offset, length = view.reader.rank_index(rel).objects[first + 2]

@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_datastates
+from dcp_datastates.core.save_state import BACKGROUND_ERRORS
 from conftest import assert_same, data_files, load, mounted_tmpfs, raises_from_checkpoint, save
 from dcp_datastates import DataStatesReader, DataStatesWriter, verify
 from dcp_datastates.native.faults import clear, fired, inject_fault
@@ -31,8 +32,7 @@ SMALL = dict(host_cache_bytes=4 * MiB, window_bytes=1 * MiB)
 def _disarm_and_collect_background_errors():
     yield
     clear()
-    with dcp_datastates.core.writer._unreported_lock:
-        dcp_datastates.core.writer._unreported.clear()
+    BACKGROUND_ERRORS.drain()
 
 
 def make_state(seed=0):
@@ -251,8 +251,7 @@ def _failing_saves(tmp_path, n, tag):
                 resp = async_save(state, DataStatesWriter(path, **SMALL))
                 with raises_from_checkpoint(OSError):
                     resp.upload_completion.result(timeout=60)
-                with dcp_datastates.core.writer._unreported_lock:  # raised above already
-                    dcp_datastates.core.writer._unreported.clear()
+                BACKGROUND_ERRORS.drain()  # raised above already
             else:
                 with raises_from_checkpoint(OSError):
                     save(state, path, **SMALL)
@@ -319,10 +318,19 @@ def test_error_after_the_rename_keeps_the_committed_checkpoint(tmp_path, monkeyp
     if overwrite:
         save(make_state(0), path, **SMALL)
 
-    def failing_fsync_dir(directory):
-        raise OSError(errno.EIO, "injected: directory fsync failed", directory)
+    committed_before = os.stat(path / ".metadata").st_ino if overwrite else None
+    real_fsync_dir = dcp_datastates.core.commit.fsync_dir
 
-    monkeypatch.setattr(dcp_datastates.core.writer, "fsync_dir", failing_fsync_dir)
+    def failing_fsync_dir(directory):
+        try:
+            renamed = os.stat(os.path.join(directory, ".metadata")).st_ino != committed_before
+        except FileNotFoundError:
+            renamed = False
+        if renamed:  # the directory fsyncs after the new .metadata was renamed into place
+            raise OSError(errno.EIO, "injected: directory fsync failed", directory)
+        real_fsync_dir(directory)
+
+    monkeypatch.setattr(dcp_datastates.core.commit, "fsync_dir", failing_fsync_dir)
     new = make_state(1)
     with raises_from_checkpoint(dcp_datastates.CheckpointError, match="is committed") as info:
         if mode == "sync":
@@ -473,3 +481,21 @@ def _step_of(filename):
     if name.startswith(".metadata"):
         return "metadata"
     return "directory" if name.startswith("ck") else name
+
+
+def test_python_side_io_passes_the_same_rules():
+    """fault_point() is how Python-side I/O (index, metadata, renames) meets the engine's rules:
+    everything passes while nothing is armed; an armed rule cuts a transfer or raises, named."""
+    from dcp_datastates.native.faults import arm, fault_point
+
+    assert fault_point("write", "/ck/rank00000.index", 0, 5000) == 5000
+    arm("write", path=".index", offset=4096 + 100, action="short")
+    assert fault_point("write", "/ck/rank00000.index", 0, 8192) == 4096  # cut at a block boundary
+    index = arm("rename", path=".metadata", errno=errno.EXDEV)
+    with pytest.raises(OSError) as info:
+        fault_point("rename", "/ck/.metadata.tmp")
+    assert info.value.errno == errno.EXDEV and info.value.filename == "/ck/.metadata.tmp" and fired(index) == 1
+    with pytest.raises(ValueError, match="fault op must be one of"):
+        fault_point("unlink", "/ck/x")
+    clear()
+    assert fault_point("rename", "/ck/.metadata.tmp") == 0

@@ -299,16 +299,15 @@ def case_in_flight(root: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     from dcp_datastates import DataStatesWriter
-    from dcp_datastates.core import fence
-    from dcp_datastates.core.sequencer import SEQUENCER
+    from dcp_datastates.core.save_order import ORDER
 
     writer, reader = _use_in_parent(root)
     state = _state(3)
-    held = SEQUENCER.reserve()  # an earlier save that has not begun: later saves wait for it
+    held = ORDER.reserve()  # an earlier save that has not begun: later saves wait for it
     busy = DataStatesWriter(f"{root}/parent_in_flight", **SETTINGS)
     resp = dcp.async_save(state, storage_writer=busy, no_dist=True)
     time.sleep(0.5)
-    assert not resp.upload_completion.done() and fence.snapshots_in_flight() == 1
+    assert not resp.upload_completion.done() and resp.staging_completion.done()  # staged, waiting for its turn
 
     def child():
         _work_in_child(root, "inflight", writer, reader)
@@ -321,7 +320,7 @@ def case_in_flight(root: str) -> None:
         _reap(pid, "the child forked during an async save")
         assert not resp.upload_completion.done()
     finally:
-        SEQUENCER.abandon(held)  # else a failure here would leave DCP's thread waiting
+        ORDER.end(held)  # else a failure here would leave DCP's thread waiting
     resp.upload_completion.result(timeout=CHILD_DEADLINE_S)
     busy.close(timeout=CHILD_DEADLINE_S)
     _check_load(state, f"{root}/parent_in_flight")
@@ -340,7 +339,8 @@ def case_engine(root: str) -> None:
 
     engine = _native.get_engine(**SETTINGS)
     data = torch.arange(3 * MiB // 8, dtype=torch.int64)
-    job = engine.write(f"{root}/open_job", [(data.data_ptr(), data.nbytes, 0)], [data], direct_io="off")
+    region = _native.HostRegion(address=data.data_ptr(), nbytes=data.nbytes, file_offset=0)
+    job = engine.write(f"{root}/open_job", [region], [data], direct_io="off")
     assert job.wait_staged()  # its windows are written, but it is not sealed: unfinished
     held = {"engine": engine, "job": job}  # the only references the child drops are these
     del engine, job
@@ -363,10 +363,11 @@ def case_engine(root: str) -> None:
         held.clear()
         gc.collect()
         out = torch.empty_like(data)
-        written = mine.write(f"{root}/child_job", [(data.data_ptr(), data.nbytes, 0)], [data], direct_io="off")
+        written = mine.write(f"{root}/child_job", [region], [data], direct_io="off")
         written.seal()
         written.wait()
-        assert mine.read([f"{root}/child_job"], [(0, 0, data.nbytes, out.data_ptr(), [])], [out]).wait() == []
+        request = _native.ReadRequest(file_index=0, offset=0, nbytes=data.nbytes, address=out.data_ptr())
+        assert mine.read([f"{root}/child_job"], [request], [out]).wait() == []
         assert torch.equal(out, data)
 
     pid = _fork(child, exit_normally=True)

@@ -173,10 +173,7 @@ def test_two_writers_in_two_threads_at_once(tmp_path, engines):
 @pytest.mark.parametrize("switch_interval", [None, 1e-5], ids=["default-switch", "10us-switch"])
 def test_two_writers_in_two_threads_at_once_long(tmp_path, engines, switch_interval):
     # A 10 us GIL switch interval makes thread interleavings (races) far more likely.
-    # With 300 saves in flight at a 10 us switch interval the sequencer's polling (every waiting
-    # save thread walks sys._current_frames() every 2 ms) takes minutes: bound the saves in flight.
-    max_in_flight = 8 if switch_interval else None
-    _two_writers(tmp_path, engines, saves=150, stall_s=60, switch_interval=switch_interval, max_in_flight=max_in_flight)
+    _two_writers(tmp_path, engines, saves=150, stall_s=60, switch_interval=switch_interval)
 
 
 # ---------------------------------------------------------------------------
@@ -268,7 +265,7 @@ DEADLOCK_SCRIPT = textwrap.dedent(
 def test_sync_save_after_async_save_does_not_deadlock(tmp_path):
     """dcp.save, dcp.async_save, dcp.save in a row (the async save's thread starting late) completes.
 
-    Runs in a subprocess: a deadlocked sequencer would block every later save of this process.
+    Runs in a subprocess: a deadlocked order of saves would block every later save of this process.
     The same pattern hangs on 2 gloo ranks without any injected delay (sync save per step with
     async saves in flight), which is why random_dist_save issues its sync saves first.
     """
@@ -285,21 +282,21 @@ TICKET_ORDER_SCRIPT = textwrap.dedent(
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed.checkpoint as dcp
-    import dcp_datastates.core.snapshot as snapshot
+    from dcp_datastates.core import staging
     from dcp_datastates import DataStatesWriter
 
-    real_submit = snapshot.submit
+    real_start = staging.start
     first = []
 
-    def preempted_submit(snap):
-        # The first stage() loses the CPU between SEQUENCER.reserve() and snapshots.submit()
-        # (two statements apart in DataStatesWriter.stage); the other thread stages meanwhile.
+    def preempted_start(snap):
+        # The first stage() loses the CPU between taking its ticket (ORDER.reserve()) and
+        # handing its snapshot to the staging monitor; the other thread stages meanwhile.
         if not first:
             first.append(snap.ticket)
             time.sleep(0.5)
-        real_submit(snap)
+        return real_start(snap)
 
-    snapshot.submit = preempted_submit
+    staging.start = preempted_start
     d = sys.argv[1]
     responses = {}
 
@@ -342,26 +339,28 @@ ABANDON_SCRIPT = textwrap.dedent(
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed.checkpoint as dcp
-    from dcp_datastates import DataStatesReader, DataStatesWriter, snapshot
+    from dcp_datastates import DataStatesReader, DataStatesWriter
+    from dcp_datastates.core import staging
 
-    snapshot.ABANDON_AFTER_S = 1.0  # the default is 10 s: this only shortens the test
     futures = []
-    real_submit, real_result = snapshot.submit, snapshot.StagingFuture.result
+    real_start, real_result = staging.start, staging.StagingFuture.result
 
-    def submit(snap):
-        futures.append(snap.future)
-        real_submit(snap)
+    def start(snap):
+        future = real_start(snap)
+        futures.append(future)
+        return future
 
     def starved_result(self, timeout=None):
         # The executor thread of the first save gets the CPU (the GIL) back 3 s after its
-        # staging future resolved, while the second save waits for its turn.
-        if self is futures[0] and threading.get_ident() != snapshot._MONITOR.ident and self.consumer is None:
+        # staging future resolved, before it takes the staged dict, while the second save
+        # waits for its turn.
+        if self is futures[0] and threading.current_thread().name.startswith("AsyncCheckpointExecutor"):
             while not self.done():
                 time.sleep(0.01)
             time.sleep(3)
         return real_result(self, timeout)
 
-    snapshot.submit, snapshot.StagingFuture.result = submit, starved_result
+    staging.start, staging.StagingFuture.result = start, starved_result
     d = sys.argv[1]
     state = {"w": torch.randn(1000), "step": 1}
     expected = state["w"].clone()
@@ -408,7 +407,8 @@ CONSUMER_SCRIPT = textwrap.dedent(
     import torch
     import torch.distributed.checkpoint as dcp
     import torch.distributed.checkpoint._async_thread_executor as executor
-    from dcp_datastates import DataStatesWriter, snapshot
+    from dcp_datastates import DataStatesWriter
+    from dcp_datastates.core import staging
 
     real_wrapper = executor.save_wrapper
 
@@ -416,7 +416,7 @@ CONSUMER_SCRIPT = textwrap.dedent(
         time.sleep(0.5)  # DCP's executor thread gets the GIL late
         return real_wrapper(*args, **kwargs)
 
-    real_add = snapshot.StagingFuture.add_done_callback
+    real_add = staging.StagingFuture.add_done_callback
 
     def late_add_done_callback(self, fn):
         # dcp.async_save checks staging_future.done(), then calls add_done_callback(); the staging
@@ -427,11 +427,11 @@ CONSUMER_SCRIPT = textwrap.dedent(
         real_add(self, fn)
 
     executor.save_wrapper = slow_start_wrapper
-    snapshot.StagingFuture.add_done_callback = late_add_done_callback
+    staging.StagingFuture.add_done_callback = late_add_done_callback
     d = sys.argv[1]
     state = {"w": torch.randn(16 << 20)}  # 64 MiB: staging still runs when DCP checks done()
     r1 = dcp.async_save(state, storage_writer=DataStatesWriter(d + "/one"), no_dist=True)
-    snapshot.StagingFuture.add_done_callback = real_add
+    staging.StagingFuture.add_done_callback = real_add
     r2 = dcp.async_save(state, storage_writer=DataStatesWriter(d + "/two"), no_dist=True)
     for r in (r1, r2):
         try:
@@ -446,7 +446,7 @@ CONSUMER_SCRIPT = textwrap.dedent(
 
 
 def test_staging_callback_in_the_callers_thread_does_not_stall(tmp_path):
-    """Deterministic version of the stall test_two_writers_in_two_threads_at_once_long[10us-switch-*]
-    hits now and then (an executor thread in SEQUENCER.begin -> wait_turn from _begin_save, the
-    staging monitor in wait_turn). Runs in a subprocess: it patches DCP and the module."""
+    """Deterministic version of a stall test_two_writers_in_two_threads_at_once_long[10us-switch-*]
+    hit now and then with the earlier, stack-polling hand-off (DCP's forwarding callback taken for
+    the thread that runs the save). Runs in a subprocess: it patches DCP and the module."""
     run_regression_script(CONSUMER_SCRIPT, tmp_path, "STALLED", "the async saves never completed")

@@ -41,9 +41,18 @@ import threading
 from typing import Any, Callable, Sequence
 
 import torch
+
+from dcp_datastates import _dcp_compat
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from dcp_datastates.native.engine import ALIGNMENT, bytearray_address, bytes_address
+from dcp_datastates.native.engine import (
+    ALIGNMENT,
+    HostRegion,
+    ReadRequest,
+    bytearray_address,
+    bytes_address,
+    segment_checks,
+)
 from dcp_datastates.errors import ChecksumMismatchError, CheckpointError, CorruptCheckpointError, UnsupportedFormatError
 from dcp_datastates.format.rank_index import BLOCK_ALIGN, COMPRESSION_CODECS, MAX_BLOCK_BYTES, RankIndex, compressed_blocks, location_key
 from dcp_datastates.core.layout import PAGE, align_up, is_compressible
@@ -95,15 +104,6 @@ class Compression:
         return max(1, min(8, cpus))
 
 
-def _dcp_zstandard_class():
-    """DCP's ``ZStandard`` extension class (experimental in DCP; None where this torch lacks it)."""
-    try:
-        from torch.distributed.checkpoint._extension import ZStandard
-    except ImportError:  # pragma: no cover - every torch we support has it
-        return None
-    return ZStandard
-
-
 def resolve_compression(
     compression: str | None,
     level: int | None,
@@ -120,7 +120,7 @@ def resolve_compression(
     if compression not in (None, "none", ZSTD):
         raise ValueError(f"compression must be None, 'none' or {ZSTD!r}, got {compression!r}")
     codec = None if compression in (None, "none") else compression
-    zstd_cls = _dcp_zstandard_class()
+    zstd_cls = _dcp_compat.zstandard_extension_class()
     for ext in extensions or ():
         if zstd_cls is not None and isinstance(ext, zstd_cls) and type(ext).get_descriptor is zstd_cls.get_descriptor:
             codec = ZSTD
@@ -301,7 +301,7 @@ class BlockAppender:
         offset = self.offset
         for key, blob in self._batch:
             offset = align_up(offset, FRAME_ALIGN)
-            regions.append((bytes_address(blob), len(blob), offset))
+            regions.append(HostRegion(address=bytes_address(blob), nbytes=len(blob), file_offset=offset))
             self.table.append((offset, len(blob), key))
             blobs.append(blob)
             offset += len(blob)
@@ -359,16 +359,17 @@ def compress_staged(engine, snap, staged_segments, plan, finals: dict, n_objects
     failure stops it). Every byte read back is checked against the staging file's checksums."""
     compression = snap.compression
     descriptor = compression.descriptor
-    segments = sorted(staged_segments)
-    staged = RankIndex(snap.rank, snap.save_id, 0, [s[0] for s in segments], [s[1] for s in segments],
-                       [s[2] for s in segments], [])
+    segments = sorted(staged_segments, key=lambda s: s.offset)
+    staged = RankIndex(snap.rank, snap.save_id, 0, [s.offset for s in segments], [s.nbytes for s in segments],
+                       [s.crc32c for s in segments], [])
     path = snap.staging_path
     small_end = max((o + n for o, n in snap.placed.values() if not is_compressible(n, descriptor)), default=0)
     regions, keep = [], []
     if small_end:  # one region per small tensor of the plan: each gets checksum segments of its own
         head = _read_verified(engine, path, staged, 0, small_end, "the snapshot's small tensors")
         raw = sorted({(o, n) for o, n, ordinal in finals.values() if ordinal < 0 and n > 0})
-        regions, keep = [(head.data_ptr() + o, n, o) for o, n in raw], [head]
+        regions = [HostRegion(address=head.data_ptr() + o, nbytes=n, file_offset=o) for o, n in raw]
+        keep = [head]
     job = engine.write(snap.data_path, regions, keep, direct_io=direct_io, preallocate=small_end)
     save.job = job
     del regions, keep
@@ -415,14 +416,15 @@ def _read_verified(engine, path: str, index, start: int, nbytes: int, what: str,
     verified; read into ``into`` when it is large enough."""
     lo, hi = index.covering_range(start, nbytes)
     buf = into[: hi - lo] if into is not None and into.numel() >= hi - lo else torch.empty(hi - lo, dtype=torch.uint8)
-    checks = index.checks_within(lo, hi - lo)
-    failures = engine.read([path], [(0, lo, hi - lo, buf.data_ptr(), checks)], [buf]).wait()
+    checks = segment_checks(index.checks_within(lo, hi - lo))
+    request = ReadRequest(file_index=0, offset=lo, nbytes=hi - lo, address=buf.data_ptr(), checks=checks)
+    failures = engine.read([path], [request], [buf]).wait()
     if failures:
-        _request, kind, errno, fpath, offset, message = failures[0]
-        if kind == "checksum":
-            raise ChecksumMismatchError(f"{fpath} (staged snapshot, {what!r}): {message}")
-        err = OSError(errno, f"reading back the staged snapshot ({what!r}) failed: {message}", fpath)
-        err.offset = offset
+        f = failures[0]
+        if f.kind == "checksum":
+            raise ChecksumMismatchError(f"{f.path} (staged snapshot, {what!r}): {f.message}")
+        err = OSError(f.errno, f"reading back the staged snapshot ({what!r}) failed: {f.message}", f.path)
+        err.offset = f.offset
         raise err
     return buf[start - lo : start - lo + nbytes]
 
@@ -441,7 +443,7 @@ def add_compressed_read(batch, item, planner, loc, idx, dtype, sizes, target, st
     into a temporary from which ``finish`` copies the item's box.
     """
     reader = batch.reader
-    layout = reader._layout
+    layout = reader.layout
     block = layout.compression[1]
     key = item.storage_index.fqn
     where = os.path.join(reader.path, loc.relative_path)

@@ -21,41 +21,16 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent import futures
-from concurrent.futures import Future
+import time
 
 import torch
 
-_lock = threading.Lock()
-_in_flight: set[Future] = set()
-
-
-def _forget_parent_snapshots() -> None:
-    """In a fork child: the parent's snapshots complete in the parent only; waiting
-    for them here would wait forever. Their lock may have been held at the fork."""
-    global _lock, _in_flight
-    _lock = threading.Lock()
-    _in_flight = set()
-
-
-os.register_at_fork(after_in_child=_forget_parent_snapshots)
-
-
-def track(future: Future) -> None:
-    """Count ``future`` (a snapshot's staging future) as in flight until it completes."""
-    with _lock:
-        _in_flight.add(future)
-    future.add_done_callback(_forget)
-
-
-def _forget(future: Future) -> None:
-    with _lock:
-        _in_flight.discard(future)
+from dcp_datastates.core import snapshot as snapshots
 
 
 def snapshots_in_flight() -> int:
-    with _lock:
-        return len(_in_flight)
+    """How many snapshots of this process are still copying out of the saved tensors."""
+    return len(snapshots.staging_in_flight())
 
 
 def wait_for_snapshots(timeout: float | None = None) -> None:
@@ -64,11 +39,11 @@ def wait_for_snapshots(timeout: float | None = None) -> None:
     Returns at once when none is in flight. A snapshot that failed counts as
     done: its error is reported through the save's future.
     """
-    with _lock:
-        pending = list(_in_flight)
-    # futures.wait, not result(): a staging future's result() is how the writer
-    # recognizes the thread that runs its save (see snapshot.StagingFuture).
-    futures.wait(pending, timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for snap in snapshots.staging_in_flight():
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not snap.staged.wait(left):
+            return
 
 
 def install_fence(target, timeout: float | None = None):
@@ -85,21 +60,66 @@ def install_fence(target, timeout: float | None = None):
     raise TypeError(f"install_fence expects a torch.optim.Optimizer or nn.Module, got {type(target).__name__}")
 
 
-_global_hook = None
+_global_hook = None  # torch's handle of the process-wide hook, while anyone holds it
+_global_holders = 0  # GlobalFenceHandles not yet removed
+# Its own lock, reentrant: a holder may let go from a __del__ that garbage collection
+# runs inside install_global_fence.
+_global_lock = threading.RLock()
 
 
-def install_global_fence(timeout: float | None = None):
+def _new_global_lock() -> None:
+    """In a fork child: another thread of the parent may have held the lock at the fork."""
+    global _global_lock
+    _global_lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_global_lock)
+
+
+class GlobalFenceHandle:
+    """One holder's share of the process-wide fence (what :func:`install_global_fence` returns).
+
+    ``remove()`` gives the share up (again is a no-op); the hook itself is
+    uninstalled when the last share is removed, so two managers open at once
+    share one hook and closing one does not unfence the other.
+    """
+
+    def __init__(self) -> None:
+        self._held = True
+
+    def remove(self) -> None:
+        global _global_hook, _global_holders
+        with _global_lock:
+            if not self._held:
+                return
+            self._held = False
+            _global_holders -= 1
+            if _global_holders == 0:
+                _global_hook.remove()
+                _global_hook = None
+
+    def __enter__(self) -> GlobalFenceHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def install_global_fence(timeout: float | None = None) -> GlobalFenceHandle:
     """Make every optimizer's ``step()`` in this process wait for in-flight snapshots.
 
     A process-wide step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``),
-    installed once however often this is called; ``CheckpointManager`` uses it so
-    that saving needs no handle on the optimizer. It costs one lock and a set
-    lookup per step when nothing is in flight. Returns the hook handle.
+    installed once however often this is called (the first call's ``timeout``
+    holds); ``CheckpointManager`` uses it so that saving needs no handle on the
+    optimizer. It costs one lock and a set lookup per step when nothing is in
+    flight. Returns this caller's :class:`GlobalFenceHandle`: the hook stays
+    until every handle returned has been removed.
     """
-    global _global_hook
-    with _lock:
+    global _global_hook, _global_holders
+    with _global_lock:
         if _global_hook is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
             _global_hook = register_optimizer_step_pre_hook(lambda _opt, _args, _kwargs: wait_for_snapshots(timeout))
-        return _global_hook
+        _global_holders += 1  # counted before the handle exists: a collection meanwhile cannot reach zero
+        return GlobalFenceHandle()

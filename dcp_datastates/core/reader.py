@@ -34,7 +34,8 @@ from dcp_datastates.errors import (
     IncompleteCheckpointError,
     UnsupportedFormatError,
 )
-from dcp_datastates.format.rank_index import DATA_FILE_RE, METADATA_FILE, CheckpointLayout, IndexLimits, RankIndex, object_entries
+from dcp_datastates.format.file_names import is_save_file
+from dcp_datastates.format.rank_index import METADATA_FILE, CheckpointLayout, IndexLimits, RankIndex, object_entries
 from dcp_datastates.format.checkpoint_files import read_rank_index
 from dcp_datastates.format.metadata_file import read_metadata_file
 from dcp_datastates.format.safe_objects import plain_object_stream
@@ -78,11 +79,20 @@ class DataStatesReader(StorageReader):
         self._engine_ref = _native.ProcessEngine(2 * window_bytes, io_threads, window_bytes)
         self._metadata: Metadata | None = None
         self._layout: CheckpointLayout | None = None
+        # The last .metadata decoded, by the file's identity: reading the same file again
+        # (a CheckpointManager check, then dcp.load's read_metadata) does not decode it again.
+        self._decoded: tuple[tuple, Metadata] | None = None
         self._indexes: dict[str, RankIndex] = {}
         self._chunks: dict[str, dict[tuple, Any]] = {}
         # DCP's id of this reader's load (StorageMeta.load_id), as FileSystemReader keeps it:
         # made here and by every reset(); read_metadata() stamps it into the metadata.
         self.load_id = str(uuid.uuid4())
+
+    @property
+    def layout(self) -> CheckpointLayout | None:
+        """The validated layout of the checkpoint read (its files and where each item is
+        stored); None before :meth:`read_metadata`. Read-only: the reader relies on it."""
+        return self._layout
 
     @property
     def _engine(self) -> _native._engine.Engine:
@@ -116,26 +126,40 @@ class DataStatesReader(StorageReader):
             raise ValueError("DataStatesReader has no path: pass one or give dcp.load a checkpoint_id")
         md_path = os.path.join(self.path, METADATA_FILE)
         try:
-            metadata, checksummed = read_metadata_file(md_path, self.allow_pickle)
+            metadata = self._decode_metadata(md_path)
         except FileNotFoundError:
-            raise self._missing_checkpoint_error() from None
-        layout = metadata.storage_data
+            raise missing_checkpoint_error(self.path) from None
+        layout = metadata.storage_data  # validated by the decoding, with the trailer and every item
         if not isinstance(layout, CheckpointLayout):
             raise UnsupportedFormatError(
-                f"{self.path} was not written by dcp_datastates (its storage data is a "
+                f"{md_path}: the checkpoint was not written by dcp_datastates (its storage data is a "
                 f"{type(layout).__name__}); load it with torch.distributed.checkpoint.FileSystemReader"
-            )
-        layout.validate(md_path)
-        layout.check_covers(metadata, md_path)
-        if layout.version >= 3 and not checksummed:
-            raise CorruptCheckpointError(
-                f"{md_path} is corrupt: format version {layout.version} ends with a checksum trailer, "
-                "and this file has none (truncated or edited?)"
             )
         if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader does
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         self._metadata, self._layout = metadata, layout
+        return metadata
+
+    def _decode_metadata(self, md_path: str) -> Metadata:
+        """The decoded ``.metadata`` at ``md_path``: decoded once per file, not once per call.
+
+        The file is known by its identity (device, inode, size, change and
+        modification times): a checkpoint saved again over the same path has
+        a new ``.metadata`` (renamed into place), so it is decoded anew. The
+        identity is taken before and after decoding; a file that changed
+        meanwhile is not remembered.
+        """
+
+        def identity() -> tuple:
+            st = os.stat(md_path, follow_symlinks=False)
+            return (md_path, self.allow_pickle, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+        before = identity()
+        if self._decoded is not None and self._decoded[0] == before:
+            return self._decoded[1]
+        metadata, _ = read_metadata_file(md_path, self.allow_pickle)
+        self._decoded = (before, metadata) if identity() == before else None
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -168,19 +192,6 @@ class DataStatesReader(StorageReader):
         return fut
 
     # -- helpers ----------------------------------------------------------------
-
-    def _missing_checkpoint_error(self) -> Exception:
-        if not os.path.isdir(self.path):
-            return CheckpointNotFoundError(f"no checkpoint at {self.path}: the directory does not exist")
-        names = os.listdir(self.path)
-        ours = [n for n in names if DATA_FILE_RE.match(n) or n.startswith(METADATA_FILE + ".")]
-        if ours:
-            return IncompleteCheckpointError(
-                f"checkpoint at {self.path} is incomplete: it has {len(ours)} data/index file(s) "
-                f"but no {METADATA_FILE}, so it was never committed (the save was interrupted or "
-                "failed); its data cannot be trusted"
-            )
-        return CheckpointNotFoundError(f"no checkpoint at {self.path}: {METADATA_FILE} is missing")
 
     def rank_index(self, relative_path: str) -> RankIndex:
         """The index of the rank whose data file is ``relative_path`` (loaded once, validated).
@@ -244,6 +255,20 @@ class DataStatesReader(StorageReader):
         return md.properties.dtype, sizes
 
 
+def missing_checkpoint_error(path: str) -> Exception:
+    """The error for a directory without ``.metadata``: none at all, or an interrupted save's files."""
+    if not os.path.isdir(path):
+        return CheckpointNotFoundError(f"no checkpoint at {path}: the directory does not exist")
+    ours = [n for n in os.listdir(path) if is_save_file(n)]
+    if ours:
+        return IncompleteCheckpointError(
+            f"checkpoint at {path} is incomplete: it has {len(ours)} data/index file(s) "
+            f"but no {METADATA_FILE}, so it was never committed (the save was interrupted or "
+            "failed); its data cannot be trusted"
+        )
+    return CheckpointNotFoundError(f"no checkpoint at {path}: {METADATA_FILE} is missing")
+
+
 def _contiguous_range(sizes, offsets, lengths) -> tuple[int, int, bool]:
     """Element range [start, start+count) of a sub-block in a row-major chunk.
 
@@ -277,7 +302,7 @@ class _ReadBatch:
         self.reader = reader
         self.files: dict[str, int] = {}  # relative path -> index into paths
         self.paths: list[str] = []  # full paths of the files read
-        self.requests: list[tuple] = []
+        self.requests: list[_native.ReadRequest] = []
         self.keys: list[str] = []
         self.keep: list[Any] = []
         self.after: list[Callable[[], None]] = []
@@ -293,8 +318,12 @@ class _ReadBatch:
 
     def _request(self, key: str, relative_path: str, offset: int, nbytes: int, pointer: int, idx: RankIndex) -> None:
         file = self._file(relative_path)
-        checks = idx.checks_tiling(offset, nbytes, self.paths[file], key) if self.reader.verify else []
-        self.requests.append((file, offset, nbytes, pointer, checks))
+        checks = ()
+        if self.reader.verify:
+            checks = _native.segment_checks(idx.checks_tiling(offset, nbytes, self.paths[file], key))
+        self.requests.append(
+            _native.ReadRequest(file_index=file, offset=offset, nbytes=nbytes, address=pointer, checks=checks)
+        )
         self.keys.append(key)
 
     def add(self, item: ReadItem, planner: LoadPlanner) -> None:
@@ -403,16 +432,16 @@ def copy_box_out(buffer: torch.Tensor, lead: int, nbytes: int, dtype, sizes, ite
     return finish
 
 
-def _read_error(failure: tuple, keys: list[str], total: int) -> Exception:
-    request, kind, errno, path, offset, message = failure
+def _read_error(failure: _native.ReadFailure, keys: list[str], total: int) -> Exception:
     more = f" ({total - 1} more read failures)" if total > 1 else ""
-    where = f"{path} while reading {keys[request]!r}"
-    if kind == "checksum":
-        return ChecksumMismatchError(f"{where}: {message}; the file is corrupt{more}")
-    if kind == "truncated":
-        return CorruptCheckpointError(f"{where}: the data file is truncated: {message}{more}")
-    err = OSError(errno, f"reading {keys[request]!r} failed: {message}{more}", path)
-    err.offset = offset
+    key = keys[failure.request]
+    where = f"{failure.path} while reading {key!r}"
+    if failure.kind == "checksum":
+        return ChecksumMismatchError(f"{where}: {failure.message}; the file is corrupt{more}")
+    if failure.kind == "truncated":
+        return CorruptCheckpointError(f"{where}: the data file is truncated: {failure.message}{more}")
+    err = OSError(failure.errno, f"reading {key!r} failed: {failure.message}{more}", failure.path)
+    err.offset = failure.offset
     return err
 
 

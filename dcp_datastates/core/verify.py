@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from dcp_datastates.native import engine as _native
 from dcp_datastates.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from dcp_datastates.format.rank_index import DATA_FILE_RE, METADATA_FILE, RankIndex, compressed_blocks
+from dcp_datastates.format.file_names import is_metadata_temporary, layout_files, stray_files
+from dcp_datastates.format.rank_index import METADATA_FILE, RankIndex, compressed_blocks
 from dcp_datastates.core.reader import DataStatesReader
 from dcp_datastates.format.safe_objects import check_object_is_plain
 
@@ -92,15 +93,23 @@ def verify(
     allow_pickle: bool = False,
     io_threads: int = _native.DEFAULT_READ_THREADS,
     progress: Callable[[int, int], None] | None = None,
+    reader: DataStatesReader | None = None,
 ) -> VerifyReport:
     """Verify the checkpoint at ``path`` and return a :class:`VerifyReport`.
 
     Never raises for a damaged checkpoint (call ``report.raise_if_bad()`` for
     that); ``progress(bytes_done, bytes_total)`` is called as data is checked.
+    ``reader``: a :class:`DataStatesReader` of ``path`` to verify through (its
+    ``allow_pickle`` and threads apply), so that a load with the same reader
+    afterwards does not decode ``.metadata`` again.
     """
     path = os.fspath(path)
     report = VerifyReport(path)
-    reader = DataStatesReader(path, allow_pickle=allow_pickle, io_threads=io_threads)
+    if reader is None:
+        reader = DataStatesReader(path, allow_pickle=allow_pickle, io_threads=io_threads)
+    elif reader.path != path:
+        raise ValueError(f"verify({path!r}) was given a reader of {reader.path!r}")
+    allow_pickle = reader.allow_pickle
     try:
         metadata = reader.read_metadata()
     except IncompleteCheckpointError as exc:
@@ -111,7 +120,7 @@ def verify(
         report.problems.append(str(exc) if isinstance(exc, CheckpointError) else f"{path}: {type(exc).__name__}: {exc}")
         return report
     report.committed = True
-    layout = reader._layout
+    layout = reader.layout
     _check_items(reader, metadata, report)
 
     # Each rank's index, then every segment of its data file.
@@ -206,7 +215,7 @@ def _check_items(reader: DataStatesReader, metadata, report: VerifyReport) -> No
     ``read_metadata`` already checked that every item has a stored location
     of the right kind (``CheckpointLayout.check_covers``).
     """
-    layout = reader._layout
+    layout = reader.layout
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
             report.items += 1
@@ -313,11 +322,12 @@ def _check_segments(reader, rel, idx: RankIndex, spans, report, done, total, pro
     for batch, used in _batches(segs, buf.numel()):
         requests, pos = [], 0
         for start, n, checks in batch:
-            requests.append((0, start, n, buf.data_ptr() + pos, checks))
+            address, checks = buf.data_ptr() + pos, _native.segment_checks(checks)
+            requests.append(_native.ReadRequest(file_index=0, offset=start, nbytes=n, address=address, checks=checks))
             pos += n
             report.segments_checked += len(checks)
         failures = reader._engine.read([path], requests, [buf]).wait()
-        _report_failures(failures, [r[1] for r in requests], spans, report)
+        _report_failures(failures, [r.offset for r in requests], spans, report)
         report.bytes_checked += used
         done += used
         if progress is not None:
@@ -375,14 +385,17 @@ def _check_padding(reader, rel, idx: RankIndex, spans, report: VerifyReport) -> 
         if piece is None or used + piece[1] > buf.numel():
             requests, pos = [], 0
             for o, n in batch:
-                requests.append((0, o, n, buf.data_ptr() + pos, [(0, n, _zeros_crc(n))]))
+                zeros = _native.SegmentCheck(offset_in_request=0, nbytes=n, crc32c=_zeros_crc(n))
+                requests.append(
+                    _native.ReadRequest(file_index=0, offset=o, nbytes=n, address=buf.data_ptr() + pos, checks=[zeros])
+                )
                 pos += n
-            for request, kind, _errno, fpath, _offset, message in reader._engine.read([path], requests, [buf]).wait():
-                o, n = batch[request]
-                if kind == "checksum":
+            for failure in reader._engine.read([path], requests, [buf]).wait():
+                o, n = batch[failure.request]
+                if failure.kind == "checksum":
                     report.problems.append(_nonzero_padding(path, o, n, spans))
                 else:
-                    report.problems.append(f"{fpath}: reading the padding at offset {o} failed: {message}")
+                    report.problems.append(f"{failure.path}: reading the padding at offset {o} failed: {failure.message}")
             report.padding_bytes_checked += used
             batch, used = [], 0
         if piece is not None:
@@ -416,22 +429,22 @@ def _nonzero_padding(path: str, offset: int, nbytes: int, spans) -> str:
     )
 
 
-def _report_failures(failures, starts, spans, report: VerifyReport) -> None:
-    for request, kind, errno, fpath, offset, message in failures:
-        key = _key_at(spans, offset if offset >= 0 else starts[request])
+def _report_failures(failures: list[_native.ReadFailure], starts, spans, report: VerifyReport) -> None:
+    for f in failures:
+        key = _key_at(spans, f.offset if f.offset >= 0 else starts[f.request])
         what = f" in {key!r}" if key else ""
-        if kind == "checksum":
-            report.problems.append(f"{fpath}{what}: {message}")
-        elif kind == "truncated":
-            report.problems.append(f"{fpath}{what}: the data file is truncated: {message}")
+        if f.kind == "checksum":
+            report.problems.append(f"{f.path}{what}: {f.message}")
+        elif f.kind == "truncated":
+            report.problems.append(f"{f.path}{what}: the data file is truncated: {f.message}")
         else:
-            report.problems.append(f"{fpath}{what}: read failed: {message}")
+            report.problems.append(f"{f.path}{what}: read failed: {f.message}")
 
 
 def _note_strays(path: str, layout, report: VerifyReport) -> None:
-    named = {name for r in layout.ranks for name in (r.data_file, r.index_file)}
-    for name in sorted(os.listdir(path)):
-        if DATA_FILE_RE.match(name) and name not in named:
-            report.notes.append(f"{name} is not part of this checkpoint (left by an interrupted or failed save; safe to delete)")
-        elif name.startswith(METADATA_FILE + ".") and name.endswith(".tmp"):
+    """Files a save left that the checkpoint does not name are notes, not problems (format/file_names.py)."""
+    for name in stray_files(os.listdir(path), layout_files(layout)):
+        if is_metadata_temporary(name):
             report.notes.append(f"{name} is a leftover temporary of an interrupted commit (safe to delete)")
+        else:
+            report.notes.append(f"{name} is not part of this checkpoint (left by an interrupted or failed save; safe to delete)")

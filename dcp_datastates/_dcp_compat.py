@@ -1,0 +1,172 @@
+"""Every private torch / DCP name dcp_datastates relies on, and nothing else.
+
+DCP's public protocols (``StorageWriter``, ``StorageReader``, ``AsyncStager``,
+the planners, ``Metadata``) carry almost everything this package needs. The
+few things they do not carry are reached here, and only here, so that a torch
+release that moves one of them breaks one function with a clear message
+instead of a save path in the middle of a checkpoint. Each function names
+what it relies on and what happens where it is missing; each is pinned by
+``tests/test_dcp_compat.py`` on every torch the suite runs on.
+
+Supported: torch 2.11 and newer (checked on 2.11 and 2.13).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import torch
+
+MIN_TORCH = (2, 11)
+
+
+def torch_version() -> tuple[int, int]:
+    """``(major, minor)`` of the running torch (``2.13.0+cpu`` -> ``(2, 13)``)."""
+    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    if m is None:  # pragma: no cover - every release has one
+        raise ImportError(f"dcp_datastates cannot parse torch version {torch.__version__!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def check_torch_version() -> None:
+    if torch_version() < MIN_TORCH:
+        raise ImportError(
+            f"dcp_datastates needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or newer; this is torch {torch.__version__}"
+        )
+
+
+# -- tensors ------------------------------------------------------------------------
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter (``Tensor._version``).
+
+    Every in-place operation through autograd-visible paths (``add_``,
+    ``copy_``, an optimizer's ``foreach`` updates) increments it; writes
+    through ``.data`` do not. The lazy snapshot compares it before and after
+    its copies to prove that the bytes it saved are the state at the call.
+    """
+    return tensor._version
+
+
+def local_shard(value: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding this rank's bytes: a DTensor's local shard, else ``value``.
+
+    ``DTensor.to_local()`` is public but goes through autograd and returns a
+    new alias on every call; the snapshot needs the shard object itself (its
+    version counter, and one identity per shard), which is ``_local_tensor``.
+    """
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(value, dtensor):
+        return value._local_tensor
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _dtensor_class():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    return DTensor
+
+
+def cuda_event_handle(event: torch.cuda.Event) -> int:
+    """The ``cudaEvent_t`` of a recorded torch CUDA event, as an integer for the engine."""
+    return event.cuda_event
+
+
+# -- DCP internals ---------------------------------------------------------------
+
+
+def flatten_state_dict(state_dict: dict) -> dict:
+    """DCP's flattening of a nested state dict into its planner keys (``a.b.0``).
+
+    DCP's default planner plans flattened keys; the writer resolves the staged
+    tensors of a plan's items the same way. Private in DCP
+    (``_nested_dict.flatten_state_dict``), stable since 2.2.
+    """
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
+
+    return flatten(state_dict)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def storage_info_class():
+    """DCP ``FileSystemWriter``'s per-item storage record (``filesystem._StorageInfo``):
+    what a stock DCP checkpoint's ``.metadata`` holds, read by the tools; None if gone."""
+    try:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+    except ImportError:  # pragma: no cover
+        return None
+    return _StorageInfo
+
+
+@functools.lru_cache(maxsize=None)
+def zstandard_extension_class():
+    """DCP's ``ZStandard`` stream extension (``_extension.ZStandard``, experimental), or None."""
+    try:
+        from torch.distributed.checkpoint._extension import ZStandard
+    except ImportError:  # pragma: no cover - every torch we support has it
+        return None
+    return ZStandard
+
+
+@functools.lru_cache(maxsize=None)
+def legacy_tensor_properties_class():
+    """The sharded-tensor ``TensorProperties`` older torch releases pickled into ``.metadata``
+    (``_shard.sharded_tensor.metadata``), when it is a class of its own in this torch; else None."""
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    try:
+        from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as Legacy
+    except ImportError:  # pragma: no cover - a torch without it cannot have written one either
+        return None
+    return Legacy if Legacy is not TensorProperties else None
+
+
+def load_whole_checkpoint(storage_reader) -> dict:
+    """Every key of a checkpoint, loaded into a new state dict in this process (no process
+    group): DCP's ``state_dict_loader._load_state_dict_from_keys``."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    return _load_state_dict_from_keys(storage_reader=storage_reader)
+
+
+def fake_tensor_mode():
+    """A context in which tensors have shapes and dtypes but no storage
+    (``torch._subclasses.fake_tensor.FakeTensorMode``): a skeleton for ``torch.save``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+def dcp_metadata_version() -> Any:
+    """The version tag DCP's FileSystemWriter stamps into ``Metadata.version`` (None if absent)."""
+    try:
+        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+    except ImportError:  # pragma: no cover
+        return None
+    return CURRENT_DCP_VERSION
+
+
+# -- DCP's asynchronous save threads --------------------------------------------------
+
+# dcp.async_save with the (default) thread executor runs each save on a new
+# ThreadPoolExecutor of one worker named with this prefix, submits one save and
+# shuts the executor down when that save's future completes (torch 2.11-2.13:
+# _async_thread_executor._ThreadBasedAsyncCheckpointExecutor). So such a thread
+# runs exactly one save and ends right after the upload future completes, after
+# DCP's last collective of the save: joining it is waiting for the upload future.
+DCP_ASYNC_SAVE_THREAD_PREFIX = "AsyncCheckpointExecutor_"
+
+
+def runs_one_save(thread) -> bool:
+    """Whether ``thread`` is one of DCP's per-save asynchronous threads (see above).
+
+    Any other thread (the caller's, a user's executor) may run more saves,
+    so its saves are not waited for by joining it.
+    """
+    return thread.name.startswith(DCP_ASYNC_SAVE_THREAD_PREFIX)

@@ -1,0 +1,134 @@
+"""Every private torch/DCP touchpoint (dcp_datastates/_dcp_compat.py), pinned on the torch the
+suite runs on: a release that moves or changes one fails here, by name, not in a save."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from dcp_datastates import DataStatesReader, DataStatesWriter, _dcp_compat
+
+from conftest import load
+
+
+def test_supported_torch():
+    assert _dcp_compat.torch_version() >= _dcp_compat.MIN_TORCH
+    _dcp_compat.check_torch_version()
+
+
+def test_version_counter_counts_in_place_updates_but_not_data_writes():
+    t = torch.zeros(4)
+    v0 = _dcp_compat.version_counter(t)
+    t.add_(1)
+    assert _dcp_compat.version_counter(t) == v0 + 1
+    t.data.add_(1)  # documented blind spot of the snapshot's check (README)
+    assert _dcp_compat.version_counter(t) == v0 + 1
+
+
+def test_local_shard_of_a_plain_tensor_is_itself():
+    t = torch.ones(3)
+    assert _dcp_compat.local_shard(t) is t
+
+
+_DTENSOR_SCRIPT = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from dcp_datastates import _dcp_compat
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    d = distribute_tensor(torch.arange(12.0).reshape(3, 4), mesh, [Shard(0)])
+    shard = _dcp_compat.local_shard(d)
+    assert type(shard) is torch.Tensor and shard is _dcp_compat.local_shard(d)  # the object itself
+    assert shard.data_ptr() == d.to_local().data_ptr()
+    v_shard, v_d = _dcp_compat.version_counter(shard), _dcp_compat.version_counter(d)
+    d.add_(1)
+    # In-place DTensor ops bump the DTensor's counter and not its shard's (they reach the shard
+    # below autograd); an op on the shard bumps only the shard's: the snapshot watches both.
+    assert _dcp_compat.version_counter(d) == v_d + 1 and _dcp_compat.version_counter(shard) == v_shard
+    shard.add_(1)
+    assert _dcp_compat.version_counter(shard) == v_shard + 1
+    dist.destroy_process_group()
+    print("OK")
+    """
+)
+
+
+def test_local_shard_of_a_dtensor_is_its_shard_object():
+    out = subprocess.run([sys.executable, "-c", _DTENSOR_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+def test_flatten_state_dict_names_items_as_the_default_planner_does(tmp_path):
+    state = {"model": {"layer": {"w": torch.ones(2)}}, "opt": [{"m": torch.zeros(1)}], "step": 3, "t": (1, 2)}
+    flat = _dcp_compat.flatten_state_dict(state)
+    metadata = dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path / "c")), no_dist=True)
+    assert set(flat) == set(metadata.state_dict_metadata)
+    assert flat["model.layer.w"] is state["model"]["layer"]["w"]
+
+
+def test_storage_info_and_zstandard_and_legacy_tensor_properties_are_found():
+    info = _dcp_compat.storage_info_class()
+    assert info is not None and {"relative_path", "offset", "length"} <= set(info.__dataclass_fields__)
+    zstd = _dcp_compat.zstandard_extension_class()
+    assert zstd is not None and zstd().get_descriptor().startswith("stream.zstd")
+    legacy = _dcp_compat.legacy_tensor_properties_class()
+    assert legacy is None or {"dtype", "requires_grad"} <= set(legacy.__dataclass_fields__)
+
+
+def test_load_whole_checkpoint_returns_every_key(tmp_path):
+    state = {"a": torch.arange(5), "n": {"b": torch.ones(2, 2)}, "step": 9}
+    dcp.save(state, storage_writer=DataStatesWriter(tmp_path / "c"), no_dist=True)
+    whole = _dcp_compat.load_whole_checkpoint(DataStatesReader(tmp_path / "c"))
+    assert torch.equal(whole["a"], state["a"]) and torch.equal(whole["n"]["b"], state["n"]["b"]) and whole["step"] == 9
+
+
+def test_fake_tensor_mode_makes_tensors_without_storage():
+    with _dcp_compat.fake_tensor_mode():
+        t = torch.empty(1 << 30, dtype=torch.float64)  # 8 GiB, allocated by nobody
+    assert t.shape == (1 << 30,) and t.dtype == torch.float64
+
+
+def test_dcp_metadata_version_is_what_filesystem_writer_stamps(tmp_path):
+    metadata = dcp.save({"x": torch.ones(1)}, storage_writer=FileSystemWriter(str(tmp_path / "c")), no_dist=True)
+    assert _dcp_compat.dcp_metadata_version() == metadata.version
+
+
+def test_dcp_runs_each_async_save_on_a_thread_of_its_own_that_ends_with_it(tmp_path):
+    """The order of saves waits for an asynchronous save by joining the thread that ran it; that
+    is sound only while DCP's thread executor runs one save per thread and ends the thread
+    right after the upload future (runs_one_save recognises those threads)."""
+    seen: list[threading.Thread] = []
+
+    class Recording(DataStatesWriter):
+        def storage_meta(self):
+            seen.append(threading.current_thread())
+            return super().storage_meta()
+
+    for i in range(2):
+        with Recording(tmp_path / f"c{i}") as writer:
+            resp = dcp.async_save({"x": torch.full((4,), float(i))}, storage_writer=writer, no_dist=True)
+            resp.upload_completion.result(timeout=60)
+    assert len(seen) == 2 and seen[0] is not seen[1]
+    for thread in seen:
+        assert _dcp_compat.runs_one_save(thread), thread.name
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+    assert not _dcp_compat.runs_one_save(threading.current_thread())
+    assert torch.equal(load({"x": torch.zeros(4)}, tmp_path / "c1")["x"], torch.ones(4))
+
+
+def test_cuda_event_handle_is_the_events_cuda_event():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ev = torch.cuda.Event()
+    ev.record()
+    assert _dcp_compat.cuda_event_handle(ev) == ev.cuda_event != 0
