@@ -62,7 +62,7 @@ from bench_common import add_common_args, drop_tree, fmt, make_scratch, median, 
 from bench_common import machine_info as common_machine_info  # noqa: E402
 from dcp_datastates import DataStatesReader, DataStatesWriter  # noqa: E402
 from dcp_datastates import _engine, _probes  # noqa: E402
-from dcp_datastates.core.commit import fsync_dir  # noqa: E402
+from dcp_datastates.core.durable import fsync_dir  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30

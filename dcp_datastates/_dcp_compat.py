@@ -170,3 +170,15 @@ def runs_one_save(thread) -> bool:
     so its saves are not waited for by joining it.
     """
     return thread.name.startswith(DCP_ASYNC_SAVE_THREAD_PREFIX)
+
+
+def dcp_load_reports_read_metadata_errors() -> bool:
+    """Whether ``dcp.load`` passes on what ``StorageReader.read_metadata`` raised.
+
+    torch 2.13 raises an ``AssertionError`` that includes the reader's
+    message; torch 2.11 catches the error, logs only "Global metadata is not
+    found" at INFO and raises ``AssertionError("metadata is None")``, so there
+    the reader logs its error itself (2.12 is treated as 2.11: the check was
+    made on 2.11 and 2.13).
+    """
+    return torch_version() >= (2, 13)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 import warnings
@@ -66,20 +67,47 @@ class RaisedInfo:
     value: BaseException | None = None
 
 
+class _LoggedErrors(logging.Handler):
+    """The errors the reader logged because DCP swallows them (torch before 2.13)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.errors: list[BaseException] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if isinstance(getattr(record, "error", None), BaseException):
+            self.errors.append(record.error)
+
+
 @contextlib.contextmanager
 def raises_from_checkpoint(expected, match=None):
-    """Like pytest.raises, for errors DCP may wrap in CheckpointException (a BaseException)."""
+    """Like pytest.raises, for errors DCP may wrap in CheckpointException (a BaseException).
+
+    On a torch whose ``dcp.load`` replaces the reader's metadata error by
+    ``AssertionError("metadata is None")`` (before 2.13), the error checked is
+    the one the reader logged for that reason.
+    """
+    from dcp_datastates import _dcp_compat
+
     info = RaisedInfo()
+    logged = _LoggedErrors()
+    logger = logging.getLogger("dcp_datastates")
+    logger.addHandler(logged)
     try:
         yield info
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - we re-check the type below
         inner = unwrap(exc)
+        swallowed = isinstance(inner, AssertionError) and str(inner) == "metadata is None"
+        if swallowed and logged.errors and not _dcp_compat.dcp_load_reports_read_metadata_errors():
+            inner = logged.errors[-1]
         info.value = inner
         if not isinstance(inner, expected):
             raise AssertionError(f"expected {expected}, got {type(inner).__name__}: {inner}") from exc
         if match is not None and match not in str(inner):
             raise AssertionError(f"{match!r} not in error message: {inner}") from exc
         return
+    finally:
+        logger.removeHandler(logged)
     raise AssertionError(f"expected {expected} to be raised")
 
 

@@ -23,7 +23,7 @@ from dcp_datastates.manager.checkpoint_root import write_latest
 from dcp_datastates.tools.checkpoint_view import CheckpointView
 from dcp_datastates.tools.listing import _rank_numbers
 from dcp_datastates.tools.common import human_bytes
-from dcp_datastates.format.rank_index import FORMAT_VERSION
+from dcp_datastates.format.checkpoint_layout import FORMAT_VERSION
 
 FAKE_RANK_FILE = "rank00000-0123456789ab.data"
 

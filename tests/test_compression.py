@@ -29,7 +29,7 @@ from dcp_datastates import (
 from dcp_datastates.core import compression
 from dcp_datastates.tools import cli
 from dcp_datastates.tools.checkpoint_view import CheckpointView
-from dcp_datastates.format.rank_index import CheckpointLayout
+from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 
 zstandard = pytest.importorskip("zstandard")
 from torch.distributed.checkpoint._extension import StreamTransformExtension, ZStandard  # noqa: E402

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 
 from conftest import assert_same, data_files, index_files, load, raises_from_checkpoint
 from dcp_datastates import DataStatesWriter, verify
-from dcp_datastates.core import commit
+from dcp_datastates.core import durable
 from dcp_datastates.errors import CheckpointExistsError
 
 _OTHER_SAVE = textwrap.dedent(
@@ -170,20 +170,20 @@ def _prepare(tmp_path, existing: bool):
 @pytest.mark.parametrize("mechanism", ["renameat2", "link", "flock"])
 def test_rename_without_replacing(tmp_path, monkeypatch, mechanism):
     if mechanism != "renameat2":
-        monkeypatch.setattr(commit, "_rename_noreplace", lambda src, dst: False)
+        monkeypatch.setattr(durable, "_rename_noreplace", lambda src, dst: False)
     if mechanism == "flock":
         def no_links(src, dst):
             raise OSError(errno.EPERM, "Operation not permitted", src)
 
-        monkeypatch.setattr(commit.os, "link", no_links)
+        monkeypatch.setattr(durable.os, "link", no_links)
     tmp, final, d = _prepare(tmp_path, existing=False)
-    commit.rename_without_replacing(tmp, final, d)
+    durable.rename_without_replacing(tmp, final, d)
     assert not os.path.exists(tmp) and open(final, "rb").read() == b"new"
 
     other = tmp_path / "other"
     other.mkdir()
     tmp, final, d = _prepare(other, existing=True)
     with pytest.raises(FileExistsError) as info:
-        commit.rename_without_replacing(tmp, final, d)
+        durable.rename_without_replacing(tmp, final, d)
     assert info.value.filename == final
     assert open(final, "rb").read() == b"old" and os.path.exists(tmp)

@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import assert_same, load, raises_from_checkpoint, unwrap
 from crash_child import MID_DATA_OFFSET, WRITER_KW, empty_like_state, make_state, trial_dirs
 from dcp_datastates import CheckpointNotFoundError, DataStatesReader, DataStatesWriter, IncompleteCheckpointError
-from dcp_datastates.format.rank_index import DATA_FILE_RE, METADATA_FILE
+from dcp_datastates.format.file_names import DATA_FILE_RE, METADATA_FILE
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_child.py")
 CI_RANDOM_KILLS = 12

@@ -98,8 +98,35 @@ def test_fake_tensor_mode_makes_tensors_without_storage():
 
 
 def test_dcp_metadata_version_is_what_filesystem_writer_stamps(tmp_path):
-    metadata = dcp.save({"x": torch.ones(1)}, storage_writer=FileSystemWriter(str(tmp_path / "c")), no_dist=True)
-    assert _dcp_compat.dcp_metadata_version() == metadata.version
+    # torch 2.11 stamps a copy (the returned Metadata keeps None), 2.13 the object itself: read the file.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    dcp.save({"x": torch.ones(1)}, storage_writer=FileSystemWriter(str(tmp_path / "c")), no_dist=True)
+    written = FileSystemReader(str(tmp_path / "c")).read_metadata()
+    assert _dcp_compat.dcp_metadata_version() == written.version is not None
+
+
+def test_dcp_load_reports_read_metadata_errors_as_documented(tmp_path):
+    """Through dcp.load, a metadata error reaches the user: in DCP's AssertionError (2.13) or, where
+    DCP replaces it with "metadata is None" (2.11), in the reader's own log record."""
+    import logging
+
+    (tmp_path / "empty").mkdir()
+    records = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    logging.getLogger("dcp_datastates").addHandler(handler)
+    try:
+        with pytest.raises((Exception, torch.distributed.checkpoint.api.CheckpointException)) as info:
+            dcp.load({"x": torch.zeros(1)}, storage_reader=DataStatesReader(tmp_path / "empty"), no_dist=True)
+    finally:
+        logging.getLogger("dcp_datastates").removeHandler(handler)
+    text = str(info.value)
+    if _dcp_compat.dcp_load_reports_read_metadata_errors():
+        assert "metadata is missing" in text and not records
+    else:
+        assert "metadata is None" in text
+        assert len(records) == 1 and "metadata is missing" in records[0].getMessage()
 
 
 def test_dcp_runs_each_async_save_on_a_thread_of_its_own_that_ends_with_it(tmp_path):

@@ -40,7 +40,7 @@ from dcp_datastates import (
     UnsafeCheckpointError,
     verify,
 )
-from dcp_datastates.format.rank_index import METADATA_FILE
+from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_file import decode_metadata, encode_metadata, read_commit_sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))

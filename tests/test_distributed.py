@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dist_helpers as dh  # noqa: E402
 from dcp_datastates import ChecksumMismatchError, DataStatesReader  # noqa: E402
-from dcp_datastates.format.rank_index import CheckpointLayout  # noqa: E402
+from dcp_datastates.format.checkpoint_layout import CheckpointLayout  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -49,7 +49,7 @@ def _zeros(state):
 
 
 def test_every_promised_version_has_fixtures():
-    from dcp_datastates.format.rank_index import FORMAT_VERSION
+    from dcp_datastates.format.checkpoint_layout import FORMAT_VERSION
 
     assert {f.version for f in FIXTURES} == set(range(1, FORMAT_VERSION + 1))
     for fx in FIXTURES:

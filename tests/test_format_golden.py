@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_datastates.errors import CorruptCheckpointError
 from dcp_datastates.format.metadata_file import decode_metadata, encode_trailer, parse_trailer, split_trailer
-from dcp_datastates.format.rank_index import FORMAT_VERSION, CheckpointLayout, ItemLocation, RankFiles, decode_index, encode_index
+from dcp_datastates.format.checkpoint_layout import FORMAT_VERSION, CheckpointLayout, ItemLocation, RankFiles
+from dcp_datastates.format.rank_index import decode_index, encode_index
 from dcp_datastates.format.storage_data import layout_of, layout_to_plain
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures"))

@@ -35,7 +35,7 @@ from dcp_datastates import (
     verify,
 )
 from dcp_datastates.format.metadata_file import encode_metadata, read_metadata_file
-from dcp_datastates.format.rank_index import CheckpointLayout, ItemLocation
+from dcp_datastates.format.checkpoint_layout import CheckpointLayout, ItemLocation
 from dcp_datastates.format.storage_data import PLAIN_KEYS, layout_of, layout_to_plain
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures"))

@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from conftest import assert_same, index_files, load, save, unwrap
 from dcp_datastates import CheckpointError, DataStatesReader
 from dcp_datastates.native.engine import crc32c
-from dcp_datastates.format.rank_index import CheckpointLayout, decode_index
+from dcp_datastates.format.checkpoint_layout import CheckpointLayout
+from dcp_datastates.format.rank_index import decode_index
 from dcp_datastates.format.metadata_file import decode_metadata, split_trailer
 
 FIXTURES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")

@@ -18,7 +18,7 @@ from dcp_datastates import CheckpointError, CheckpointExistsError, CorruptCheckp
 from dcp_datastates.native.faults import inject_fault
 from dcp_datastates.manager.checkpoint_root import LATEST_FILE, is_committed, read_latest, step_dirs
 from dcp_datastates.errors import CheckpointNotFoundError, IncompleteCheckpointError
-from dcp_datastates.format.rank_index import METADATA_FILE
+from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_file import read_commit_sequence
 from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning, SkippedCheckpointWarning
 from dcp_datastates.manager.cleanup import LOCK_FILE

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import assert_same, data_files, index_files, load, save
 from dcp_datastates import DataStatesReader, DataStatesSavePlanner, DataStatesWriter
-from dcp_datastates.format.rank_index import FORMAT_VERSION
+from dcp_datastates.format.checkpoint_layout import FORMAT_VERSION
 
 
 def _all_dtypes():
@@ -185,7 +185,7 @@ def test_metadata_is_serialized_while_data_is_written(tmp_path):
 def test_metadata_is_dcp_metadata_with_our_layout(tmp_path):
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-    from dcp_datastates.format.rank_index import CheckpointLayout
+    from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 
     save({"w": torch.randn(3, 4), "s": 1}, tmp_path / "c")
     md = DataStatesReader(tmp_path / "c").read_metadata()

@@ -177,7 +177,7 @@ def test_huge_memo_index_does_not_allocate(tmp_path):
 
 
 def test_overwrite_never_deletes_a_file_the_old_metadata_names_outside(tmp_path):
-    from dcp_datastates.format.rank_index import RankFiles
+    from dcp_datastates.format.checkpoint_layout import RankFiles
 
     ckpt, precious = tmp_path / "c", tmp_path / "precious.txt"
     precious.write_text("keep me")

@@ -54,7 +54,8 @@ from dcp_datastates.native.engine import (
     segment_checks,
 )
 from dcp_datastates.errors import ChecksumMismatchError, CheckpointError, CorruptCheckpointError, UnsupportedFormatError
-from dcp_datastates.format.rank_index import BLOCK_ALIGN, COMPRESSION_CODECS, MAX_BLOCK_BYTES, RankIndex, compressed_blocks, location_key
+from dcp_datastates.format.checkpoint_layout import BLOCK_ALIGN, COMPRESSION_CODECS, MAX_BLOCK_BYTES, compressed_blocks, location_key
+from dcp_datastates.format.rank_index import RankIndex
 from dcp_datastates.core.layout import PAGE, align_up, is_compressible
 
 ZSTD = "zstd"

@@ -24,17 +24,10 @@ import uuid
 
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from dcp_datastates.format.rank_index import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    CheckpointLayout,
-    ItemLocation,
-    RankFiles,
-    compressed_blocks,
-    data_file_name,
-    index_file_name,
-    location_key,
-)
+from dcp_datastates.errors import CheckpointError
+
+from dcp_datastates.format.file_names import data_file_name, index_file_name
+from dcp_datastates.format.checkpoint_layout import FORMAT_NAME, FORMAT_VERSION, CheckpointLayout, ItemLocation, RankFiles, compressed_blocks, location_key
 
 PAGE = 4096
 SMALL_ALIGN = 64
@@ -156,6 +149,26 @@ def plan_rank_layout(items: list[WriteItem], rank: int, save_id: str, compressio
     )
 
 
+def rank_layout_of(plan: SavePlan, info: RankPlanData, known: tuple | None) -> RankLayout:
+    """A rank's placement of its final synchronous plan.
+
+    ``known`` is ``(RankLayout, item indices)`` when this process computed the
+    rank's placement already (the coordinator, in ``prepare_global_plan``): it
+    is used when it is for the same save and the same items. Otherwise the
+    plan is placed by the same rule, and checked against the size and count
+    the coordinator sent in ``info``.
+    """
+    if known is not None and known[0].save_id == info.save_id and known[1] == [i.index for i in plan.items]:
+        return known[0]
+    layout = plan_rank_layout(plan.items, info.rank, info.save_id, getattr(info, "compression", None))
+    if layout.tensor_bytes_end != info.tensor_bytes_end or len(layout.locations) != info.item_count:
+        raise CheckpointError(
+            f"rank {info.rank}: local layout disagrees with the coordinator's "
+            "(the planner reordered items after global planning)"
+        )
+    return layout
+
+
 def has_layout(plans: list[SavePlan]) -> bool:
     return bool(plans) and all(isinstance(p.storage_data, RankPlanData) for p in plans)
 
@@ -214,8 +227,6 @@ def staged_locations(items: list[WriteItem], tensors: dict, compression: tuple |
     get block ordinals after the objects', in plan order. The coordinator (for
     the metadata) and the rank (for its results) both compute it from the plan.
     """
-    from dcp_datastates.errors import CheckpointError
-
     placed: dict = {}  # MetadataIndex -> (offset, nbytes) where the snapshot put it
     for item in items:
         if item.type != WriteItemType.BYTE_IO:
@@ -244,8 +255,6 @@ def assign_staged_layout(plans: list[SavePlan], save_id: str) -> CheckpointLayou
     plan is read from rank r's snapshot. Objects get ordinals in plan order,
     as ``write_data`` appends them.
     """
-    from dcp_datastates.errors import CheckpointError
-
     compressions = {getattr(p.storage_data, "compression", None) for p in plans}
     if len(compressions) > 1:
         raise CheckpointError(

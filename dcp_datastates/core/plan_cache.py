@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_datastates.errors import CheckpointError
-from dcp_datastates.format.rank_index import FORMAT_NAME, FORMAT_VERSION, CheckpointLayout, ItemLocation, RankFiles, location_key
-from dcp_datastates.core.layout import RankPlanData, StagedRankData
+from dcp_datastates.format.checkpoint_layout import FORMAT_NAME, FORMAT_VERSION, CheckpointLayout, ItemLocation, RankFiles, location_key
+from dcp_datastates.core.layout import RankLayout, RankPlanData, StagedRankData, plan_rank_layout
 
 # The key of a rank's report among its write results: no state-dict key starts with NUL.
 REPORT_INDEX = MetadataIndex("\x00dcp_datastates.rank_files")
@@ -57,6 +57,25 @@ def is_stale(info) -> bool:
     if not isinstance(info, RankPlanData):
         return True
     return getattr(info, _WRITTEN_MARK, False)
+
+
+def place_cached_plan(plan, stale, rank: int, save_id: str, compression: tuple | None) -> RankLayout:
+    """A final plan DCP's cache returned (its storage data ``stale`` names an earlier save),
+    placed again in files named by ``save_id``, with this writer's ``compression``.
+
+    The cached placement can be checked against the new one only when it was
+    made with the same compression (compressed chunks leave the raw tensor
+    area, so its end moves).
+    """
+    rank = stale.rank if isinstance(getattr(stale, "rank", None), int) else rank
+    layout = plan_rank_layout(plan.items, rank, save_id, compression)
+    if (
+        isinstance(stale, RankPlanData)
+        and getattr(stale, "compression", None) == compression
+        and (layout.tensor_bytes_end != stale.tensor_bytes_end or len(layout.locations) != stale.item_count)
+    ):
+        raise CheckpointError(f"rank {rank}: the cached plan no longer matches its own layout")
+    return layout
 
 
 def mark_written(info: RankPlanData) -> None:

@@ -29,13 +29,14 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_datastates.core import plan_cache
-from dcp_datastates.core.commit import remove_if_present, write_new_file_durably
+from dcp_datastates.core.durable import remove_if_present, write_new_file_durably
 from dcp_datastates.core.compression import Compression, descriptor_of
 from dcp_datastates.core.layout import PAGE, SMALL_ALIGN, RankLayout, align_up, staged_locations
 from dcp_datastates.core.providers import check_planned, finish_regions, provide_object, tensor_source
 from dcp_datastates.core.save_state import RankSave
 from dcp_datastates.errors import CheckpointError
-from dcp_datastates.format.rank_index import ItemLocation, encode_index, location_key
+from dcp_datastates.format.checkpoint_layout import ItemLocation, location_key
+from dcp_datastates.format.rank_index import encode_index
 from dcp_datastates.native import engine as _native
 
 # The largest batch a ``resolve_creates_tensors`` planner's tensors are resolved in.

@@ -14,6 +14,7 @@ engine's I/O threads, and every checksum segment a read covers is verified
 from __future__ import annotations
 
 import io
+import logging
 import math
 import os
 import stat
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from dcp_datastates import _dcp_compat
 from dcp_datastates.native import engine as _native
 from dcp_datastates.errors import (
     ChecksumMismatchError,
@@ -34,8 +36,9 @@ from dcp_datastates.errors import (
     IncompleteCheckpointError,
     UnsupportedFormatError,
 )
-from dcp_datastates.format.file_names import is_save_file
-from dcp_datastates.format.rank_index import METADATA_FILE, CheckpointLayout, IndexLimits, RankIndex, object_entries
+from dcp_datastates.format.file_names import METADATA_FILE, is_save_file
+from dcp_datastates.format.checkpoint_layout import CheckpointLayout, object_entries
+from dcp_datastates.format.rank_index import IndexLimits, RankIndex
 from dcp_datastates.format.checkpoint_files import read_rank_index
 from dcp_datastates.format.metadata_file import read_metadata_file
 from dcp_datastates.format.safe_objects import plain_object_stream
@@ -120,8 +123,24 @@ class DataStatesReader(StorageReader):
         return isinstance(path, str) and os.path.isfile(os.path.join(path, METADATA_FILE))
 
     def read_metadata(self, *args: Any, **_options: Any) -> Metadata:
+        """Decode and check ``.metadata``; every failure is a typed error naming the file.
+
+        DCP before 2.13 catches any error of this call and raises only
+        ``AssertionError("metadata is None")``; there the error is also logged
+        (logger ``dcp_datastates``, ERROR) so that ``dcp.load`` still says why.
+        """
         # The catch-all is deliberately not named ``kwargs``: DCP 2.13 probes for
         # that name and would retry with per-rank metadata, which we never write.
+        try:
+            return self.load_metadata()
+        except Exception as exc:
+            if not _dcp_compat.dcp_load_reports_read_metadata_errors():
+                log_unreported_error(exc)
+            raise
+
+    def load_metadata(self) -> Metadata:
+        """Decode and check ``.metadata`` (once per file), raising a typed error naming the file:
+        :meth:`read_metadata` for callers other than DCP. Sets :attr:`layout`."""
         if self.path is None:
             raise ValueError("DataStatesReader has no path: pass one or give dcp.load a checkpoint_id")
         md_path = os.path.join(self.path, METADATA_FILE)
@@ -253,6 +272,14 @@ class DataStatesReader(StorageReader):
         if sizes is None:
             raise CorruptCheckpointError(f"{self.path}: no saved chunk of {index.fqn!r} at offset {tuple(index.offset)}")
         return md.properties.dtype, sizes
+
+
+_log = logging.getLogger("dcp_datastates")
+
+
+def log_unreported_error(exc: BaseException) -> None:
+    """Log an error DCP is known to swallow (it stays attached to the record as ``error``)."""
+    _log.error("dcp_datastates: %s: %s", type(exc).__name__, exc, extra={"error": exc})
 
 
 def missing_checkpoint_error(path: str) -> Exception:

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from dcp_datastates.core.save_order import Ticket
 from dcp_datastates.core.snapshot import Snapshot
 from dcp_datastates.errors import CheckpointError
-from dcp_datastates.format.rank_index import CheckpointLayout
+from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 
 
 @dataclasses.dataclass

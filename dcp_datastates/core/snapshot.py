@@ -44,12 +44,13 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from dcp_datastates import _dcp_compat
-from dcp_datastates.core.commit import remove_if_present
+from dcp_datastates.core.durable import remove_if_present
 from dcp_datastates.core.layout import PAGE, align_up, new_save_id, place_tensors, tensor_item_nbytes
 from dcp_datastates.core.providers import TensorSource, finish_regions, tensor_source
 from dcp_datastates.core.save_order import ORDER, Ticket
 from dcp_datastates.errors import CheckpointError, SnapshotMutatedError
-from dcp_datastates.format.rank_index import data_file_name, index_file_name, location_key
+from dcp_datastates.format.file_names import data_file_name, index_file_name
+from dcp_datastates.format.checkpoint_layout import location_key
 from dcp_datastates.native.engine import stop_write_job
 
 _IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)

@@ -39,7 +39,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from dcp_datastates.native import engine as _native
 from dcp_datastates.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from dcp_datastates.format.file_names import is_metadata_temporary, layout_files, stray_files
-from dcp_datastates.format.rank_index import METADATA_FILE, RankIndex, compressed_blocks
+from dcp_datastates.format.file_names import METADATA_FILE
+from dcp_datastates.format.checkpoint_layout import compressed_blocks
+from dcp_datastates.format.rank_index import RankIndex
 from dcp_datastates.core.reader import DataStatesReader
 from dcp_datastates.format.safe_objects import check_object_is_plain
 
@@ -111,7 +113,7 @@ def verify(
         raise ValueError(f"verify({path!r}) was given a reader of {reader.path!r}")
     allow_pickle = reader.allow_pickle
     try:
-        metadata = reader.read_metadata()
+        metadata = reader.load_metadata()
     except IncompleteCheckpointError as exc:
         report.problems.append(str(exc))
         return report

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_datastates import _dcp_compat
-from dcp_datastates.core import commit, plan_cache, rank_file
+from dcp_datastates.core import commit, durable, plan_cache, rank_file
 from dcp_datastates.core.compression import descriptor_of, resolve_compression
 from dcp_datastates.core.layout import (
     RankLayout,
@@ -59,7 +59,7 @@ from dcp_datastates.core.layout import (
     has_layout,
     has_staged_layout,
     new_save_id,
-    plan_rank_layout,
+    rank_layout_of,
 )
 from dcp_datastates.core.save_order import ORDER
 from dcp_datastates.core.save_state import BACKGROUND_ERRORS, RankSave, SaveStats, new_writer_serial
@@ -68,7 +68,8 @@ from dcp_datastates.core.stager import WriterSnapshots
 from dcp_datastates.core.staging import StagingFuture
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.metadata_file import encode_metadata
-from dcp_datastates.format.rank_index import METADATA_FILE, CheckpointLayout
+from dcp_datastates.format.file_names import METADATA_FILE
+from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 from dcp_datastates.native import engine as _native
 
 __all__ = ["DataStatesWriter", "SaveStats"]
@@ -490,52 +491,27 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             save.snapshot.cancel("save failed")
         _native.stop_write_job(save.job, "save failed")
         self._end(save)
-        commit.remove_if_present(save.written_files)
+        durable.remove_if_present(save.written_files)
         self._discard_metadata_tmp(save)
 
     # -- placement and metadata -----------------------------------------------------
 
     def _rank_layout(self, save: RankSave, plan: SavePlan) -> RankLayout:
-        """This rank's placement of a synchronous plan: the coordinator's own (computed once,
-        in prepare_global_plan), or derived from the plan by the same rule on other ranks."""
+        """This rank's placement of a synchronous plan: the coordinator's own (computed once, in
+        prepare_global_plan), the plan placed by the same rule on other ranks, or, for a plan DCP's
+        cache returned, placed again in files of this save."""
         info = plan.storage_data
         if plan_cache.is_stale(info):
-            info = self._replace_cached_plan_data(save, plan, info)
+            save.stats.plan_from_cache = True
+            # This writer's own compression: DCP's cache is per planner class and process, so
+            # the cached plan may come from another writer (or from a FileSystemWriter save).
+            layout = plan_cache.place_cached_plan(plan, info, save.rank, save.save_id, descriptor_of(self.compression))
+            save.rank_layouts[layout.rank] = (layout, [item.index for item in plan.items])
+            info = layout.plan_data()
         if not isinstance(info, RankPlanData):
             raise CheckpointError("save plan carries no dcp_datastates layout; was prepare_global_plan skipped?")
         plan_cache.mark_written(plan.storage_data)
-        cached = save.rank_layouts.get(info.rank)
-        if cached is not None and cached[0].save_id == info.save_id and cached[1] == [i.index for i in plan.items]:
-            return cached[0]
-        layout = plan_rank_layout(plan.items, info.rank, info.save_id, getattr(info, "compression", None))
-        if layout.tensor_bytes_end != info.tensor_bytes_end or len(layout.locations) != info.item_count:
-            raise CheckpointError(
-                f"rank {info.rank}: local layout disagrees with the coordinator's "
-                "(the planner reordered items after global planning)"
-            )
-        return layout
-
-    def _replace_cached_plan_data(self, save: RankSave, plan: SavePlan, stale) -> RankPlanData:
-        """Storage data for a final plan DCP's cache returned (it names an earlier save):
-        the same items placed again, in files named by this rank's own new save id."""
-        save.stats.plan_from_cache = True
-        # This writer's own setting: DCP's cache is per planner class and process, so the
-        # cached plan may come from another writer (another compression, or FileSystemWriter).
-        compression = descriptor_of(self.compression)
-        rank = getattr(stale, "rank", None)
-        if not isinstance(rank, int):
-            rank = save.rank
-        layout = plan_rank_layout(plan.items, rank, save.save_id, compression)
-        # The cached placement can be checked only when it was made with the same settings
-        # (compressed chunks leave the raw tensor area, so its end moves).
-        if (
-            isinstance(stale, RankPlanData)
-            and getattr(stale, "compression", None) == compression
-            and (layout.tensor_bytes_end != stale.tensor_bytes_end or len(layout.locations) != stale.item_count)
-        ):
-            raise CheckpointError(f"rank {rank}: the cached plan no longer matches its own layout")
-        save.rank_layouts[rank] = (layout, [item.index for item in plan.items])
-        return layout.plan_data()
+        return rank_layout_of(plan, info, save.rank_layouts.get(info.rank))
 
     def _write_metadata_tmp(self, save: RankSave, metadata: Metadata, layout: CheckpointLayout) -> None:
         metadata.storage_data = layout
@@ -562,7 +538,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def _discard_metadata_tmp(self, save: RankSave) -> None:
         if save.metadata_tmp is not None:
-            commit.remove_if_present([save.metadata_tmp])
+            durable.remove_if_present([save.metadata_tmp])
             save.metadata_tmp = None
 
     def _forget_parent_saves(self) -> None:

@@ -1,14 +1,24 @@
-"""Which files in a checkpoint directory a save writes, and which of them are strays.
+"""The names of a checkpoint's files, and which files in a directory are strays.
 
-A checkpoint directory holds ``.metadata`` (the commit point) and the rank
-files its layout names. A save that did not finish can leave more: rank
-files of an interrupted save into the same directory (a killed overwrite)
-and a ``.metadata.<save id>.tmp`` whose rename never happened. Those are
-*strays*: written by a save, named by no committed layout, harmless to the
-checkpoint and safe to delete. The manager deletes them when it starts,
-``verify`` lists them as notes, ``du`` counts them as reclaimable, and the
-reader tells an interrupted save from an empty directory by them; all of
-them ask the two functions here, so the rule is written once.
+A checkpoint is one directory::
+
+    .metadata                      DCP Metadata (pickle + checksum trailer), written last, atomically
+    rank00000-<sid>.data           raw bytes of rank 0's items at planned offsets
+    rank00000-<sid>.index          rank 0's checksums and object table (binary)
+    ...                            one .data/.index pair per rank
+
+``<sid>`` is the save id, 12 hex digits, new for every save: files of a new
+save never overwrite those of the committed one it replaces, so an
+interrupted overwrite leaves the old checkpoint loadable.
+
+A save that did not finish can leave more: rank files of an interrupted save
+into the same directory (a killed overwrite) and a ``.metadata.<save id>.tmp``
+whose rename never happened. Those are *strays*: written by a save, named by
+no committed layout, harmless to the checkpoint and safe to delete. The
+manager deletes them when it starts, ``verify`` lists them as notes, ``du``
+counts them as reclaimable, and the reader tells an interrupted save from an
+empty directory by them; all of them ask the functions here, so the rule is
+written once.
 """
 
 from __future__ import annotations
@@ -16,7 +26,23 @@ from __future__ import annotations
 import re
 from typing import Collection, Iterable
 
-from dcp_datastates.format.rank_index import DATA_FILE_RE, METADATA_FILE, metadata_tmp_name
+METADATA_FILE = ".metadata"
+SAVE_ID_RE = re.compile(r"^[0-9a-f]{12}$")
+DATA_FILE_RE = re.compile(r"^rank(\d{5,})-([0-9a-f]{12})\.(data|index)$")
+
+
+def data_file_name(rank: int, save_id: str) -> str:
+    return f"rank{rank:05d}-{save_id}.data"
+
+
+def index_file_name(rank: int, save_id: str) -> str:
+    return f"rank{rank:05d}-{save_id}.index"
+
+
+def metadata_tmp_name(save_id: str) -> str:
+    return f"{METADATA_FILE}.{save_id}.tmp"
+
+
 
 # ``.metadata.<save id>.tmp``: cut around a save id that cannot occur in the name itself.
 _TMP_PREFIX, _TMP_SUFFIX = metadata_tmp_name("\0").split("\0")

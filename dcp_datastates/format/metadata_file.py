@@ -51,7 +51,7 @@ from dcp_datastates._dcp_compat import legacy_tensor_properties_class, storage_i
 from dcp_datastates.native.engine import crc32c, gc_paused
 from dcp_datastates.format.checkpoint_files import open_checkpoint_file
 from dcp_datastates.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
-from dcp_datastates.format.rank_index import CheckpointLayout, show
+from dcp_datastates.format.checkpoint_layout import CheckpointLayout, show
 from dcp_datastates.format.storage_data import LEGACY_CLASSES, layout_of, layout_to_plain
 
 TRAILER_MAGIC = b"DCPDSMD4"

@@ -37,16 +37,7 @@ from __future__ import annotations
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_datastates.errors import CorruptCheckpointError
-from dcp_datastates.format.rank_index import (
-    FORMAT_NAME,
-    LAYOUT_FIELDS,
-    RANK_FILES_FIELDS,
-    CheckpointLayout,
-    RankFiles,
-    check_format_version,
-    show,
-    strict_fields,
-)
+from dcp_datastates.format.checkpoint_layout import FORMAT_NAME, LAYOUT_FIELDS, RANK_FILES_FIELDS, CheckpointLayout, RankFiles, check_format_version, show, strict_fields
 
 PLAIN_SINCE = 5  # the first format version whose layout is plain data
 PLAIN_KEYS = ("format", "version", "save_id", "ranks", "entries", "compression")

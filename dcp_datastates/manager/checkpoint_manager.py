@@ -479,7 +479,7 @@ class CheckpointManager:
                 report = verify(reader.path, reader=reader)
                 if not report.ok:
                     return "; ".join(report.problems[:3]) or "not committed", True
-            reader.read_metadata()
+            reader.load_metadata()
             world = dist.get_world_size(self._group) if self._distributed else 1
             for files in reader.layout.ranks[self._rank::world]:
                 reader.rank_index(files.data_file)

@@ -29,8 +29,8 @@ import json
 import os
 import re
 
-from dcp_datastates.core.commit import fsync_dir, rename_into_place, remove_if_present, write_new_file_durably
-from dcp_datastates.format.rank_index import METADATA_FILE
+from dcp_datastates.core.durable import fsync_dir, rename_into_place, remove_if_present, write_new_file_durably
+from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_file import read_commit_sequence
 
 STEP_DIR_RE = re.compile(r"^step_(\d+)$")

@@ -27,11 +27,11 @@ import os
 import shutil
 from typing import Callable, Collection
 
-from dcp_datastates.core.commit import fsync_dir, remove_if_present
+from dcp_datastates.core.durable import fsync_dir, remove_if_present
 from dcp_datastates.core.reader import DataStatesReader
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.file_names import layout_files, stray_files
-from dcp_datastates.format.rank_index import METADATA_FILE
+from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.manager.checkpoint_root import (
     LATEST_FILE,
     LATEST_TMP_RE,
@@ -93,7 +93,7 @@ def committed_strays(path: str, allow_pickle: bool = False) -> list[str]:
     """
     try:
         reader = DataStatesReader(path, allow_pickle=allow_pickle)
-        reader.read_metadata()
+        reader.load_metadata()
     except (CheckpointError, OSError):
         return []
     return stray_files(os.listdir(path), layout_files(reader.layout))

@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from dcp_datastates.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from dcp_datastates.format.file_names import layout_files
-from dcp_datastates.format.rank_index import METADATA_FILE, CheckpointLayout
+from dcp_datastates.format.file_names import METADATA_FILE
+from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 from dcp_datastates.format.metadata_file import read_metadata_file
 from dcp_datastates.core.reader import DataStatesReader, missing_checkpoint_error
 from dcp_datastates.format.safe_objects import CheckedObject, load_plain_object
@@ -171,7 +172,7 @@ class CheckpointView:
             if loc is None:
                 raise CorruptCheckpointError(f"{self.path}: no stored location for {index.fqn!r}")
             if loc.is_compressed:  # stored bytes: the sum of its frames (offset -1: several places)
-                from dcp_datastates.format.rank_index import compressed_blocks
+                from dcp_datastates.format.checkpoint_layout import compressed_blocks
 
                 frames = self.reader.rank_index(loc.relative_path).objects
                 n = compressed_blocks(loc.length, self.reader.layout.compression[1])

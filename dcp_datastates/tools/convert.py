@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from dcp_datastates.tools.common import PROG, format_fields, human_bytes
-from dcp_datastates.core.commit import fsync_dir
+from dcp_datastates.core.durable import fsync_dir
 from dcp_datastates.tools.progress import ByteCounter
 from dcp_datastates.tools.output import move_into_place, naming_output_errors, remove_output
 from dcp_datastates.tools.checkpoint_view import FORMAT_DCP, CheckpointView, _split_box, check_output_apart, read_ahead

@@ -41,7 +41,7 @@ from dcp_datastates.tools.common import dtype_name, format_fields, human_bytes, 
 from dcp_datastates.tools.progress import ByteCounter
 from dcp_datastates.tools.output import move_into_place, naming_output_errors, remove_output
 from dcp_datastates.tools.checkpoint_view import DEFAULT_BLOCK_BYTES, CheckpointView, check_output_apart, read_ahead
-from dcp_datastates.core.commit import fsync_dir
+from dcp_datastates.core.durable import fsync_dir
 from dcp_datastates.errors import UnsafeCheckpointError
 
 FORMATS = ("hdf5", "zarr")

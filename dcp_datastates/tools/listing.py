@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from dcp_datastates.errors import CheckpointNotFoundError
 from dcp_datastates.format.file_names import is_metadata_temporary, is_save_file, stray_files
-from dcp_datastates.format.rank_index import DATA_FILE_RE, METADATA_FILE
+from dcp_datastates.format.file_names import DATA_FILE_RE, METADATA_FILE
 from dcp_datastates.manager.checkpoint_root import read_latest, step_of
 from dcp_datastates.tools.common import PROG, dtype_name, format_table, human_bytes, one_line
 from dcp_datastates.tools.progress import LazyProgress
