@@ -97,6 +97,15 @@ def init_gloo() -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem ``path`` is on (``tmpfs``, ``ext4``, ...; ``?`` if unknown)."""
+    try:
+        out = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "-T", path], capture_output=True, text=True)
+        return out.stdout.strip().splitlines()[0] if out.stdout.strip() else "?"
+    except OSError:
+        return "?"
+
+
 def mem_available() -> int:
     with open("/proc/meminfo") as f:
         for ln in f:

@@ -19,11 +19,26 @@ Variants (every save is durable: its data is fsynced before the clock stops)
                 I/O threads; the target compares against raw_direct's read
   torch         torch.save(state, file) + fsync(file) + fsync(dir);
                 load: torch.load(file, mmap=False, weights_only=True)
+  memcpy        (save only, the limit on fast storage) one thread memcpy of the
+                same byte count between two prefaulted buffers (_probes.probe_memcpy,
+                fastest of 3): no save that moves each byte once can beat it
   dcp_t1        dcp.save with FileSystemWriter(thread_count=1) (DCP's default);
                 load: dcp.load with FileSystemReader into preallocated tensors
   dcp_t2        the same with FileSystemWriter(thread_count=2)
-  ours          dcp.save with DataStatesWriter(path) (default settings);
+  ours          dcp.save with DataStatesWriter(path) (default settings, safe mode);
                 load: dcp.load with DataStatesReader into preallocated tensors
+  dcp_t1_repeat (small state) a repeated save of the same structure with DCP's plan
+                caching (DefaultSavePlanner(enable_plan_caching=True), cache filled
+                by an untimed save first), FileSystemWriter(thread_count=1)
+  ours_repeat   (small state) the same with DataStatesWriter
+
+Targets depend on the storage under --dir (issue 15):
+  tmpfs (no disk: software cost)  big: save >= 1.3x the best DCP (t=1, t=2) and
+                                  >= 0.5x memcpy; load >= 2x DCP
+  a disk                          big: save >= 0.9x raw O_DIRECT and >= 1.0x the best
+                                  DCP; load >= 0.9x the raw cold read
+  both                            small: save >= 6x and load >= 4x DCP t=1, first
+                                  and repeated saves
 
 Every load is cold: drop_page_cache() runs on every file of the checkpoint
 first. Destination tensors are allocated and touched (zeroed) before the
@@ -57,8 +72,9 @@ warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|loa
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter  # noqa: E402
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 
-from bench_common import add_common_args, drop_tree, fmt, make_scratch, median, remove, remove_scratch, write_json  # noqa: E402
+from bench_common import add_common_args, drop_tree, filesystem_type, fmt, make_scratch, median, remove, remove_scratch, write_json  # noqa: E402
 from bench_common import machine_info as common_machine_info  # noqa: E402
 from dcp_datastates import DataStatesReader, DataStatesWriter  # noqa: E402
 from dcp_datastates import _engine, _probes  # noqa: E402
@@ -69,22 +85,44 @@ GiB = 1 << 30
 GB = 1e9
 BLOCK = 8 * MiB
 
-SAVE_VARIANTS = ["raw_direct", "raw_buffered", "raw_read_2t", "torch", "dcp_t1", "dcp_t2", "ours"]
+SAVE_VARIANTS = ["raw_direct", "raw_buffered", "raw_read_2t", "memcpy", "torch", "dcp_t1", "dcp_t2", "ours"]
+REPEAT_VARIANTS = ["dcp_t1_repeat", "ours_repeat"]  # the small state only
 LABELS = {
     "raw_direct": "raw O_DIRECT write / cold read",
     "raw_read_2t": "raw cold read, 2 threads",
     "raw_buffered": "raw buffered write+fsync",
+    "memcpy": "memcpy, 1 thread (limit)",
     "torch": "torch.save / torch.load",
     "dcp_t1": "DCP FileSystem t=1 (default)",
     "dcp_t2": "DCP FileSystem t=2",
     "ours": "ours DataStates",
+    "dcp_t1_repeat": "DCP t=1, repeated (plan cache)",
+    "ours_repeat": "ours, repeated (plan cache)",
 }
 TARGETS = {
-    "save_vs_raw_direct": 0.9,
-    "save_vs_dcp_t1_big": 1.5,
-    "save_vs_dcp_t1_small": 3.0,
-    "load_vs_raw_read": 0.9,
+    "tmpfs": {"save_vs_best_dcp_big": 1.3, "save_vs_memcpy_big": 0.5, "load_vs_dcp_big": 2.0},
+    "disk": {"save_vs_raw_direct_big": 0.9, "save_vs_best_dcp_big": 1.0, "load_vs_raw_read_big": 0.9},
+    "both": {"save_vs_dcp_t1_small": 6.0, "save_repeat_vs_dcp_t1_repeat_small": 6.0, "load_vs_dcp_t1_small": 4.0},
 }
+
+
+class OursCachedPlanner(DefaultSavePlanner):
+    """DCP's planner with plan caching, for our repeated saves. DCP keys its plan cache by
+    the planner's class name: one class per writer keeps the two caches apart."""
+
+    def __init__(self) -> None:
+        super().__init__(enable_plan_caching=True)
+
+
+class DcpCachedPlanner(DefaultSavePlanner):
+    """The same for FileSystemWriter's repeated saves."""
+
+    def __init__(self) -> None:
+        super().__init__(enable_plan_caching=True)
+
+
+def variants_for(state_name: str) -> list[str]:
+    return SAVE_VARIANTS + (REPEAT_VARIANTS if state_name == "small" else [])
 
 
 # ---------------------------------------------------------------- states
@@ -210,6 +248,9 @@ class Runner:
         remove(path)
         return {"save_s": save_s, "load_s": None, "save_bytes": written}
 
+    def _memcpy(self, state, dst, nbytes, verify, what) -> dict:
+        return {"save_s": _probes.probe_memcpy(nbytes, BLOCK, 3), "load_s": None, "save_bytes": nbytes}
+
     def _raw_read_2t(self, state, dst, nbytes, verify, what) -> dict:
         path = self.fresh("raw_read_2t") + ".bin"
         _probes.probe_sequential_write(path, nbytes, BLOCK, True)
@@ -247,10 +288,10 @@ class Runner:
 
     # -- DCP ---------------------------------------------------------------
 
-    def _dcp(self, state, dst, verify, what, writer_factory, reader_factory, tag) -> dict:
+    def _dcp(self, state, dst, verify, what, writer_factory, reader_factory, tag, planner=None) -> dict:
         d = self.fresh(tag)
         writer = writer_factory(d)
-        save_s, _ = timed(lambda: dcp.save(state, storage_writer=writer, no_dist=True))
+        save_s, _ = timed(lambda: dcp.save(state, storage_writer=writer, no_dist=True, planner=planner))
         rec = {"save_s": save_s, "file_bytes": sum(
             os.path.getsize(os.path.join(d, n)) for n in os.listdir(d)), "files": len(os.listdir(d))}
         if isinstance(writer, DataStatesWriter):
@@ -278,6 +319,17 @@ class Runner:
     def _ours(self, state, dst, nbytes, verify, what) -> dict:
         return self._dcp(state, dst, verify, what, DataStatesWriter, DataStatesReader, "ours")
 
+    def _dcp_t1_repeat(self, state, dst, nbytes, verify, what) -> dict:
+        return self._dcp(state, dst, verify, what, lambda d: FileSystemWriter(d, thread_count=1),
+                         FileSystemReader, "dcp_t1_repeat", DcpCachedPlanner())
+
+    def _ours_repeat(self, state, dst, nbytes, verify, what) -> dict:
+        rec = self._dcp(state, dst, verify, what, DataStatesWriter, DataStatesReader, "ours_repeat",
+                        OursCachedPlanner())
+        if not rec["stats"]["plan_from_cache"]:
+            raise AssertionError(f"{what}: the repeated save did not use DCP's cached plan")
+        return rec
+
 
 # ---------------------------------------------------------------- reporting
 
@@ -288,9 +340,9 @@ def machine_info(root: str) -> dict:
     return info
 
 
-def summarize(reps: list[dict], nbytes: int) -> dict:
+def summarize(reps: list[dict], nbytes: int, variants: list[str]) -> dict:
     out = {}
-    for v in SAVE_VARIANTS:
+    for v in variants:
         recs = [r[v] for r in reps]
         save_s = median([r["save_s"] for r in recs])
         load_s = median([r.get("load_s") for r in recs])
@@ -307,37 +359,54 @@ def summarize(reps: list[dict], nbytes: int) -> dict:
     return out
 
 
-def ratios(summary: dict, state_name: str) -> list[dict]:
+def ratios(summary: dict, state_name: str, storage: str) -> list[dict]:
+    """The ratios of this state's medians, with the targets of ``storage`` (tmpfs or disk)."""
     ours = summary["ours"]
-    dcp_target = TARGETS["save_vs_dcp_t1_big" if state_name == "big" else "save_vs_dcp_t1_small"]
+    gbps = {v: r["save_gbps"] for v, r in summary.items()}
+    best_dcp = max(x for x in (gbps["dcp_t1"], gbps["dcp_t2"]) if x) if (gbps["dcp_t1"] or gbps["dcp_t2"]) else None
+    targets = {**TARGETS[storage], **TARGETS["both"]}
+
+    def target(name: str):
+        return targets.get(f"{name}_{state_name}")
+
     rows = [
-        ("ours save / raw O_DIRECT write", ours["save_gbps"], summary["raw_direct"]["save_gbps"],
-         TARGETS["save_vs_raw_direct"]),
-        ("ours save / raw buffered write+fsync", ours["save_gbps"], summary["raw_buffered"]["save_gbps"], None),
-        ("ours save / DCP t=1 (default)", ours["save_gbps"], summary["dcp_t1"]["save_gbps"], dcp_target),
-        ("ours save / DCP t=2", ours["save_gbps"], summary["dcp_t2"]["save_gbps"], None),
-        ("ours save / torch.save", ours["save_gbps"], summary["torch"]["save_gbps"], None),
-        ("ours load / raw cold read", ours["load_gbps"], summary["raw_direct"]["load_gbps"],
-         TARGETS["load_vs_raw_read"]),
+        ("ours save / raw O_DIRECT write", ours["save_gbps"], gbps["raw_direct"], target("save_vs_raw_direct")),
+        ("ours save / raw buffered write+fsync", ours["save_gbps"], gbps["raw_buffered"], None),
+        ("ours save / memcpy limit", ours["save_gbps"], gbps["memcpy"], target("save_vs_memcpy")),
+        ("ours save / best DCP (t=1, t=2)", ours["save_gbps"], best_dcp, target("save_vs_best_dcp")),
+        ("ours save / DCP t=1 (default)", ours["save_gbps"], gbps["dcp_t1"], target("save_vs_dcp_t1")),
+        ("ours save / DCP t=2", ours["save_gbps"], gbps["dcp_t2"], None),
+        ("ours save / torch.save", ours["save_gbps"], gbps["torch"], None),
+    ]
+    if "ours_repeat" in summary:
+        rows += [
+            ("ours repeated save / DCP t=1 repeated", summary["ours_repeat"]["save_gbps"],
+             gbps["dcp_t1_repeat"], target("save_repeat_vs_dcp_t1_repeat")),
+            ("ours repeated save / ours first save", summary["ours_repeat"]["save_gbps"], ours["save_gbps"], None),
+        ]
+    rows += [
+        ("ours load / raw cold read", ours["load_gbps"], summary["raw_direct"]["load_gbps"], target("load_vs_raw_read")),
         ("ours load / raw cold read, 2 threads", ours["load_gbps"], summary["raw_read_2t"]["load_gbps"], None),
-        ("ours load / DCP FileSystemReader", ours["load_gbps"], summary["dcp_t1"]["load_gbps"], None),
+        ("ours load / DCP FileSystemReader", ours["load_gbps"], summary["dcp_t1"]["load_gbps"],
+         target("load_vs_dcp") or target("load_vs_dcp_t1")),
         ("ours load / torch.load", ours["load_gbps"], summary["torch"]["load_gbps"], None),
     ]
     out = []
-    for name, a, b, target in rows:
+    for name, a, b, tgt in rows:
         r = a / b if a and b else None
-        out.append({"name": name, "ratio": r, "target": target,
-                    "pass": (r >= target) if (target is not None and r is not None) else None})
+        out.append({"name": name, "ratio": r, "target": tgt,
+                    "pass": (r >= tgt) if (tgt is not None and r is not None) else None})
     return out
 
 
 def print_state(name: str, meta: dict, summary: dict, rat: list[dict], ours_stats: list[dict], reps: int) -> None:
+    variants = list(summary)
     print()
     print(f"=== state {name}: {meta['tensors']} tensors, {meta['bytes'] / GiB:.3f} GiB "
           f"({meta['bytes'] / GB:.3f} GB), median of {reps} rep(s) ===")
     print(f"{'variant':<32}{'save s':>8}{'save GB/s':>11}{'load s':>8}{'load GB/s':>11}"
           f"   per rep GB/s: save | load")
-    for v in SAVE_VARIANTS:
+    for v in variants:
         s = summary[v]
         per_s = " ".join(f"{x:.2f}" for x in s["save_gbps_reps"]) or "-"
         per_l = " ".join(f"{x:.2f}" for x in s["load_gbps_reps"]) or "-"
@@ -347,12 +416,13 @@ def print_state(name: str, meta: dict, summary: dict, rat: list[dict], ours_stat
     for r in rat:
         verdict = "" if r["target"] is None else (
             f"target >= {r['target']:.1f}x  {'PASS' if r['pass'] else 'FAIL'}")
-        print(f"  {r['name']:<40}{fmt(r['ratio'], '.2f', 6)}x   {verdict}")
+        print(f"  {r['name']:<42}{fmt(r['ratio'], '.2f', 6)}x   {verdict}")
     keys = ["data_write_s", "submit_s", "objects_s", "metadata_serialize_s", "index_s", "commit_s",
-            "dcp_other_s"]
+            "dcp_other_s", "windows_from_source"]
     med = {k: median([s[k] for s in ours_stats]) for k in keys}
     before = [s["metadata_done_before_data"] for s in ours_stats]
-    print("ours last_save_stats (median s): " + ", ".join(f"{k}={med[k]:.4f}" for k in keys))
+    print("ours last_save_stats (median s): " + ", ".join(f"{k}={med[k]:.4f}" for k in keys[:-1])
+          + f"; windows written without a staging copy: {med['windows_from_source']:.0f}")
     print(f"  metadata_serialize_s {med['metadata_serialize_s']:.4f} vs data_write_s "
           f"{med['data_write_s']:.4f}; metadata_done_before_data per rep: {before}; "
           f"direct_io={ours_stats[0]['direct_io']}, bytes_written={ours_stats[0]['bytes_written']}")
@@ -376,8 +446,12 @@ def main() -> int:
     state_names = [s for s in args.states.split(",") if s]
     base, root, created_base = make_scratch(args.dir, "run-")
     info = machine_info(base)
+    fstype = filesystem_type(root)
+    storage = "tmpfs" if fstype == "tmpfs" else "disk"
+    info["storage"] = storage
     t_start = time.perf_counter()
-    print(f"dcp_datastates save/load benchmark: dir={root} reps={reps} quick={args.quick}")
+    print(f"dcp_datastates save/load benchmark: dir={root} ({fstype}: {storage} targets) reps={reps} "
+          f"quick={args.quick}")
     print(f"nproc={info['nproc']} cpu={info.get('cpu', '?')} RAM={info.get('mem_total_kib', 0) / 2**20:.1f} GiB "
           f"torch={info['torch']} threads={info['torch_threads']} "
           f"crc32c={info['crc32c_backend']} mount: {info.get('mount', '?')}")
@@ -403,28 +477,45 @@ def main() -> int:
         tiny_dst = {k: torch.zeros_like(v) for k, v in tiny.items()}
         for v in SAVE_VARIANTS:
             runner.run(v, "warmup", tiny, tiny_dst, state_bytes(tiny))
+        # The repeated-save variants: one untimed save of the real structure fills DCP's plan cache.
+        for name in state_names:
+            for v in variants_for(name):
+                if v in REPEAT_VARIANTS:
+                    d = runner.fresh("fill")
+                    writer = DataStatesWriter(d) if v == "ours_repeat" else FileSystemWriter(d, thread_count=1)
+                    planner = OursCachedPlanner() if v == "ours_repeat" else DcpCachedPlanner()
+                    dcp.save(states[name], storage_writer=writer, no_dist=True, planner=planner)
+                    remove(d)
 
         results = {n: [] for n in state_names}
         for rep in range(reps):
-            order = SAVE_VARIANTS[rep % len(SAVE_VARIANTS):] + SAVE_VARIANTS[:rep % len(SAVE_VARIANTS)]
             for name in state_names:
+                names = variants_for(name)
+                order = names[rep % len(names):] + names[:rep % len(names)]
                 recs = {}
                 for v in order:
                     recs[v] = runner.run(v, name, states[name], dsts[name], metas[name]["bytes"])
-                st = recs["ours"]["stats"]
-                st["dcp_other_s"] = recs["ours"]["save_s"] - st["data_write_s"] - st["index_s"] - st["commit_s"]
+                for v in ("ours", "ours_repeat"):
+                    if v in recs:
+                        st = recs[v]["stats"]
+                        st["dcp_other_s"] = recs[v]["save_s"] - st["data_write_s"] - st["index_s"] - st["commit_s"]
                 results[name].append(recs)
-                line = " ".join(f"{v}={recs[v]['save_s'] or 0:.2f}/{recs[v]['load_s'] or 0:.2f}" for v in SAVE_VARIANTS)
+                line = " ".join(f"{v}={recs[v]['save_s'] or 0:.2f}/{recs[v]['load_s'] or 0:.2f}" for v in names)
                 print(f"rep {rep + 1}/{reps} {name} (save/load s, order {','.join(order)}): {line}", flush=True)
 
         report = {"config": {"reps": reps, "quick": args.quick, "dir": root, "big_bytes": big_bytes,
                              "small_count": small_count, "block": BLOCK, "argv": sys.argv},
-                  "machine": info, "targets": TARGETS, "states": {}}
+                  "machine": info, "targets": {**TARGETS[storage], **TARGETS["both"]}, "states": {}}
         for name in state_names:
-            summary = summarize(results[name], metas[name]["bytes"])
-            rat = ratios(summary, name)
+            summary = summarize(results[name], metas[name]["bytes"], variants_for(name))
+            rat = ratios(summary, name, storage)
             ours_stats = [r["ours"]["stats"] for r in results[name]]
             print_state(name, metas[name], summary, rat, ours_stats, reps)
+            repeat_stats = [r["ours_repeat"]["stats"] for r in results[name] if "ours_repeat" in r]
+            if repeat_stats:
+                keys = ["data_write_s", "submit_s", "metadata_serialize_s", "commit_s", "dcp_other_s"]
+                print("ours_repeat last_save_stats (median s): " + ", ".join(
+                    f"{k}={median([st[k] for st in repeat_stats]):.4f}" for k in keys))
             report["states"][name] = {**metas[name], "median": summary, "ratios": rat,
                                       "reps": results[name]}
         verified = sorted(f"{s}/{v}" for s, v in runner.verified if s != "warmup")

@@ -84,7 +84,8 @@ class PyWriteJob {
   // after the stager copied (or gathered) its pieces into a pool slot, and the
   // I/O threads checksum and write from that slot only; a window with CUDA
   // pieces counts as staged only after its device-to-host copy completed. So
-  // the buffers may be freed now, long before the job ends. On failure they
+  // the buffers may be freed now, long before the job ends (a borrowed
+  // window written from the caller's memory is staged once written). On failure they
   // are kept (a stager may still be copying from them) and False is returned.
   bool release_staged() {
     owned("waiting for the staging of a write");
@@ -123,6 +124,8 @@ class PyWriteJob {
     return job_->done();
   }
   bool direct() { return job_->direct(); }
+  bool borrows() { return job_->borrows(); }
+  uint64_t windows_from_source() { return job_->windows_from_source(); }
   const std::string& path() { return job_->path(); }
 
  private:
@@ -212,6 +215,10 @@ PYBIND11_MODULE(_engine, m) {
            "Fail the job with ECANCELED and `why`; copies and writes in flight finish first.")
       .def_property_readonly("done", &PyWriteJob::done)
       .def_property_readonly("direct", &PyWriteJob::direct, "Whether the file is written with O_DIRECT.")
+      .def_property_readonly("borrows", &PyWriteJob::borrows,
+                             "Whether the job was started with borrow=True.")
+      .def_property_readonly("windows_from_source", &PyWriteJob::windows_from_source,
+                             "Windows written straight from the caller's memory so far (borrow=True).")
       .def_property_readonly("path", &PyWriteJob::path);
 
   py::class_<PyReadJob>(m, "ReadJob", "Reads running in the engine (Engine.read()).")
@@ -234,22 +241,27 @@ PYBIND11_MODULE(_engine, m) {
       .def(
           "write",
           [](std::shared_ptr<Engine> self, const std::string& path, const py::object& regions,
-             const py::object& keep, const std::string& direct_io, uint64_t preallocate, bool durable) {
+             const py::object& keep, const std::string& direct_io, uint64_t preallocate, bool durable,
+             bool borrow) {
             auto r = regions_from(regions);
             auto mode = parse_mode(direct_io);
             std::shared_ptr<WriteJob> job;
             {
               py::gil_scoped_release nogil;
-              job = self->start_write(path, std::move(r), mode, preallocate, durable);
+              job = self->start_write(path, std::move(r), mode, preallocate, durable, borrow);
             }
             return std::make_unique<PyWriteJob>(self, job, keep_list(keep));
           },
           py::arg("path"), py::arg("regions"), py::arg("keep") = py::list(), py::kw_only(),
           py::arg("direct_io") = "auto", py::arg("preallocate") = 0, py::arg("durable") = true,
+          py::arg("borrow") = false,
           "Create `path` (it must not exist) and start writing `regions` (HostRegion, StridedRegion, "
           "DeviceRegion; non-overlapping). `keep` holds what their memory belongs to. "
           "`preallocate` bytes are reserved first (a full disk fails here); durable=False skips the "
-          "final fsync (scratch files only).")
+          "final fsync (scratch files only). borrow=True promises that the caller leaves the host "
+          "memory of every region (and of later appends) unchanged until the job is done: windows "
+          "of contiguous host memory are then written from it without a copy where the file "
+          "allows (buffered, or page-aligned for O_DIRECT), and count as staged once written.")
       .def(
           "read",
           [](std::shared_ptr<Engine> self, std::vector<std::string> paths, const py::object& requests,

@@ -4,10 +4,12 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 
 #include "posix_file.hpp"
 
@@ -69,6 +71,23 @@ void drop_page_cache(const std::string& path) {
   int rc = ::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED);
   if (rc != 0) throw IoError(rc, path, -1, describe_errno("posix_fadvise", rc, -1, 0));
   fd.close();
+}
+
+double probe_memcpy(uint64_t total, uint64_t block, unsigned reps) {
+  if (block == 0) throw std::invalid_argument("probe_memcpy: block must be positive");
+  Mapping src(total), dst(total);  // MAP_POPULATE: faulted in before the clock starts
+  std::memset(src.p, 0x5a, total);
+  std::memset(dst.p, 0, total);
+  double best = 0;
+  for (unsigned r = 0; r < std::max(reps, 1u); ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    for (uint64_t off = 0; off < total; off += block)
+      std::memcpy(static_cast<char*>(dst.p) + off, static_cast<const char*>(src.p) + off,
+                  std::min(block, total - off));
+    const double s = seconds_since(t0);
+    if (r == 0 || s < best) best = s;
+  }
+  return best;
 }
 
 }  // namespace dcpds

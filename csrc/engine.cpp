@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <memory>
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
@@ -103,8 +105,8 @@ void StridedLayout::gather(uint8_t* dst, const uint8_t* base, uint64_t logical,
 
 // ---------------------------------------------------------------- WriteJob
 
-WriteJob::WriteJob(std::string path, DirectMode mode, uint64_t preallocate, bool durable)
-    : path_(std::move(path)), mode_(mode), durable_(durable) {
+WriteJob::WriteJob(std::string path, DirectMode mode, uint64_t preallocate, bool durable, bool borrow)
+    : path_(std::move(path)), mode_(mode), durable_(durable), borrow_(borrow) {
   const int base = O_WRONLY | O_CREAT | O_EXCL;
   if (mode != DirectMode::kBuffered) {
     int err = 0;
@@ -118,10 +120,23 @@ WriteJob::WriteJob(std::string path, DirectMode mode, uint64_t preallocate, bool
     }
   }
   if (!fd_.valid()) fd_ = Fd::open(path_, base);
+  struct statfs fs;
+  const bool tmpfs =
+      ::fstatfs(fd_.get(), &fs) == 0 && static_cast<unsigned long>(fs.f_type) == TMPFS_MAGIC;
+  if (tmpfs && direct_.load() && mode == DirectMode::kAuto) {
+    // tmpfs accepts O_DIRECT (Linux 6.6 and newer) but its pages are the
+    // storage: a direct write is a copy into them like a buffered one, and a
+    // buffered file lets a borrowed job write from the caller's memory.
+    const int flags = ::fcntl(fd_.get(), F_GETFL);
+    if (flags < 0 || ::fcntl(fd_.get(), F_SETFL, flags & ~O_DIRECT) < 0) {
+      int err = errno;
+      throw IoError(err, path_, -1, describe_errno("clearing O_DIRECT (fcntl)", err, -1, 0));
+    }
+    direct_ = false;
+  }
   preallocate_ = preallocate;
   if (preallocate_ == 0) return;
-  struct statfs fs;
-  if (::fstatfs(fd_.get(), &fs) == 0 && static_cast<unsigned long>(fs.f_type) == TMPFS_MAGIC) {
+  if (tmpfs) {
     // On tmpfs fallocate allocates and zeroes every page: done here it would make
     // stage() take time proportional to the state (58 ms for 200 MB). A full
     // filesystem still fails here, by its free space; the pages are reserved by
@@ -180,15 +195,72 @@ void WriteJob::cancel(const std::string& why) {
   fail(IoError(ECANCELED, path_, -1, why));
 }
 
+namespace {
+
+// Zeros for the gaps of windows written from the caller's memory: page-aligned
+// (an O_DIRECT iovec), never written to.
+constexpr uint64_t kZeroBytes = 1 << 20;
+const uint8_t* zero_block() {
+  static const std::unique_ptr<uint8_t, decltype(&std::free)> block(
+      [] {
+        void* p = std::aligned_alloc(kAlign, kZeroBytes);
+        if (p == nullptr) throw std::bad_alloc();
+        std::memset(p, 0, kZeroBytes);
+        return static_cast<uint8_t*>(p);
+      }(),
+      &std::free);
+  return block.get();
+}
+
+void push_zeros(std::vector<iovec>& iov, uint64_t n) {
+  for (; n > 0;) {
+    const uint64_t take = std::min(n, kZeroBytes);
+    iov.push_back({const_cast<uint8_t*>(zero_block()), take});
+    n -= take;
+  }
+}
+
+// The window's bytes as buffers: its slot, or its pieces and the zeros between them.
+std::vector<iovec> window_buffers(const WriteJob::Window& w) {
+  std::vector<iovec> iov;
+  if (!w.from_source) {
+    iov.push_back({w.slot, w.padded()});
+    return iov;
+  }
+  iov.reserve(2 * w.pieces.size() + 1);
+  uint64_t cursor = 0;
+  for (const auto& p : w.pieces) {
+    if (p.rel > cursor) push_zeros(iov, p.rel - cursor);
+    iov.push_back({const_cast<uint8_t*>(p.src), p.len});
+    cursor = p.rel + p.len;
+  }
+  push_zeros(iov, w.padded() - cursor);
+  return iov;
+}
+
+}  // namespace
+
+bool WriteJob::writable_from_source(const Window& w) const {
+  if (!borrow_) return false;
+  const bool direct = direct_.load();
+  for (const auto& p : w.pieces) {
+    if (p.device >= 0 || p.strided != nullptr) return false;
+    if (direct && (reinterpret_cast<uintptr_t>(p.src) % kAlign != 0 || p.rel % kAlign != 0 ||
+                   p.len % kAlign != 0))
+      return false;
+  }
+  return true;
+}
+
 void WriteJob::write_window(const Window& w) {
   std::call_once(reserved_, [this] { reserve_space(); });  // an error fails the job, like a write's
-  const uint64_t len = w.padded();
+  const std::vector<iovec> iov = window_buffers(w);
   if (!direct_.load()) {
-    (buffered_fd_.valid() ? buffered_fd_ : fd_).pwrite_all(w.slot, len, w.start);
+    (buffered_fd_.valid() ? buffered_fd_ : fd_).pwritev_all(iov, w.start);
     return;
   }
   try {
-    fd_.pwrite_all(w.slot, len, w.start);
+    fd_.pwritev_all(iov, w.start);
   } catch (const IoError& e) {
     // Some filesystems accept O_DIRECT at open and refuse it per write; in
     // auto mode the rest of the file is written through the page cache.
@@ -197,7 +269,7 @@ void WriteJob::write_window(const Window& w) {
     if (!buffered_fd_.valid()) buffered_fd_ = Fd::open(path_, O_WRONLY);
     direct_ = false;
   }
-  if (!direct_.load()) buffered_fd_.pwrite_all(w.slot, len, w.start);
+  if (!direct_.load()) buffered_fd_.pwritev_all(iov, w.start);
 }
 
 void WriteJob::on_staged(Window& w) {
@@ -425,9 +497,10 @@ void Engine::enqueue_windows(const std::shared_ptr<WriteJob>& job, std::vector<R
 }
 
 std::shared_ptr<WriteJob> Engine::start_write(const std::string& path, std::vector<Region> regions,
-                                              DirectMode mode, uint64_t preallocate, bool durable) {
+                                              DirectMode mode, uint64_t preallocate, bool durable,
+                                              bool borrow) {
   require_owner("writing", path);
-  auto job = std::make_shared<WriteJob>(path, mode, preallocate, durable);
+  auto job = std::make_shared<WriteJob>(path, mode, preallocate, durable, borrow);
   enqueue_windows(job, regions);  // throws before any window reaches the stager
   // Counted only now: a job that failed to start is never finalized. Nothing
   // can finalize it before this either, since it is not sealed yet.
@@ -471,6 +544,14 @@ void Engine::stager_loop() {
 void Engine::stage(StageTask& t) {
   WriteJob& job = *t.job;
   WriteJob::Window* w = t.window;
+  if (!job.failed() && job.writable_from_source(*w)) {
+    // No slot and no copy: an I/O thread checksums and writes the caller's
+    // memory, and counts the window as staged once it is written.
+    w->from_source = true;
+    auto job_ptr = t.job;
+    post_io([this, job_ptr, w] { flush(job_ptr, w); });
+    return;
+  }
   if (!job.failed()) {
     w->slot = pool_.acquire([&] { return job.failed() || stopping_.load(); });
     if (w->slot == nullptr && !job.failed()) job.cancel("engine shut down before the write finished");
@@ -619,16 +700,20 @@ void Engine::finish_device_copies(WriteJob& job, WriteJob::Window& w) {
 void Engine::flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w) {
   if (!w->copies_done.empty()) finish_device_copies(*job, *w);
   std::vector<Segment> segs;
-  if (w->slot != nullptr && !job->failed()) {
+  if ((w->slot != nullptr || w->from_source) && !job->failed()) {
     segs.reserve(w->pieces.size());
-    for (const auto& p : w->pieces)
-      segs.push_back({w->start + p.rel, p.len, crc32c_extend(0, w->slot + p.rel, p.len)});
+    for (const auto& p : w->pieces) {
+      const uint8_t* bytes = w->from_source ? p.src : w->slot + p.rel;
+      segs.push_back({w->start + p.rel, p.len, crc32c_extend(0, bytes, p.len)});
+    }
     try {
       job->write_window(*w);
+      if (w->from_source) job->from_source_.fetch_add(1);
     } catch (const IoError& e) {
       job->fail(e);
     }
   }
+  if (w->from_source) job->on_staged(*w);  // the engine is done with the caller's memory
   if (w->slot != nullptr) {
     pool_.release(w->slot);
     w->slot = nullptr;

@@ -8,6 +8,14 @@
 //   flush  I/O threads checksum the slot (CRC32C per region piece, while
 //          the bytes are hot) and pwrite it at its aligned file offset,
 //          O_DIRECT when the filesystem accepts it, then free the slot.
+// A job that borrows its sources (the caller keeps them unchanged and alive
+// until the job is done, as a synchronous save does) skips the copy where the
+// destination can take the caller's memory as it is: a window of contiguous
+// host pieces is checksummed and written straight from them (pwritev, zeros
+// from a shared page for the gaps) when the file is buffered, or when every
+// piece is page-aligned for O_DIRECT. Such a window counts as staged once it
+// is written. On tmpfs, auto mode writes buffered: O_DIRECT there is only
+// another copy into the same page cache.
 // A job finishes with one fsync of its file. Windows complete out of order.
 // Reads split each request into pieces (at checksum-segment boundaries) and
 // pread them in parallel straight into the caller's memory, verifying every
@@ -110,15 +118,22 @@ class WriteJob {
     uint8_t* slot = nullptr;
     bool staged = false;
     std::vector<void*> copies_done;  // CUDA events, one per device copied from
+    bool from_source = false;  // written straight from the pieces (no slot): see borrow
     uint64_t padded() const { return align_up(used); }
   };
 
   // `durable`: fsync the file when the job finishes (false only for scratch files
-  // that are read back and removed, never part of a checkpoint).
-  WriteJob(std::string path, DirectMode mode, uint64_t preallocate, bool durable = true);
+  // that are read back and removed, never part of a checkpoint). `borrow`: the
+  // caller keeps every source unchanged and alive until the job is done, so
+  // windows may be written from them without a copy (see the top of this file).
+  WriteJob(std::string path, DirectMode mode, uint64_t preallocate, bool durable = true,
+           bool borrow = false);
 
   const std::string& path() const { return path_; }
   bool direct() const { return direct_.load(); }
+  bool borrows() const { return borrow_; }
+  // Windows written straight from the caller's memory so far (no pool copy).
+  uint64_t windows_from_source() const { return from_source_.load(); }
   bool done();
   bool failed() const { return failed_.load(); }
   // Blocks until every region appended so far has been copied out of the
@@ -134,6 +149,8 @@ class WriteJob {
   void fail(const IoError& e);
   void reserve_space();
   void write_window(const Window& w);
+  // Whether `w` can be written from its pieces' memory as it is (borrowed job).
+  bool writable_from_source(const Window& w) const;
   void on_staged(Window& w);
   // Returns true when this was the last window of a sealed job.
   bool on_flushed(std::vector<Segment>&& segs);
@@ -142,6 +159,8 @@ class WriteJob {
   std::string path_;
   DirectMode mode_;
   bool durable_ = true;
+  bool borrow_ = false;
+  std::atomic<uint64_t> from_source_{0};
   uint64_t preallocate_ = 0;  // bytes to reserve before the first window is written
   std::once_flag reserved_;
   Fd fd_;
@@ -247,7 +266,8 @@ class Engine {
   // Creates `path` (it must not exist) and starts writing `regions` (sorted by
   // offset, non-overlapping). More regions may be appended until seal().
   std::shared_ptr<WriteJob> start_write(const std::string& path, std::vector<Region> regions,
-                                        DirectMode mode, uint64_t preallocate, bool durable = true);
+                                        DirectMode mode, uint64_t preallocate, bool durable = true,
+                                        bool borrow = false);
   void append(const std::shared_ptr<WriteJob>& job, std::vector<Region> regions);
   void seal(const std::shared_ptr<WriteJob>& job);
 

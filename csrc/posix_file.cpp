@@ -4,6 +4,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <climits>
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <sstream>
@@ -52,11 +54,28 @@ Fd Fd::open(const std::string& path, int flags, int mode) {
 }
 
 void Fd::pwrite_all(const void* buf, uint64_t len, uint64_t offset) const {
-  const char* p = static_cast<const char*>(buf);
+  pwritev_all({iovec{const_cast<void*>(buf), len}}, offset);
+}
+
+void Fd::pwritev_all(const std::vector<iovec>& iov, uint64_t offset) const {
+  uint64_t len = 0;
+  for (const iovec& v : iov) len += v.iov_len;
+  std::vector<iovec> batch;
+  batch.reserve(std::min<size_t>(iov.size(), IOV_MAX));
+  size_t next = 0;      // first buffer not written completely
+  uint64_t within = 0;  // bytes of iov[next] already written
   uint64_t done = 0;
   while (done < len) {
-    const uint64_t want = faults::limit_transfer(FaultOp::kWrite, path_, offset + done, len - done);
-    ssize_t n = ::pwrite(fd_, p + done, want, static_cast<off_t>(offset + done));
+    uint64_t want = faults::limit_transfer(FaultOp::kWrite, path_, offset + done, len - done);
+    batch.clear();
+    for (size_t i = next; i < iov.size() && batch.size() < IOV_MAX && want > 0; ++i) {
+      const uint64_t skip = i == next ? within : 0;
+      const uint64_t take = std::min<uint64_t>(iov[i].iov_len - skip, want);
+      if (take == 0) continue;
+      batch.push_back({static_cast<char*>(iov[i].iov_base) + skip, take});
+      want -= take;
+    }
+    ssize_t n = ::pwritev(fd_, batch.data(), static_cast<int>(batch.size()), static_cast<off_t>(offset + done));
     if (n < 0) {
       if (errno == EINTR) continue;
       int err = errno;
@@ -68,6 +87,17 @@ void Fd::pwrite_all(const void* buf, uint64_t len, uint64_t offset) const {
                     "write made no progress at offset " + std::to_string(offset + done));
     }
     done += static_cast<uint64_t>(n);
+    uint64_t advance = static_cast<uint64_t>(n);
+    while (advance > 0) {
+      const uint64_t rest = iov[next].iov_len - within;
+      if (advance < rest) {
+        within += advance;
+        break;
+      }
+      advance -= rest;
+      ++next;
+      within = 0;
+    }
   }
 }
 

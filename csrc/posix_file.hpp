@@ -5,8 +5,11 @@
 // read that hits end-of-file early is reported as truncation.
 #pragma once
 
+#include <sys/uio.h>
+
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "io_error.hpp"
 
@@ -42,6 +45,9 @@ class Fd {
   static Fd try_open(const std::string& path, int flags, int mode, int* err);
 
   void pwrite_all(const void* buf, uint64_t len, uint64_t offset) const;
+  // Writes the buffers of `iov` one after the other from `offset` (pwritev,
+  // at most IOV_MAX at a time), retrying short writes like pwrite_all().
+  void pwritev_all(const std::vector<iovec>& iov, uint64_t offset) const;
   // Returns the number of bytes read; fewer than `len` only at end-of-file.
   uint64_t pread_some(void* buf, uint64_t len, uint64_t offset) const;
   void fsync() const;

@@ -1,4 +1,4 @@
-// Benchmark-only module dcp_datastates._probes: raw disk bandwidth probes.
+// Benchmark-only module dcp_datastates._probes: raw disk and memory bandwidth probes.
 //
 // The benchmarks report our throughput as a ratio of what the same disk does
 // for the simplest sequential I/O. That is measuring equipment, not part of
@@ -37,6 +37,15 @@ PYBIND11_MODULE(_probes, m) {
       },
       py::arg("path"), py::arg("block") = 8 << 20,
       "Read all of `path` in `block`-byte buffered reads; returns (bytes read, seconds).");
+  m.def(
+      "probe_memcpy",
+      [](uint64_t total, uint64_t block, unsigned reps) {
+        py::gil_scoped_release nogil;
+        return probe_memcpy(total, block, reps);
+      },
+      py::arg("total"), py::arg("block") = 8 << 20, py::arg("reps") = 3,
+      "Copy `total` bytes between two prefaulted buffers in `block`-byte memcpy calls on one "
+      "thread; returns the seconds of the fastest of `reps` repetitions.");
   m.def(
       "drop_page_cache",
       [](const std::string& path) {

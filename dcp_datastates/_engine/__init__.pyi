@@ -167,6 +167,11 @@ class WriteJob:
     @property
     def direct(self) -> bool: ...
     @property
+    def borrows(self) -> bool: ...
+    @property
+    def windows_from_source(self) -> int:
+        """Windows written straight from the caller's memory so far (``borrow=True``)."""
+    @property
     def path(self) -> str: ...
 
 @final
@@ -191,7 +196,11 @@ class Engine:
         direct_io: Literal["auto", "on", "off"] = "auto",
         preallocate: int = 0,
         durable: bool = True,
-    ) -> WriteJob: ...
+        borrow: bool = False,
+    ) -> WriteJob:
+        """``borrow=True``: the caller leaves every region's host memory unchanged until the job is
+        done, so windows of contiguous host memory are written from it without a copy where the
+        file allows (buffered, or page-aligned for O_DIRECT)."""
     def read(self, paths: Sequence[str], requests: Iterable[ReadRequest], keep: Iterable[object] = []) -> ReadJob: ...
     def pin_pool(self) -> None:
         """cudaHostRegister the pool now; RuntimeError naming the failed call (copies still work unpinned)."""

@@ -103,8 +103,11 @@ def write_planned(
             results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
         regions, keep = finish_regions(placed)
         del placed
+        # borrow: the caller's tensors stay as they are until write_data's future completes
+        # (dcp.save waits for it), so the engine may write them without a staging copy.
         job = save.job = settings.engine.write(
-            data_path, regions, keep, direct_io=settings.direct_io, preallocate=layout.tensor_bytes_end
+            data_path, regions, keep, direct_io=settings.direct_io, preallocate=layout.tensor_bytes_end,
+            borrow=True,
         )
         del keep
     blocks, objects_base = [], layout.objects_base
@@ -158,8 +161,9 @@ def _submit_in_batches(save: RankSave, plan: SavePlan, planner: SavePlanner, lay
     whole checkpoint when each call materialises a new tensor (the
     converter reads each one from another checkpoint). Here a batch of at
     most the pool's bytes (at least one item) is submitted, and once the
-    engine has staged it (copied it into the pool: it never reads those
-    buffers again) the job and this function drop their references before
+    engine has staged it (copied it into the pool, or written it from the
+    tensors themselves: it never reads those buffers again) the job and this
+    function drop their references before
     the next batch is resolved. Batches split only at offsets the engine
     accepts for an append (at or after the previous batch's aligned end),
     so small tensors packed into one page stay in one batch.
@@ -177,7 +181,8 @@ def _submit_in_batches(save: RankSave, plan: SavePlan, planner: SavePlanner, lay
         batch_bytes = 0
         if job is None:
             job = save.job = engine.write(
-                data_path, regions, keep, direct_io=settings.direct_io, preallocate=layout.tensor_bytes_end
+                data_path, regions, keep, direct_io=settings.direct_io, preallocate=layout.tensor_bytes_end,
+                borrow=True,  # a borrowed window is staged once written: batches stay bounded
             )
         else:
             job.append(regions, keep)
@@ -334,6 +339,7 @@ def finish(
     t3 = time.perf_counter()
     stats.data_write_s = t3 - t0
     stats.direct_io = job.direct
+    stats.windows_from_source = job.windows_from_source
     tensor_end = rank_file.tensor_end
     data_size = align_up(max(offset, tensor_end), PAGE) if (tensor_end or objects or rank_file.blocks) else 0
     object_table += [(o, n) for o, n, _ in rank_file.blocks]  # compressed frames: ordinals after the objects'

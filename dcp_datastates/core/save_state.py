@@ -31,6 +31,8 @@ class SaveStats:
     bytes_written: int = 0
     items: int = 0
     direct_io: bool = False
+    # sync: windows written straight from the caller's tensors, without a staging copy
+    windows_from_source: int = 0
     asynchronous: bool = False
     stage_call_s: float = 0.0  # async: time the caller spent in stage()
     staged_s: float = 0.0  # async: from stage() until every byte left the caller's tensors
