@@ -1,7 +1,8 @@
-"""``.metadata`` is decoded (unpickled and validated) once per load, not once per look at it.
+"""``.metadata`` is decoded (its record or pickle read, then validated) once per load, not once
+per look at it.
 
-Decoding is the costly part of reading a checkpoint's metadata (a pickle
-of every key and chunk, then every entry validated); a reader remembers the
+Decoding is the costly part of reading a checkpoint's metadata (a record or
+pickle of every key and chunk, then every entry validated); a reader remembers the
 file it decoded by its identity, so a check before the load, ``verify``, and
 DCP's own ``read_metadata`` share one decoding. A new ``.metadata`` (a save
 over the same path renames a new file into place) is decoded again.
@@ -20,15 +21,15 @@ from dcp_datastates.format import metadata_file
 
 @pytest.fixture
 def decodes(monkeypatch):
-    """How many times a ``.metadata`` pickle was decoded (its one decoding function counted)."""
+    """How many times a ``.metadata`` was decoded (the check every decoding ends with counted)."""
     count = [0]
-    decode = metadata_file._unpickle_metadata
+    decode = metadata_file._checked
 
     def counted(*args, **kwargs):
         count[0] += 1
         return decode(*args, **kwargs)
 
-    monkeypatch.setattr(metadata_file, "_unpickle_metadata", counted)
+    monkeypatch.setattr(metadata_file, "_checked", counted)
     return count
 
 

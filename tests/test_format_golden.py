@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_datastates.errors import CorruptCheckpointError
-from dcp_datastates.format.metadata_file import decode_metadata, encode_trailer, parse_trailer, split_trailer
+from dcp_datastates.format.metadata_file import decode_metadata, encode_metadata, encode_trailer, parse_trailer, split_metadata
 from dcp_datastates.format.checkpoint_layout import FORMAT_VERSION, CheckpointLayout, ItemLocation, RankFiles
 from dcp_datastates.format.rank_index import decode_index, encode_index
 from dcp_datastates.format.storage_data import layout_of, layout_to_plain
@@ -52,7 +52,7 @@ INDEX_ARGS = dict(
 )
 INDEX_GOLDEN = bytes.fromhex(
     "4443504453494458"  # magic b"DCPDSIDX"
-    "05000000"  # format version 5 (u32)
+    "06000000"  # format version 6 (u32)
     "03000000"  # rank 3 (u32)
     "30313233343536373839616200000000"  # save id, ASCII, zero-padded to 16
     "0020000000000000"  # data size 8192 (u64)
@@ -62,12 +62,12 @@ INDEX_GOLDEN = bytes.fromhex(
     "8000000000000000" "a00f000000000000" "efcdab89" "00000000"  # segment: offset 128, 4000 bytes, crc, 0
     "4010000000000000" "2500000000000000"  # object: offset 4160, 37 bytes
     "8010000000000000" "0000000000000000"  # object: offset 4224, 0 bytes
-    "6cf39a23"  # CRC-32C of every byte before it
+    "8aa02d99"  # CRC-32C of every byte before it
 )
 
 
 def test_rank_index_bytes():
-    assert FORMAT_VERSION == 5
+    assert FORMAT_VERSION == 6
     blob = encode_index(**INDEX_ARGS)
     assert blob.hex() == INDEX_GOLDEN.hex()
     assert len(blob) == 56 + 2 * 24 + 2 * 16 + 4
@@ -93,41 +93,51 @@ def test_a_rank_index_of_a_newer_version_is_refused_by_name():
     from dcp_datastates.errors import UnsupportedFormatError
 
     body = INDEX_GOLDEN[:8] + struct.pack("<I", FORMAT_VERSION + 1) + INDEX_GOLDEN[12:-4]
-    with pytest.raises(UnsupportedFormatError, match=r"new\.index has format version 6"):
+    with pytest.raises(UnsupportedFormatError, match=r"new\.index has format version 7"):
         decode_index(body + struct.pack("<I", _crc32c(body)), "new.index")
 
 
 # -- the .metadata trailer -------------------------------------------------------------------
 
 PICKLE = b"\x80\x05N."  # pickle.dumps(None, protocol=5): any pickle; the trailer only counts and sums it
+RECORD = b'{"x":1}'  # any record; the trailer only counts and sums it
 TRAILER_GOLDEN = bytes.fromhex(
-    "44435044534d4434"  # magic b"DCPDSMD4"
+    "44435044534d4436"  # magic b"DCPDSMD6"
     "0400000000000000"  # the pickle's length, 4 (u64)
+    "0700000000000000"  # the record's length, 7 (u64)
     "0700000000000000"  # commit sequence 7 (u64)
-    "3dd2db73"  # CRC-32C of the pickle, then of the 8 sequence bytes (u32)
+    "4dddc266"  # CRC-32C of the pickle, the record, then the 8 sequence bytes (u32)
     "00000000"  # reserved
 )
+# Versions 4 and 5's trailer, still read: no record.
+TRAILER_V4_GOLDEN = bytes.fromhex("44435044534d4434" "0400000000000000" "0700000000000000" "3dd2db73" "00000000")
 # Version 3's trailer, still read: no sequence, the CRC-32C covers the pickle only.
 TRAILER_V3_GOLDEN = bytes.fromhex("44435044534d44430400000000000000" "ebd151a6" "00000000")
 
 
 def test_metadata_trailer_bytes():
-    trailer = encode_trailer(PICKLE, 7)
+    trailer = encode_trailer(PICKLE, 7, RECORD)
     assert trailer.hex() == TRAILER_GOLDEN.hex()
-    assert struct.unpack_from("<I", trailer, 24)[0] == _crc32c(PICKLE + struct.pack("<Q", 7))
+    assert struct.unpack_from("<I", trailer, 32)[0] == _crc32c(PICKLE + RECORD + struct.pack("<Q", 7))
 
 
-@pytest.mark.parametrize("golden,sequence,size", [(TRAILER_GOLDEN, 7, 32), (TRAILER_V3_GOLDEN, 0, 24)])
-def test_metadata_trailers_decode_from_the_golden_bytes(golden, sequence, size):
-    blob = PICKLE + golden
-    trailer = parse_trailer(blob[-32:], len(blob), "m")
-    assert (trailer.pickle_length, trailer.sequence, trailer.size) == (len(PICKLE), sequence, size)
-    body, checked = split_trailer(blob, "m")
-    assert checked and bytes(body) == PICKLE
-    flipped = bytearray(blob)
-    flipped[2] ^= 1  # a byte of the pickle
-    with pytest.raises(CorruptCheckpointError, match="checksum"):
-        split_trailer(bytes(flipped), "m")
+@pytest.mark.parametrize(
+    "golden,record,sequence,size",
+    [(TRAILER_GOLDEN, RECORD, 7, 40), (TRAILER_V4_GOLDEN, b"", 7, 32), (TRAILER_V3_GOLDEN, b"", 0, 24)],
+)
+def test_metadata_trailers_decode_from_the_golden_bytes(golden, record, sequence, size):
+    blob = PICKLE + record + golden
+    trailer = parse_trailer(blob[-40:], len(blob), "m")
+    assert (trailer.pickle_length, trailer.record_length, trailer.sequence, trailer.size) == (
+        len(PICKLE), len(record), sequence, size
+    )
+    pickled, stored_record, checked = split_metadata(blob, "m")
+    assert checked and bytes(pickled) == PICKLE and bytes(stored_record) == record
+    for at in (2, len(PICKLE) + len(record) - 1):  # a byte of the pickle, the record's last byte
+        flipped = bytearray(blob)
+        flipped[at] ^= 1
+        with pytest.raises(CorruptCheckpointError, match="checksum"):
+            split_metadata(bytes(flipped), "m")
 
 
 def test_a_trailer_sequence_out_of_range_is_refused():
@@ -155,7 +165,7 @@ LAYOUT = CheckpointLayout(
 )
 PLAIN_GOLDEN = {
     "format": "dcp_datastates",
-    "version": 5,
+    "version": 6,
     "save_id": "0123456789ab",
     "ranks": [
         (0, "rank00000-0123456789ab.data", "rank00000-0123456789ab.index", ""),
@@ -188,9 +198,10 @@ def test_plain_storage_data_decodes_to_the_layout():
     assert layout.ranks[1].files_save_id(layout.save_id) == "cafef00d0042"
 
 
-def test_layouts_read_from_older_versions_are_written_as_version_5():
+def test_layouts_read_from_older_versions_are_written_as_the_current_version():
+    """They differ from it only in how the layout and the .metadata around it were stored."""
     old = CheckpointLayout("dcp_datastates", 3, "0123456789ab", LAYOUT.ranks, LAYOUT.entries[:2])
-    assert layout_to_plain(old)["version"] == 5 and layout_to_plain(old)["compression"] is None
+    assert layout_to_plain(old)["version"] == FORMAT_VERSION and layout_to_plain(old)["compression"] is None
 
 
 def test_a_metadata_file_decodes_its_plain_layout():

@@ -84,7 +84,7 @@ def test_a_saved_metadata_names_no_class_of_ours(tmp_path, kind):
     assert names and not [n for n in names if "dcp_datastates" in n], names
     assert all(n.startswith(("torch.", "collections.", "pathlib.")) for n in names), names
     storage = pickle.loads(pickled).storage_data  # DCP's plain pickle.load stops before the trailer
-    assert list(storage) == list(PLAIN_KEYS) and storage["version"] == 5
+    assert list(storage) == list(PLAIN_KEYS) and storage["version"] == 6
     assert plain_types(storage) <= {dict, list, tuple, str, int, type(None)}
     assert (storage["compression"] is not None) == (kind == "zstd")
     assert_same(load(target(), tmp_path / "c"), make_state())
@@ -139,7 +139,7 @@ PLAIN_CASES = {
     "a non-string key": (lambda p: {**p, 3: 4}, CorruptCheckpointError, "[3]"),
     "a key missing": (lambda p: {k: v for k, v in p.items() if k != "compression"}, CorruptCheckpointError, "compression"),
     "version 4 as plain data": (lambda p: {**p, "version": 4}, CorruptCheckpointError, "pickled as a class"),
-    "a newer version": (lambda p: {**p, "version": 6, "new": 1}, UnsupportedFormatError, "version 6"),
+    "a newer version": (lambda p: {**p, "version": 7, "new": 1}, UnsupportedFormatError, "version 7"),
     "a bool version": (lambda p: {**p, "version": True}, UnsupportedFormatError, "version True"),
     "another format": (lambda p: {**p, "format": "zarr"}, UnsupportedFormatError, "'zarr'"),
     "no format": (lambda p: {**p, "format": None}, UnsupportedFormatError, "None"),

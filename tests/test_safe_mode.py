@@ -119,11 +119,10 @@ def test_only_metadata_types_are_admitted(tmp_path, module, name):
 
 
 def _with_trailer(pickled: bytes) -> bytes:
-    from dcp_datastates.native.engine import crc32c
-    from dcp_datastates.format.metadata_file import _SEQUENCE, _TRAILER, TRAILER_MAGIC
+    """A hostile pickle with a valid trailer and no plain record: read through the safe unpickler."""
+    from dcp_datastates.format.metadata_file import encode_trailer
 
-    crc = crc32c(_SEQUENCE.pack(0), crc32c(pickled))
-    return pickled + _TRAILER.pack(TRAILER_MAGIC, len(pickled), 0, crc, 0)
+    return pickled + encode_trailer(pickled)
 
 
 def test_metadata_stays_readable_by_dcps_plain_pickle(tmp_path):

@@ -27,7 +27,9 @@ FORMAT_NAME = "dcp_datastates"
 # 3: .metadata ends with a checksum trailer (see metadata_file.py).
 # 4: the trailer carries the commit sequence (CheckpointManager's order of commits).
 # 5: storage_data is plain data, no class of ours (storage_data.py); the index is unchanged.
-FORMAT_VERSION = 5
+# 6: .metadata carries a plain JSON record of the Metadata after the pickle, which our reader
+#    decodes instead of unpickling (metadata_record.py); its trailer counts the record.
+FORMAT_VERSION = 6
 
 
 def show(value, limit: int = 100) -> str:

@@ -37,7 +37,7 @@ from __future__ import annotations
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_datastates.errors import CorruptCheckpointError
-from dcp_datastates.format.checkpoint_layout import FORMAT_NAME, LAYOUT_FIELDS, RANK_FILES_FIELDS, CheckpointLayout, RankFiles, check_format_version, show, strict_fields
+from dcp_datastates.format.checkpoint_layout import FORMAT_NAME, FORMAT_VERSION, LAYOUT_FIELDS, RANK_FILES_FIELDS, CheckpointLayout, RankFiles, check_format_version, show, strict_fields
 
 PLAIN_SINCE = 5  # the first format version whose layout is plain data
 PLAIN_KEYS = ("format", "version", "save_id", "ranks", "entries", "compression")
@@ -52,15 +52,16 @@ def _corrupt(where: str, why: str) -> CorruptCheckpointError:
 
 
 def layout_to_plain(layout: CheckpointLayout) -> dict:
-    """``layout`` as format 5 stores it (see the module docstring); shares its entries list.
+    """``layout`` as format 5 and later store it (see the module docstring); shares its entries list.
 
-    A layout read from a checkpoint of version 1 to 4 is written as version
-    5: those versions differ from it only in how the layout was pickled and
-    in the ``.metadata`` trailer, which is always written in its current form.
+    A layout read from a checkpoint of an older version is written as the
+    current version: the versions differ only in how the layout was stored
+    and in what surrounds it in ``.metadata`` (trailer, record), which is
+    always written in its current form.
     """
     return {
         "format": layout.format,
-        "version": max(layout.version, PLAIN_SINCE),
+        "version": FORMAT_VERSION,
         "save_id": layout.save_id,
         "ranks": [(r.rank, r.data_file, r.index_file, r.save_id) for r in layout.ranks],
         "entries": layout.entries,
