@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import assert_same
 from dcp_datastates import DataStatesReader, verify
-from dcp_datastates.format.metadata_file import read_commit_sequence, read_metadata_file
+from dcp_datastates.format.metadata_file import read_commit_sequence, read_metadata_file, split_metadata
 
 FIXTURES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 sys.path.insert(0, FIXTURES_DIR)
@@ -76,6 +76,9 @@ def test_fixture_metadata_is_what_its_writer_wrote(fixture):
     assert metadata.storage_data is layout and layout.version == fx.version
     _, checksummed = read_metadata_file(str(path / ".metadata"))
     assert checksummed == (fx.version >= 3)
+    # From version 6 on our reader decodes the plain record; the pickle stays for DCP's tools.
+    _, record, _ = split_metadata(pickled, str(path))
+    assert (len(record) > 0) == (fx.version >= 6)
     assert read_commit_sequence(str(path / ".metadata")) == (ZSTD_SEQUENCE if fx.kind == "zstd" else None)
     own_ids = [r.save_id for r in layout.ranks if r.save_id]
     assert bool(own_ids) == (fx.kind == "async")  # an async save names its files with its own id
