@@ -2,6 +2,7 @@
 
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdio>
 #include <limits>
@@ -190,8 +191,36 @@ ReadCheck make_segment_check(py::handle offset_in_request, py::handle nbytes, py
   return c;
 }
 
+std::pair<uint64_t, uint64_t> SegmentTable::first_gap(uint64_t offset, uint64_t len) const {
+  const uint64_t end = offset + len;
+  auto it = std::lower_bound(segments.begin(), segments.end(), offset,
+                             [](const Segment& s, uint64_t at) { return s.offset < at; });
+  uint64_t pos = offset;
+  for (; it != segments.end() && it->offset + it->len <= end && pos < end; ++it) {
+    if (it->offset != pos) break;
+    pos += it->len;
+  }
+  if (pos == end) return {0, 0};
+  return {pos, end};
+}
+
+std::vector<ReadCheck> SegmentTable::checks(uint64_t offset, uint64_t len) const {
+  const auto gap = first_gap(offset, len);
+  if (gap.second != 0)
+    throw py::value_error("bytes " + std::to_string(gap.first) + ".." + std::to_string(gap.second) +
+                          " of the request are not covered by its SegmentTable");
+  std::vector<ReadCheck> out;
+  auto it = std::lower_bound(segments.begin(), segments.end(), offset,
+                             [](const Segment& s, uint64_t at) { return s.offset < at; });
+  for (uint64_t pos = offset; pos < offset + len; ++it) {
+    out.push_back({it->offset - offset, it->len, it->crc});
+    pos += it->len;
+  }
+  return out;
+}
+
 ReadRequest make_read_request(py::handle file_index, py::handle offset, py::handle nbytes,
-                              py::handle address, py::handle checks) {
+                              py::handle address, py::handle checks, const SegmentTable* verify_with) {
   const char* cls = "ReadRequest";
   ReadRequest r;
   r.file = static_cast<uint32_t>(as_uint(cls, "file_index", file_index, UINT32_MAX));
@@ -204,6 +233,12 @@ ReadRequest make_read_request(py::handle file_index, py::handle offset, py::hand
   if (addr == 0 && r.len > 0)
     throw py::value_error("ReadRequest.address is 0 (a null pointer) for " + std::to_string(r.len) + " bytes");
   r.dst = reinterpret_cast<uint8_t*>(addr);
+  if (verify_with != nullptr) {
+    if (!checks.is_none() && py::len(checks) > 0)
+      throw py::value_error("ReadRequest takes checks or verify_with, not both");
+    r.checks = verify_with->checks(r.offset, r.len);
+    return r;
+  }
   if (checks.is_none()) return r;
   r.checks = records_from<ReadCheck, ReadCheck>(checks, "ReadRequest.checks", "SegmentCheck");
   uint64_t end = 0;
@@ -317,16 +352,52 @@ void bind_records(py::module_& m) {
       .def("__repr__", &check_repr);
   value_semantics(check);
 
+  py::class_<SegmentTable>(m, "SegmentTable",
+                           "A file's checksum segments (a rank index's): `offsets`, `lengths` and `crc32cs` "
+                           "of the same length, sorted by offset, disjoint. A ReadRequest made with "
+                           "verify_with=table checks every byte of its range against them.")
+      .def(py::init([](const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lengths,
+                       const std::vector<uint32_t>& crc32cs) {
+             if (offsets.size() != lengths.size() || offsets.size() != crc32cs.size())
+               throw py::value_error("SegmentTable: offsets, lengths and crc32cs differ in length (" +
+                                     std::to_string(offsets.size()) + ", " + std::to_string(lengths.size()) +
+                                     ", " + std::to_string(crc32cs.size()) + ")");
+             SegmentTable t;
+             t.segments.reserve(offsets.size());
+             uint64_t end = 0;
+             for (size_t i = 0; i < offsets.size(); ++i) {
+               if (offsets[i] < end || lengths[i] > kMaxFileOffset - offsets[i])
+                 throw py::value_error("SegmentTable: segment " + std::to_string(i) + " at offset " +
+                                       std::to_string(offsets[i]) + " is out of order or overlaps the one before");
+               t.segments.push_back({offsets[i], lengths[i], crc32cs[i]});
+               end = offsets[i] + lengths[i];
+             }
+             return t;
+           }),
+           py::kw_only(), arg("offsets"), arg("lengths"), arg("crc32cs"))
+      .def("__len__", [](const SegmentTable& t) { return t.segments.size(); })
+      .def(
+          "first_gap",
+          [](const SegmentTable& t, uint64_t offset, uint64_t nbytes) -> py::object {
+            const auto gap = t.first_gap(offset, nbytes);
+            if (gap.second == 0) return py::none();
+            return py::make_tuple(gap.first, gap.second);
+          },
+          arg("offset"), arg("nbytes"),
+          "The first bytes [start, end) of the range that the segments inside it do not tile, or None.")
+      .def("__repr__", [](const SegmentTable& t) { return "SegmentTable(" + std::to_string(t.segments.size()) + " segments)"; });
+
   py::class_<ReadRequest>(m, "ReadRequest",
                           "Read `nbytes` at `offset` of file `file_index` (of the job's paths) into "
                           "`address`, verifying every SegmentCheck (sorted, non-overlapping) right after "
-                          "its bytes are read.")
+                          "its bytes are read. With `verify_with` (a SegmentTable) the checks are the "
+                          "table's segments inside the range, which must tile it (ValueError otherwise).")
       .def(py::init([](py::object file_index, py::object offset, py::object nbytes, py::object address,
-                       py::object checks) {
-             return make_read_request(file_index, offset, nbytes, address, checks);
+                       py::object checks, const SegmentTable* verify_with) {
+             return make_read_request(file_index, offset, nbytes, address, checks, verify_with);
            }),
            py::kw_only(), arg("file_index"), arg("offset"), arg("nbytes"), arg("address"),
-           arg("checks") = py::tuple())
+           arg("checks") = py::tuple(), arg("verify_with") = py::none())
       .def_property_readonly("file_index", [](const ReadRequest& r) { return r.file; })
       .def_property_readonly("offset", [](const ReadRequest& r) { return r.offset; })
       .def_property_readonly("nbytes", [](const ReadRequest& r) { return r.len; })

@@ -39,8 +39,20 @@ StridedRegion make_strided_region(py::handle address, py::handle nbytes, py::han
 DeviceRegion make_device_region(py::handle address, py::handle nbytes, py::handle file_offset,
                                 py::handle device, py::handle ready_event);
 ReadCheck make_segment_check(py::handle offset_in_request, py::handle nbytes, py::handle crc32c);
+
+// A file's checksum segments (a rank index's), sorted by offset and disjoint:
+// a ReadRequest made with it takes the segments of its range as its checks,
+// which must tile that range exactly (a gap is a damaged index or metadata).
+struct SegmentTable {
+  std::vector<Segment> segments;
+  // The first bytes of [offset, offset + len) no segment inside the range
+  // covers, as [start, end) file offsets; {0, 0} when they tile it exactly.
+  std::pair<uint64_t, uint64_t> first_gap(uint64_t offset, uint64_t len) const;
+  std::vector<ReadCheck> checks(uint64_t offset, uint64_t len) const;  // throws ValueError on a gap
+};
+
 ReadRequest make_read_request(py::handle file_index, py::handle offset, py::handle nbytes,
-                              py::handle address, py::handle checks);
+                              py::handle address, py::handle checks, const SegmentTable* verify_with);
 
 // The fields of a value record, in constructor order: its equality and hash
 // (and, during the transition, its tuple form).
@@ -52,7 +64,7 @@ py::tuple fields_of(const ReadFailure& f);
 std::vector<Region> regions_from(const py::handle& regions);
 std::vector<ReadRequest> read_requests_from(const py::handle& requests);
 
-// Binds Region and its subclasses, SegmentCheck, ReadRequest, Segment and ReadFailure.
+// Binds Region and its subclasses, SegmentCheck, SegmentTable, ReadRequest, Segment and ReadFailure.
 void bind_records(py::module_& m);
 
 }  // namespace dcpds

@@ -159,3 +159,33 @@ def test_cuda_event_handle_is_the_events_cuda_event():
     ev = torch.cuda.Event()
     ev.record()
     assert _dcp_compat.cuda_event_handle(ev) == ev.cuda_event != 0
+
+
+_LOGGER_SCRIPT = textwrap.dedent(
+    """
+    import logging
+    from torch.distributed.checkpoint.logger import _dcp_logger
+    from dcp_datastates import _dcp_compat
+    assert _dcp_logger.getEffectiveLevel() == logging.DEBUG, _dcp_logger.getEffectiveLevel()
+    {setup}
+    print(_dcp_compat.quiet_discarded_dcp_debug_records(), _dcp_logger.getEffectiveLevel())
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "setup,expected",
+    [
+        ("", "True 20"),  # only DCP's NullHandler: its DEBUG records reach nobody, so they stop
+        ("_dcp_logger.addHandler(logging.StreamHandler())", "False 10"),  # somebody listens: untouched
+        ("_dcp_logger.propagate = True", "False 10"),
+    ],
+)
+def test_dcps_discarded_debug_records_are_quieted_only_where_nobody_can_see_them(setup, expected):
+    """DCP builds two DEBUG records per top-level key of every save (2 s for 20,000 keys) on a
+    logger whose only handler is a NullHandler; a fresh interpreter, since the level is global."""
+    out = subprocess.run(
+        [sys.executable, "-c", _LOGGER_SCRIPT.format(setup=setup)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == expected.split()

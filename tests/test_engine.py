@@ -571,3 +571,46 @@ def test_writers_and_readers_get_a_fresh_engine_after_a_release(tmp_path, privat
     dcp.load(out, storage_reader=reader, checkpoint_id=tmp_path / "b", no_dist=True)
     assert torch.equal(out["w"], state["w"]) and out["step"] == 3
     assert writer._engine is _native.get_engine(**private_settings)
+
+
+def test_a_segment_table_gives_a_request_its_checks_and_refuses_gaps(engine, tmp_path):
+    """A reader hands the rank index's segments once (SegmentTable); each request takes the
+    segments of its range natively, and a range they do not tile is refused, not read unverified."""
+    data = _bytes(3 * WINDOW, 4)
+    path = tmp_path / "f"
+    job = engine.write(str(path), [host(data, 0)], [data])
+    job.seal()
+    segments = job.wait()
+    table = _engine.SegmentTable(
+        offsets=[s.offset for s in segments], lengths=[s.nbytes for s in segments], crc32cs=[s.crc32c for s in segments]
+    )
+    assert len(table) == len(segments) == 3 and table.first_gap(0, data.numel()) is None
+    out = torch.zeros_like(data)
+    req = ReadRequest(file_index=0, offset=0, nbytes=data.numel(), address=out.data_ptr(), verify_with=table)
+    assert req.checks == tuple(as_checks(segments))
+    assert engine.read([str(path)], [req], [out]).wait() == [] and torch.equal(out, data)
+    # A range that cuts a segment: its first untiled bytes are named, and the request refused.
+    assert table.first_gap(WINDOW, WINDOW + 100) == (2 * WINDOW, 2 * WINDOW + 100)
+    with pytest.raises(ValueError, match="not covered"):
+        ReadRequest(file_index=0, offset=WINDOW, nbytes=WINDOW + 100, address=out.data_ptr(), verify_with=table)
+    with pytest.raises(ValueError, match="not both"):
+        ReadRequest(file_index=0, offset=0, nbytes=WINDOW, address=out.data_ptr(), verify_with=table,
+                    checks=[SegmentCheck(offset_in_request=0, nbytes=WINDOW, crc32c=segments[0].crc32c)])
+    # A flipped byte is caught through the table's checks like through explicit ones.
+    with open(path, "r+b") as f:
+        f.seek(WINDOW + 5)
+        byte = f.read(1)
+        f.seek(WINDOW + 5)
+        f.write(bytes([byte[0] ^ 1]))
+    req = ReadRequest(file_index=0, offset=0, nbytes=data.numel(), address=out.data_ptr(), verify_with=table)
+    failures = engine.read([str(path)], [req], [out]).wait()
+    assert [f.kind for f in failures] == ["checksum"]
+
+
+@pytest.mark.parametrize(
+    "offsets,lengths,crcs,words",
+    [([0, 10], [20, 5], [1, 2], "out of order or overlaps"), ([0], [1, 2], [3], "differ in length")],
+)
+def test_a_malformed_segment_table_is_refused(offsets, lengths, crcs, words):
+    with pytest.raises(ValueError, match=words):
+        _engine.SegmentTable(offsets=offsets, lengths=lengths, crc32cs=crcs)

@@ -87,14 +87,31 @@ class SegmentCheck:
     def __hash__(self) -> int: ...
 
 @final
+class SegmentTable:
+    """A file's checksum segments (a rank index's): sorted by offset, disjoint."""
+
+    def __init__(self, *, offsets: Sequence[int], lengths: Sequence[int], crc32cs: Sequence[int]) -> None: ...
+    def __len__(self) -> int: ...
+    def first_gap(self, offset: int, nbytes: int) -> tuple[int, int] | None:
+        """The first bytes ``[start, end)`` of the range its segments inside it do not tile, or None."""
+
+@final
 class ReadRequest:
     """Read ``nbytes`` at ``offset`` of ``paths[file_index]`` into ``address``, verifying ``checks``.
 
-    ``checks`` must be sorted, non-overlapping and inside the request.
+    ``checks`` must be sorted, non-overlapping and inside the request. With ``verify_with``
+    the checks are that table's segments inside the range, which must tile it (ValueError).
     """
 
     def __init__(
-        self, *, file_index: int, offset: int, nbytes: int, address: int, checks: Iterable[SegmentCheck] = ()
+        self,
+        *,
+        file_index: int,
+        offset: int,
+        nbytes: int,
+        address: int,
+        checks: Iterable[SegmentCheck] = (),
+        verify_with: SegmentTable | None = None,
     ) -> None: ...
     @property
     def file_index(self) -> int: ...

@@ -80,6 +80,7 @@ class DataStatesReader(StorageReader):
         # Reads go straight into destinations: the engine's pool is not used,
         # so the reader's engine gets the smallest one (two windows).
         self._engine_ref = _native.ProcessEngine(2 * window_bytes, io_threads, window_bytes)
+        _dcp_compat.quiet_discarded_dcp_debug_records()  # see README, "Performance notes"
         self._metadata: Metadata | None = None
         self._layout: CheckpointLayout | None = None
         # The last .metadata decoded, by the file's identity: reading the same file again
@@ -345,12 +346,25 @@ class _ReadBatch:
 
     def _request(self, key: str, relative_path: str, offset: int, nbytes: int, pointer: int, idx: RankIndex) -> None:
         file = self._file(relative_path)
-        checks = ()
-        if self.reader.verify:
-            checks = _native.segment_checks(idx.checks_tiling(offset, nbytes, self.paths[file], key))
-        self.requests.append(
-            _native.ReadRequest(file_index=file, offset=offset, nbytes=nbytes, address=pointer, checks=checks)
-        )
+        if not self.reader.verify:
+            request = _native.ReadRequest(file_index=file, offset=offset, nbytes=nbytes, address=pointer)
+        else:
+            # The engine takes the range's checks from the index's table: they must tile it,
+            # since every stored byte has a segment (a gap: the index or the metadata is damaged).
+            table = idx.segment_table()
+            try:
+                request = _native.ReadRequest(
+                    file_index=file, offset=offset, nbytes=nbytes, address=pointer, verify_with=table
+                )
+            except ValueError:
+                gap = table.first_gap(offset, nbytes)
+                if gap is None:
+                    raise
+                raise CorruptCheckpointError(
+                    f"{self.paths[file]}: bytes {gap[0]}..{gap[1]} of {key!r} are not covered by the "
+                    "rank index's checksums (the index or the metadata is damaged)"
+                ) from None
+        self.requests.append(request)
         self.keys.append(key)
 
     def add(self, item: ReadItem, planner: LoadPlanner) -> None:

@@ -27,7 +27,7 @@ from typing import NamedTuple, Sequence
 
 from dcp_datastates.errors import CorruptCheckpointError, UnsupportedFormatError
 from dcp_datastates.format.checkpoint_layout import FORMAT_VERSION
-from dcp_datastates.native.engine import crc32c
+from dcp_datastates.native.engine import SegmentTable, crc32c
 
 INDEX_MAGIC = b"DCPDSIDX"
 _HEADER = struct.Struct("<8sII16sQQQ")
@@ -49,6 +49,14 @@ class RankIndex:
     seg_lengths: list[int]
     seg_crcs: list[int]
     objects: list[tuple[int, int]]
+    _table: SegmentTable | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def segment_table(self) -> SegmentTable:
+        """The segments as the engine's table (made once): a read given it as ``verify_with``
+        takes its checks from it natively, and fails if they do not tile its range."""
+        if self._table is None:
+            self._table = SegmentTable(offsets=self.seg_offsets, lengths=self.seg_lengths, crc32cs=self.seg_crcs)
+        return self._table
 
     def covering_range(self, start: int, length: int) -> tuple[int, int]:
         """The byte range of the segments that overlap ``[start, start+length)``.

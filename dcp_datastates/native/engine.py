@@ -58,6 +58,7 @@ StridedRegion = _engine.StridedRegion
 DeviceRegion = _engine.DeviceRegion
 ReadRequest = _engine.ReadRequest
 SegmentCheck = _engine.SegmentCheck
+SegmentTable = _engine.SegmentTable
 Segment = _engine.Segment
 ReadFailure = _engine.ReadFailure
 
