@@ -198,18 +198,17 @@ void WriteJob::cancel(const std::string& why) {
 namespace {
 
 // Zeros for the gaps of windows written from the caller's memory: page-aligned
-// (an O_DIRECT iovec), never written to.
+// (an O_DIRECT iovec), never written to. Never freed either: an I/O thread may
+// still be writing from it while the process exits and static objects go.
 constexpr uint64_t kZeroBytes = 1 << 20;
 const uint8_t* zero_block() {
-  static const std::unique_ptr<uint8_t, decltype(&std::free)> block(
-      [] {
-        void* p = std::aligned_alloc(kAlign, kZeroBytes);
-        if (p == nullptr) throw std::bad_alloc();
-        std::memset(p, 0, kZeroBytes);
-        return static_cast<uint8_t*>(p);
-      }(),
-      &std::free);
-  return block.get();
+  static const uint8_t* const block = [] {
+    void* p = std::aligned_alloc(kAlign, kZeroBytes);
+    if (p == nullptr) throw std::bad_alloc();
+    std::memset(p, 0, kZeroBytes);
+    return static_cast<const uint8_t*>(p);
+  }();
+  return block;
 }
 
 void push_zeros(std::vector<iovec>& iov, uint64_t n) {
@@ -398,6 +397,7 @@ Engine::Engine(unsigned io_threads, uint64_t pool_bytes, uint64_t window_bytes)
   if (io_threads == 0 || io_threads > 256)
     throw std::invalid_argument("io_threads must be between 1 and 256, got " +
                                 std::to_string(io_threads));
+  (void)zero_block();  // made here, where a failure reaches the caller, not in an I/O thread
   stager_ = std::thread([this] { stager_loop(); });
   for (unsigned i = 0; i < io_threads; ++i) io_.emplace_back([this] { io_loop(); });
 }
