@@ -80,7 +80,7 @@ class DataStatesReader(StorageReader):
         # Reads go straight into destinations: the engine's pool is not used,
         # so the reader's engine gets the smallest one (two windows).
         self._engine_ref = _native.ProcessEngine(2 * window_bytes, io_threads, window_bytes)
-        _dcp_compat.quiet_discarded_dcp_debug_records()  # see README, "Performance notes"
+        _dcp_compat.quiet_discarded_dcp_debug_records()  # see README, "Performance"
         self._metadata: Metadata | None = None
         self._layout: CheckpointLayout | None = None
         # The last .metadata decoded, by the file's identity: reading the same file again

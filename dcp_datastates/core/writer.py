@@ -141,7 +141,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self.sequence = sequence
         # The engine belongs to a process: see the _engine property (forks).
         self._engine_ref = _native.ProcessEngine(host_cache_bytes, io_threads, window_bytes)
-        _dcp_compat.quiet_discarded_dcp_debug_records()  # see README, "Performance notes"
+        _dcp_compat.quiet_discarded_dcp_debug_records()  # see README, "Performance"
         self.is_coordinator = False
         self.last_save_stats = SaveStats()
         self._serial = new_writer_serial()
