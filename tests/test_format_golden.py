@@ -100,44 +100,58 @@ def test_a_rank_index_of_a_newer_version_is_refused_by_name():
 # -- the .metadata trailer -------------------------------------------------------------------
 
 PICKLE = b"\x80\x05N."  # pickle.dumps(None, protocol=5): any pickle; the trailer only counts and sums it
-RECORD = b'{"x":1}'  # any record; the trailer only counts and sums it
 TRAILER_GOLDEN = bytes.fromhex(
-    "44435044534d4436"  # magic b"DCPDSMD6"
-    "0400000000000000"  # the pickle's length, 4 (u64)
-    "0700000000000000"  # the record's length, 7 (u64)
+    "44435044534d4434"  # magic b"DCPDSMD4"
+    "0400000000000000"  # the body's length, 4 (u64): here a pickle alone
     "0700000000000000"  # commit sequence 7 (u64)
-    "4dddc266"  # CRC-32C of the pickle, the record, then the 8 sequence bytes (u32)
+    "3dd2db73"  # CRC-32C of the body, then of the 8 sequence bytes (u32)
     "00000000"  # reserved
 )
-# Versions 4 and 5's trailer, still read: no record.
-TRAILER_V4_GOLDEN = bytes.fromhex("44435044534d4434" "0400000000000000" "0700000000000000" "3dd2db73" "00000000")
 # Version 3's trailer, still read: no sequence, the CRC-32C covers the pickle only.
 TRAILER_V3_GOLDEN = bytes.fromhex("44435044534d44430400000000000000" "ebd151a6" "00000000")
+# Version 6: the plain record after the pickle, and the footer that finds it, inside the body.
+RECORD = b'{"x":1}'  # any record; the footer only counts it
+FOOTER_GOLDEN = bytes.fromhex(
+    "4443504453524336"  # magic b"DCPDSRC6"
+    "0400000000000000"  # the pickle's length, 4 (u64)
+    "0700000000000000"  # the record's length, 7 (u64)
+)
 
 
 def test_metadata_trailer_bytes():
-    trailer = encode_trailer(PICKLE, 7, RECORD)
+    trailer = encode_trailer(PICKLE, 7)
     assert trailer.hex() == TRAILER_GOLDEN.hex()
-    assert struct.unpack_from("<I", trailer, 32)[0] == _crc32c(PICKLE + RECORD + struct.pack("<Q", 7))
+    assert struct.unpack_from("<I", trailer, 24)[0] == _crc32c(PICKLE + struct.pack("<Q", 7))
 
 
-@pytest.mark.parametrize(
-    "golden,record,sequence,size",
-    [(TRAILER_GOLDEN, RECORD, 7, 40), (TRAILER_V4_GOLDEN, b"", 7, 32), (TRAILER_V3_GOLDEN, b"", 0, 24)],
-)
-def test_metadata_trailers_decode_from_the_golden_bytes(golden, record, sequence, size):
-    blob = PICKLE + record + golden
-    trailer = parse_trailer(blob[-40:], len(blob), "m")
-    assert (trailer.pickle_length, trailer.record_length, trailer.sequence, trailer.size) == (
-        len(PICKLE), len(record), sequence, size
-    )
-    pickled, stored_record, checked = split_metadata(blob, "m")
-    assert checked and bytes(pickled) == PICKLE and bytes(stored_record) == record
-    for at in (2, len(PICKLE) + len(record) - 1):  # a byte of the pickle, the record's last byte
+@pytest.mark.parametrize("golden,sequence,size", [(TRAILER_GOLDEN, 7, 32), (TRAILER_V3_GOLDEN, 0, 24)])
+def test_metadata_trailers_decode_from_the_golden_bytes(golden, sequence, size):
+    blob = PICKLE + golden
+    trailer = parse_trailer(blob[-32:], len(blob), "m")
+    assert (trailer.body_length, trailer.sequence, trailer.size) == (len(PICKLE), sequence, size)
+    pickled, record, checked = split_metadata(blob, "m")
+    assert checked and bytes(pickled) == PICKLE and len(record) == 0
+    flipped = bytearray(blob)
+    flipped[2] ^= 1  # a byte of the pickle
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        split_metadata(bytes(flipped), "m")
+
+
+def test_a_record_and_its_footer_sit_in_the_checksummed_body():
+    body = PICKLE + RECORD + FOOTER_GOLDEN
+    blob = body + encode_trailer(body, 7)
+    assert parse_trailer(blob[-32:], len(blob), "m").body_length == len(body)
+    pickled, record, checked = split_metadata(blob, "m")
+    assert checked and bytes(pickled) == PICKLE and bytes(record) == RECORD
+    for at in (len(PICKLE), len(body) - 1):  # the record's first byte, the footer's last
         flipped = bytearray(blob)
         flipped[at] ^= 1
         with pytest.raises(CorruptCheckpointError, match="checksum"):
             split_metadata(bytes(flipped), "m")
+    # A footer whose lengths do not add up to the body is named, checksum or not.
+    bad = PICKLE + RECORD + FOOTER_GOLDEN[:8] + struct.pack("<QQ", 5, 7)
+    with pytest.raises(CorruptCheckpointError, match="record footer"):
+        split_metadata(bad + encode_trailer(bad), "m")
 
 
 def test_a_trailer_sequence_out_of_range_is_refused():

@@ -103,7 +103,7 @@ def _hostile_metadata(ckpt, kind: str) -> str:
     if kind == "zeros":
         _replace_with_sparse(md, GiB)
     else:  # a pickle's first bytes and a version 4 trailer that matches the size, wrong checksum
-        trailer = _TRAILER.pack(TRAILER_MAGIC, GiB - _TRAILER.size, 0, 7, 0x12345678, 0)
+        trailer = _TRAILER.pack(TRAILER_MAGIC, GiB - _TRAILER.size, 7, 0x12345678, 0)
         _replace_with_sparse(md, GiB, [(0, b"\x80\x05\x95"), (GiB - _TRAILER.size, trailer)])
     return ".metadata"
 

@@ -139,10 +139,15 @@ def _record_file(tmp_path, record: dict) -> pathlib.Path:
     md = metadata()
     plain = metadata_file.layout_to_plain(md.storage_data)
     pickled = pickle.dumps(Metadata(md.state_dict_metadata, md.planner_data, plain, md.storage_meta, md.version))
-    raw = json.dumps(record).encode()
     path = tmp_path / ".metadata"
-    path.write_bytes(pickled + raw + metadata_file.encode_trailer(pickled, 0, raw))
+    path.write_bytes(_with_record(pickled, json.dumps(record).encode()))
     return path
+
+
+def _with_record(pickled: bytes, raw: bytes) -> bytes:
+    """``.metadata`` bytes: the pickle, ``raw`` as its record with a true footer, a true trailer."""
+    body = pickled + raw + metadata_file._FOOTER.pack(metadata_file.FOOTER_MAGIC, len(pickled), len(raw))
+    return body + metadata_file.encode_trailer(body)
 
 
 def _edit(**changes) -> dict:
@@ -181,7 +186,7 @@ def test_a_record_that_is_not_json_is_a_named_error(tmp_path):
     plain = metadata_file.layout_to_plain(md.storage_data)
     pickled = pickle.dumps(Metadata(md.state_dict_metadata, md.planner_data, plain, md.storage_meta, md.version))
     for raw in (b"{not json", b"[1, 2]", b"\xff\xfe", b"[" * 100_000):
-        (tmp_path / ".metadata").write_bytes(pickled + raw + metadata_file.encode_trailer(pickled, 0, raw))
+        (tmp_path / ".metadata").write_bytes(_with_record(pickled, raw))
         with pytest.raises(CorruptCheckpointError, match="metadata record"):
             DataStatesReader(tmp_path).read_metadata()
 

@@ -10,24 +10,29 @@ the ``Metadata`` with a validated :class:`CheckpointLayout` in its place.
 Two things are added around the pickle:
 
 * after the pickle, the same metadata as a plain JSON record
-  (:mod:`metadata_record`, format 6), which our reader decodes instead of
-  the pickle: safe and fast, where the safe unpickler costs about 30 µs per
-  item. A metadata the record cannot hold exactly gets an empty record and
-  is read through the safe unpickler;
-* a trailer after both (DCP's ``pickle.load`` stops at the pickle's end and
-  never sees them)::
+  (:mod:`metadata_record`, format 6) and a 24-byte footer that finds it::
 
-      pickle | record | b"DCPDSMD6" | pickle length (u64) | record length (u64)
-             | commit sequence (u64) | crc32c (u32) | 0 (u32)
+      record | b"DCPDSRC6" | pickle length (u64) | record length (u64)
+
+  which our reader decodes instead of the pickle: safe and fast, where the
+  safe unpickler costs about 30 µs per item. A metadata the record cannot
+  hold exactly gets neither, and is read through the safe unpickler;
+* a trailer after all of it (DCP's ``pickle.load`` stops at the pickle's
+  end and never sees the rest)::
+
+      body | b"DCPDSMD4" | body length (u64) | commit sequence (u64) | crc32c (u32) | 0 (u32)
 
   so a flipped or truncated byte is found before anything is decoded. The
-  CRC-32C covers the pickle, the record and the sequence bytes. The commit
-  sequence is the number ``CheckpointManager`` gives each commit in a root
-  (0: none); it sits in the trailer so that ordering a root's checkpoints
-  reads 40 bytes per checkpoint, not its whole metadata. Format version 4
-  and 5 had a 32-byte trailer without the record length (magic
-  ``b"DCPDSMD4"``), version 3 a 24-byte one without the sequence (magic
-  ``b"DCPDSMDC"``); both are still read; older checkpoints have no trailer;
+  body is the pickle, and the record and its footer when there is one; the
+  CRC-32C covers the body and the sequence bytes. The commit sequence is the
+  number ``CheckpointManager`` gives each commit in a root (0: none); it
+  sits in the trailer so that ordering a root's checkpoints reads 32 bytes
+  per checkpoint, not its whole metadata (format version 4). The record
+  sits inside the body so that a reader of version 5 still verifies the
+  file and unpickles its pickle (the unpickler stops at the pickle's end),
+  then refuses the layout's version 6 with "upgrade", not "corrupt".
+  Format version 3 had a 24-byte trailer without the sequence (magic
+  ``b"DCPDSMDC"``), still read; older checkpoints have no trailer;
 * a restricted unpickler, used unless the caller allows arbitrary pickles:
   it admits only DCP's metadata classes, torch's dtypes, layouts and
   ``Size``, and the class paths formats 1 to 4 pickled our layout under,
@@ -62,11 +67,11 @@ from dcp_datastates.format.checkpoint_layout import CheckpointLayout, show
 from dcp_datastates.format.metadata_record import NotRecordable, decode_record, encode_record
 from dcp_datastates.format.storage_data import LEGACY_CLASSES, layout_of, layout_to_plain
 
-TRAILER_MAGIC = b"DCPDSMD6"
-_TRAILER = struct.Struct("<8sQQQII")  # magic, pickle length, record length, commit sequence, crc32c, reserved
+TRAILER_MAGIC = b"DCPDSMD4"
+_TRAILER = struct.Struct("<8sQQII")  # magic, body length, commit sequence, crc32c, reserved
 _SEQUENCE = struct.Struct("<Q")
-TRAILER_MAGIC_V4 = b"DCPDSMD4"
-_TRAILER_V4 = struct.Struct("<8sQQII")  # magic, pickle length, commit sequence, crc32c, reserved
+FOOTER_MAGIC = b"DCPDSRC6"
+_FOOTER = struct.Struct("<8sQQ")  # magic, pickle length, record length: the end of a body with a record
 TRAILER_MAGIC_V3 = b"DCPDSMDC"
 _TRAILER_V3 = struct.Struct("<8sQII")  # magic, pickle length, crc32c, reserved
 
@@ -171,7 +176,8 @@ _BUILDABLE = _buildable()
 
 
 def encode_metadata(metadata: Metadata, sequence: int = 0) -> bytes:
-    """The bytes of ``.metadata``: the pickle, the plain record and the trailer carrying ``sequence``.
+    """The bytes of ``.metadata``: the pickle, the plain record and its footer, and the
+    trailer carrying ``sequence``.
 
     A :class:`CheckpointLayout` in ``storage_data`` is pickled as its plain form (format 5),
     in a shallow copy of ``metadata``: the caller's object keeps its layout. Any other
@@ -180,95 +186,102 @@ def encode_metadata(metadata: Metadata, sequence: int = 0) -> bytes:
     try:
         record = encode_record(metadata)
     except NotRecordable:
-        record = b""  # read through the safe unpickler, as format 5 was
+        record = None  # read through the safe unpickler, as format 5 was
     if isinstance(metadata.storage_data, CheckpointLayout):
         metadata = copy.copy(metadata)
         metadata.storage_data = layout_to_plain(metadata.storage_data)
-    blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-    return blob + record + encode_trailer(blob, sequence, record)
+    body = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+    if record is not None:
+        body += record + _FOOTER.pack(FOOTER_MAGIC, len(body), len(record))
+    return body + encode_trailer(body, sequence)
 
 
-def encode_trailer(pickled: bytes, sequence: int = 0, record: bytes = b"") -> bytes:
-    """The 40 bytes that follow the pickle ``pickled`` and its ``record`` in ``.metadata``
-    (see the module docstring)."""
+def encode_trailer(body: bytes, sequence: int = 0) -> bytes:
+    """The 32 bytes that follow ``body`` (the pickle, and the record and its footer) in
+    ``.metadata`` (see the module docstring)."""
     if not isinstance(sequence, int) or not 0 <= sequence < 1 << 64:
         raise ValueError(f"a commit sequence is an integer in [0, 2**64), got {sequence!r}")
-    crc = crc32c(_SEQUENCE.pack(sequence), crc32c(record, crc32c(pickled)))
-    return _TRAILER.pack(TRAILER_MAGIC, len(pickled), len(record), sequence, crc, 0)
+    crc = crc32c(_SEQUENCE.pack(sequence), crc32c(body))
+    return _TRAILER.pack(TRAILER_MAGIC, len(body), sequence, crc, 0)
 
 
 @dataclasses.dataclass(frozen=True)
 class Trailer:
     """What the end of a ``.metadata`` says about it, before anything is decoded."""
 
-    pickle_length: int  # bytes of the pickle, at the start of the file
+    body_length: int  # bytes before the trailer: the pickle (and record and footer, version 6)
     sequence: int  # the commit sequence (0: none); always 0 for version 3 trailers
-    crc: int  # crc32c of the pickle and record (and, version 4 on, the packed sequence)
+    crc: int  # crc32c of the body (and, version 4 on, the packed sequence)
     covers_sequence: bool  # version 4 on: the crc covers the sequence bytes too
     size: int  # bytes of the trailer itself
-    record_length: int = 0  # bytes of the plain record after the pickle (version 6; 0: none)
-
-    @property
-    def body_length(self) -> int:
-        """Bytes before the trailer: the pickle and the record, which the crc covers."""
-        return self.pickle_length + self.record_length
-
-
-TRAILER_MAX = _TRAILER.size  # the longest trailer: read this many bytes from a file's end
 
 
 def parse_trailer(tail: bytes, file_size: int, where: str) -> Trailer | None:
     """Parse the trailer from the last bytes of a ``.metadata`` of ``file_size`` bytes.
 
-    ``tail`` holds at least the file's last :data:`TRAILER_MAX` bytes (or the
+    ``tail`` holds at least the file's last ``_TRAILER.size`` bytes (or the
     whole file when it is shorter). None when there is no trailer (a file
     written by format version 2 or earlier, or by stock DCP); a trailer whose
     fields contradict the file raises :class:`CorruptCheckpointError`.
     """
-    for struct_, magic in ((_TRAILER, TRAILER_MAGIC), (_TRAILER_V4, TRAILER_MAGIC_V4), (_TRAILER_V3, TRAILER_MAGIC_V3)):
+    for struct_, magic in ((_TRAILER, TRAILER_MAGIC), (_TRAILER_V3, TRAILER_MAGIC_V3)):
         if file_size < struct_.size or len(tail) < struct_.size:
             continue
         fields = struct_.unpack_from(tail, len(tail) - struct_.size)
         if fields[0] != magic:
             continue
-        record = 0
         if struct_ is _TRAILER:
-            _, length, record, sequence, crc, reserved = fields
-        elif struct_ is _TRAILER_V4:
             _, length, sequence, crc, reserved = fields
         else:
             (_, length, crc, reserved), sequence = fields, 0
-        if length + record != file_size - struct_.size or reserved != 0:
+        if length != file_size - struct_.size or reserved != 0:
             raise CorruptCheckpointError(
-                f"{where} is corrupt: its trailer (a {length}-byte pickle, a {record}-byte record, "
-                f"reserved field {reserved}) does not match the {file_size - struct_.size} bytes before it"
+                f"{where} is corrupt: its trailer (a {length}-byte body, reserved field {reserved}) "
+                f"does not match the {file_size - struct_.size} bytes before it"
             )
-        return Trailer(length, sequence, crc, struct_ is not _TRAILER_V3, struct_.size, record)
+        return Trailer(length, sequence, crc, struct_ is _TRAILER, struct_.size)
     return None
 
 
 def trailer_crc(body, trailer: Trailer, crc: int = 0) -> int:
-    """The crc32c a trailer's ``crc`` field must equal: over ``body`` (the pickle and record
-    bytes, or the part of them after the bytes whose crc is ``crc``), then the sequence
-    from version 4 on."""
+    """The crc32c a trailer's ``crc`` field must equal: over ``body`` (the bytes before the
+    trailer, or the part of them after the bytes whose crc is ``crc``), then the sequence for
+    version 4 on."""
     value = crc32c(body, crc)
     if trailer.covers_sequence:
         value = crc32c(_SEQUENCE.pack(trailer.sequence), value)
     return value
 
 
+def split_body(body: memoryview, where: str) -> tuple[memoryview, memoryview]:
+    """A verified body's pickle and record (empty without a footer: before format 6, or a
+    metadata the record cannot hold)."""
+    if len(body) < _FOOTER.size:
+        return body, body[:0]
+    magic, pickle_length, record_length = _FOOTER.unpack_from(body, len(body) - _FOOTER.size)
+    if magic != FOOTER_MAGIC:
+        return body, body[:0]
+    if pickle_length + record_length + _FOOTER.size != len(body) or record_length == 0:
+        raise CorruptCheckpointError(
+            f"{where} is corrupt: its record footer (a {pickle_length}-byte pickle, a {record_length}-byte "
+            f"record) does not match the {len(body) - _FOOTER.size} bytes before it"
+        )
+    return body[:pickle_length], body[pickle_length : pickle_length + record_length]
+
+
 def split_metadata(blob: bytes, where: str) -> tuple[memoryview, memoryview, bool]:
     """The pickle and record parts of ``blob`` (the record empty before format 6) and whether
-    a (verified) trailer was present."""
+    a (verified) trailer was present. Without a trailer there is no record."""
     view = memoryview(blob)
-    trailer = parse_trailer(blob[-TRAILER_MAX:], len(blob), where)
+    trailer = parse_trailer(blob[-_TRAILER.size :], len(blob), where)
     if trailer is None:
         return view, view[:0], False
     body = view[: trailer.body_length]
     actual = trailer_crc(body, trailer)
     if actual != trailer.crc:
         raise _checksum_error(where, actual, trailer.crc)
-    return body[: trailer.pickle_length], body[trailer.pickle_length :], True
+    pickled, record = split_body(body, where)
+    return pickled, record, True
 
 
 def split_trailer(blob: bytes, where: str) -> tuple[memoryview, bool]:
@@ -280,7 +293,7 @@ def split_trailer(blob: bytes, where: str) -> tuple[memoryview, bool]:
 def read_commit_sequence(path: str) -> int | None:
     """The commit sequence in the trailer of the ``.metadata`` at ``path`` (unverified), or None.
 
-    Reads only the file's last 40 bytes: ordering the checkpoints of a root
+    Reads only the file's last 32 bytes: ordering the checkpoints of a root
     must not read every checkpoint's metadata. None when the file is missing,
     has no trailer of version 4 or later, or carries sequence 0. The sequence is covered
     by the metadata's checksum, so a damaged one is caught when that
@@ -288,10 +301,9 @@ def read_commit_sequence(path: str) -> int | None:
     """
     try:
         with open_checkpoint_file(path) as f:
-            if f.size < _TRAILER_V4.size:
+            if f.size < _TRAILER.size:
                 return None
-            n = min(f.size, TRAILER_MAX)
-            trailer = parse_trailer(f.pread(n, f.size - n), f.size, path)
+            trailer = parse_trailer(f.pread(_TRAILER.size, f.size - _TRAILER.size), f.size, path)
     except (FileNotFoundError, NotADirectoryError, CorruptCheckpointError):  # missing, a link, not a file
         return None
     return trailer.sequence or None if trailer is not None else None
@@ -335,7 +347,7 @@ def read_metadata_file(path: str, allow_pickle: bool = False) -> tuple[Metadata,
     with open_checkpoint_file(path) as f:
         first = f.pread(min(f.size, 2), 0)
         _check_pickle_shape(first, None, path)
-        tail = f.pread(min(f.size, TRAILER_MAX), f.size - min(f.size, TRAILER_MAX))
+        tail = f.pread(min(f.size, _TRAILER.size), f.size - min(f.size, _TRAILER.size))
         trailer = parse_trailer(tail, f.size, path)
         if trailer is None:
             _check_pickle_shape(first, tail[-1], path)
@@ -349,11 +361,12 @@ def read_metadata_file(path: str, allow_pickle: bool = False) -> tuple[Metadata,
             if actual != trailer.crc:  # it changed since it was checked
                 raise _checksum_error(path, actual, trailer.crc)
     view = memoryview(body)
-    if trailer is not None and trailer.record_length:
-        return _metadata_from_record(view[trailer.pickle_length :], path), True
-    if trailer is not None:
-        view = view[: trailer.pickle_length]
-    return _unpickle_metadata(view, path, allow_pickle, trailer is not None), trailer is not None
+    if trailer is None:
+        return _unpickle_metadata(view, path, allow_pickle, False), False
+    pickled, record = split_body(view, path)
+    if len(record):
+        return _metadata_from_record(record, path), True
+    return _unpickle_metadata(pickled, path, allow_pickle, True), True
 
 
 def _checksum_error(where: str, actual: int, stored: int) -> CorruptCheckpointError:

@@ -15,8 +15,8 @@ memory formats, ``planner_data`` that maps keys to paths of strings and
 integers (DCP's planners), ``storage_data`` that is our layout, and a
 ``StorageMeta`` whose ``checkpoint_id`` is a string or a ``pathlib`` path.
 Anything else (a custom planner's ``planner_data``, a field a newer torch
-adds) means an empty record (length 0 in the trailer): the reader decodes
-the pickle with the safe unpickler, as for format 5. The record::
+adds) means no record (and no footer): the reader decodes the pickle with
+the safe unpickler, as for format 5. The record::
 
     {"record": 1,
      "properties": [[dtype, layout, requires_grad, memory_format, pin_memory], ...],
