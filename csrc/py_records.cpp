@@ -191,31 +191,24 @@ ReadCheck make_segment_check(py::handle offset_in_request, py::handle nbytes, py
   return c;
 }
 
-std::pair<uint64_t, uint64_t> SegmentTable::first_gap(uint64_t offset, uint64_t len) const {
+uint64_t SegmentTable::tile(uint64_t offset, uint64_t len, std::vector<ReadCheck>* out) const {
   const uint64_t end = offset + len;
   auto it = std::lower_bound(segments.begin(), segments.end(), offset,
                              [](const Segment& s, uint64_t at) { return s.offset < at; });
   uint64_t pos = offset;
-  for (; it != segments.end() && it->offset + it->len <= end && pos < end; ++it) {
-    if (it->offset != pos) break;
+  for (; it != segments.end() && pos < end && it->offset == pos && it->offset + it->len <= end; ++it) {
+    if (out != nullptr) out->push_back({it->offset - offset, it->len, it->crc});
     pos += it->len;
   }
-  if (pos == end) return {0, 0};
-  return {pos, end};
+  return pos;
 }
 
 std::vector<ReadCheck> SegmentTable::checks(uint64_t offset, uint64_t len) const {
-  const auto gap = first_gap(offset, len);
-  if (gap.second != 0)
-    throw py::value_error("bytes " + std::to_string(gap.first) + ".." + std::to_string(gap.second) +
-                          " of the request are not covered by its SegmentTable");
   std::vector<ReadCheck> out;
-  auto it = std::lower_bound(segments.begin(), segments.end(), offset,
-                             [](const Segment& s, uint64_t at) { return s.offset < at; });
-  for (uint64_t pos = offset; pos < offset + len; ++it) {
-    out.push_back({it->offset - offset, it->len, it->crc});
-    pos += it->len;
-  }
+  const uint64_t reached = tile(offset, len, &out);
+  if (reached != offset + len)
+    throw py::value_error("bytes " + std::to_string(reached) + ".." + std::to_string(offset + len) +
+                          " of the request are not covered by its SegmentTable");
   return out;
 }
 
@@ -379,9 +372,9 @@ void bind_records(py::module_& m) {
       .def(
           "first_gap",
           [](const SegmentTable& t, uint64_t offset, uint64_t nbytes) -> py::object {
-            const auto gap = t.first_gap(offset, nbytes);
-            if (gap.second == 0) return py::none();
-            return py::make_tuple(gap.first, gap.second);
+            const uint64_t reached = t.tile(offset, nbytes, nullptr);
+            if (reached == offset + nbytes) return py::none();
+            return py::make_tuple(reached, offset + nbytes);
           },
           arg("offset"), arg("nbytes"),
           "The first bytes [start, end) of the range that the segments inside it do not tile, or None.")

@@ -45,9 +45,11 @@ ReadCheck make_segment_check(py::handle offset_in_request, py::handle nbytes, py
 // which must tile that range exactly (a gap is a damaged index or metadata).
 struct SegmentTable {
   std::vector<Segment> segments;
-  // The first bytes of [offset, offset + len) no segment inside the range
-  // covers, as [start, end) file offsets; {0, 0} when they tile it exactly.
-  std::pair<uint64_t, uint64_t> first_gap(uint64_t offset, uint64_t len) const;
+  // Walks the segments from `offset` while they tile [offset, offset + len)
+  // without a gap, appending each as a check (relative to `offset`) when
+  // `out` is given; returns the file offset where the tiling stopped
+  // (offset + len when it covers the range).
+  uint64_t tile(uint64_t offset, uint64_t len, std::vector<ReadCheck>* out) const;
   std::vector<ReadCheck> checks(uint64_t offset, uint64_t len) const;  // throws ValueError on a gap
 };
 

@@ -27,7 +27,7 @@ from dcp_datastates import CheckpointError, DataStatesReader
 from dcp_datastates.native.engine import crc32c
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 from dcp_datastates.format.rank_index import decode_index
-from dcp_datastates.format.metadata_file import decode_metadata, split_trailer
+from dcp_datastates.format.metadata_file import decode_metadata, split_metadata
 
 FIXTURES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 CI_EXAMPLES = 2000
@@ -171,7 +171,7 @@ def test_metadata_decoder_on_random_bytes(blob):
 @FAST
 @given(data=st.data())
 def test_metadata_decoder_on_mutated_pickles(metadata_blob, data):
-    pickled, _ = split_trailer(metadata_blob, "m")
+    pickled, _, _ = split_metadata(metadata_blob, "m")
     # Without the trailer the unpickler itself sees every mutation.
     _decode_metadata_or_named_error(mutated(bytes(pickled), data))
 
@@ -192,7 +192,7 @@ def _fixture_metadata(directory: str) -> bytes:
 @given(data=st.data())
 def test_metadata_decoder_on_mutated_pickles_of_every_format(directory, data):
     """Versions 1-4 pickled our layout as classes (decoded through stand-ins), 5 as plain data."""
-    pickled, _ = split_trailer(_fixture_metadata(directory), "m")
+    pickled, _, _ = split_metadata(_fixture_metadata(directory), "m")
     _decode_metadata_or_named_error(mutated(bytes(pickled), data))
 
 
@@ -201,7 +201,7 @@ def test_metadata_decoder_on_mutated_pickles_of_every_format(directory, data):
 @given(data=st.data())
 def test_long_fuzz_index_and_metadata(index_blob, metadata_blob, data):
     _decode_index_or_named_error(with_crc(mutated(index_blob, data)))
-    pickled, _ = split_trailer(metadata_blob, "m")
+    pickled, _, _ = split_metadata(metadata_blob, "m")
     _decode_metadata_or_named_error(mutated(bytes(pickled), data))
 
 

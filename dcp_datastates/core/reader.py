@@ -351,19 +351,13 @@ class _ReadBatch:
         else:
             # The engine takes the range's checks from the index's table: they must tile it,
             # since every stored byte has a segment (a gap: the index or the metadata is damaged).
-            table = idx.segment_table()
             try:
                 request = _native.ReadRequest(
-                    file_index=file, offset=offset, nbytes=nbytes, address=pointer, verify_with=table
+                    file_index=file, offset=offset, nbytes=nbytes, address=pointer, verify_with=idx.segment_table()
                 )
             except ValueError:
-                gap = table.first_gap(offset, nbytes)
-                if gap is None:
-                    raise
-                raise CorruptCheckpointError(
-                    f"{self.paths[file]}: bytes {gap[0]}..{gap[1]} of {key!r} are not covered by the "
-                    "rank index's checksums (the index or the metadata is damaged)"
-                ) from None
+                idx.check_tiled(offset, nbytes, self.paths[file], key)  # names the untiled bytes and key
+                raise
         self.requests.append(request)
         self.keys.append(key)
 

@@ -282,7 +282,7 @@ def _check_tiling(path: str, rel: str, idx: RankIndex, spans, report: VerifyRepo
     where = os.path.join(path, rel)
     for start, end, key in spans:
         try:
-            idx.checks_tiling(start, end - start, where, key)
+            idx.check_tiled(start, end - start, where, key)
         except CorruptCheckpointError as exc:
             report.problems.append(str(exc))
     for ordinal, (offset, length) in enumerate(idx.objects):
@@ -297,18 +297,18 @@ def _key_at(spans, offset: int) -> str | None:
     return None
 
 
-def _batches(segs, cap: int):
-    """Group segments into reads: runs of adjacent segments, at most ``cap`` bytes per batch."""
+def _batches(offsets, lengths, cap: int):
+    """Group segments into reads: runs ``[offset, nbytes]`` of adjacent segments, at most
+    ``cap`` bytes per batch."""
     batch, used, run = [], 0, None
-    for o, n, crc in segs:
+    for o, n in zip(offsets, lengths):
         if used and used + n > cap:
             yield batch, used
             batch, used, run = [], 0, None
         if run is not None and o == run[0] + run[1]:
-            run[2].append((run[1], n, crc))
             run[1] += n
         else:
-            run = [o, n, [(0, n, crc)]]
+            run = [o, n]
             batch.append(run)
         used += n
     if batch:
@@ -318,16 +318,17 @@ def _batches(segs, cap: int):
 def _check_segments(reader, rel, idx: RankIndex, spans, report, done, total, progress) -> int:
     """Read every segment of one data file through a bounded buffer and verify its CRC."""
     path = os.path.join(reader.path, rel)
-    segs = list(zip(idx.seg_offsets, idx.seg_lengths, idx.seg_crcs))
+    table = idx.segment_table()  # a run of adjacent segments is tiled by them: its checks come from here
     largest = max(idx.seg_lengths, default=0)
     buf = torch.empty(max(min(VERIFY_BUFFER_BYTES, sum(idx.seg_lengths)), largest), dtype=torch.uint8)
-    for batch, used in _batches(segs, buf.numel()):
+    for batch, used in _batches(idx.seg_offsets, idx.seg_lengths, buf.numel()):
         requests, pos = [], 0
-        for start, n, checks in batch:
-            address, checks = buf.data_ptr() + pos, _native.segment_checks(checks)
-            requests.append(_native.ReadRequest(file_index=0, offset=start, nbytes=n, address=address, checks=checks))
+        for start, n in batch:
+            address = buf.data_ptr() + pos
+            request = _native.ReadRequest(file_index=0, offset=start, nbytes=n, address=address, verify_with=table)
+            requests.append(request)
             pos += n
-            report.segments_checked += len(checks)
+            report.segments_checked += len(request.checks)
         failures = reader._engine.read([path], requests, [buf]).wait()
         _report_failures(failures, [r.offset for r in requests], spans, report)
         report.bytes_checked += used

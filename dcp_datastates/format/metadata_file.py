@@ -284,12 +284,6 @@ def split_metadata(blob: bytes, where: str) -> tuple[memoryview, memoryview, boo
     return pickled, record, True
 
 
-def split_trailer(blob: bytes, where: str) -> tuple[memoryview, bool]:
-    """The pickle part of ``blob`` and whether a (verified) trailer was present."""
-    pickled, _, checked = split_metadata(blob, where)
-    return pickled, checked
-
-
 def read_commit_sequence(path: str) -> int | None:
     """The commit sequence in the trailer of the ``.metadata`` at ``path`` (unverified), or None.
 

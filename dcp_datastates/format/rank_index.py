@@ -83,25 +83,20 @@ class RankIndex:
             i += 1
         return out
 
-    def checks_tiling(self, start: int, length: int, path: str, key: str) -> list[tuple[int, int, int]]:
-        """The segments of ``[start, start+length)``, which must tile it exactly.
+    def check_tiled(self, start: int, length: int, path: str, key: str) -> None:
+        """Refuse ``[start, start+length)`` unless the segments inside it tile it exactly.
 
         Every stored byte is covered by a segment, so a gap means the index
         (or the metadata's offsets) was damaged or edited: without this check
-        such bytes would reach the caller unverified.
+        such bytes would reach the caller unverified. The engine applies the
+        same rule to a read made with ``verify_with=self.segment_table()``.
         """
-        checks = self.checks_within(start, length)
-        pos = 0
-        for rel, n, _ in checks:
-            if rel != pos:
-                break
-            pos += n
-        if pos != length:
+        gap = self.segment_table().first_gap(start, length)
+        if gap is not None:
             raise CorruptCheckpointError(
-                f"{path}: bytes {start + pos}..{start + length} of {key!r} are not covered by the "
+                f"{path}: bytes {gap[0]}..{gap[1]} of {key!r} are not covered by the "
                 "rank index's checksums (the index or the metadata is damaged)"
             )
-        return checks
 
 
 def encode_index(
