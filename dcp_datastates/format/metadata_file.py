@@ -15,7 +15,7 @@ Two things are added around the pickle:
       record | b"DCPDSRC6" | pickle length (u64) | record length (u64)
 
   which our reader decodes instead of the pickle: safe and fast, where the
-  safe unpickler costs about 30 µs per item. A metadata the record cannot
+  safe unpickler is a pure-Python loop over every item. A metadata the record cannot
   hold exactly gets neither, and is read through the safe unpickler;
 * a trailer after all of it (DCP's ``pickle.load`` stops at the pickle's
   end and never sees the rest)::

@@ -1,9 +1,10 @@
 """The plain record of a checkpoint's ``Metadata``: what loading needs, read without pickle.
 
 ``.metadata`` stays DCP's pickle, for DCP's own tools. Decoding that pickle
-safely takes a pure-Python unpickler (see :mod:`metadata_file`), about 30 µs
-per saved item: 0.6 s for 20,000 tensors on a fast core, more than reading
-their bytes. From format 6 on, the writer also stores the same ``Metadata``
+safely takes a pure-Python unpickler (see :mod:`metadata_file`), which costs
+more than reading the tensors' bytes (docs/benchmarks.md, issue 15: a load of
+20,000 small tensors, 5.89 s before the record and the native read checks,
+3.09 s after). From format 6 on, the writer also stores the same ``Metadata``
 as a plain JSON record after the pickle (inside the checksummed region),
 and our reader builds the ``Metadata`` from it: ``json`` is a C parser with
 no way to run code or name a class, and every value is checked while the
