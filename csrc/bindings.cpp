@@ -311,7 +311,7 @@ PYBIND11_MODULE(_engine, m) {
         return crc32c_extend(crc, p, n);
       },
       py::arg("data"), py::arg("crc") = 0, "CRC-32C of a contiguous buffer, optionally extended.");
-  m.def("crc32c_backend", &crc32c_backend, "'sse4.2', 'armv8-crc' or 'table'.");
+  m.def("crc32c_backend", &crc32c_backend, "'sse4.2+pclmul', 'sse4.2', 'armv8-crc' or 'table'.");
   m.def(
       "load_cuda_runtime",
       [](const std::string& path) {

@@ -9,6 +9,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace dcpds {
 
@@ -18,5 +20,11 @@ uint32_t crc32c_extend(uint32_t crc, const void* data, size_t len);
 // Name of the implementation chosen at run time ("sse4.2", "armv8-crc",
 // "table"); reported by the Python module for diagnostics.
 const char* crc32c_backend();
+
+// Every implementation this CPU can run, by name ("table" always; "sse4.2",
+// "sse4.2+pclmul", "armv8-crc"), and one of them run by name: so that tests
+// check each against the others, not only the one picked here.
+std::vector<std::string> crc32c_kernels();
+uint32_t crc32c_with(const std::string& kernel, uint32_t crc, const void* data, size_t len);
 
 }  // namespace dcpds

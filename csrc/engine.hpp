@@ -17,6 +17,10 @@
 // is written. On tmpfs, auto mode writes buffered: O_DIRECT there is only
 // another copy into the same page cache.
 // A job finishes with one fsync of its file. Windows complete out of order.
+// An I/O thread takes the oldest window of a file no other thread is writing
+// when there is one: buffered writes to one file serialize on its inode lock
+// (tmpfs, ext4, xfs), so a rank striped over several files (one job each)
+// keeps every thread on its own file.
 // Reads split each request into pieces (at checksum-segment boundaries) and
 // pread them in parallel straight into the caller's memory, verifying every
 // checksum segment they fully cover.
@@ -294,7 +298,9 @@ class Engine {
   void enqueue_windows(const std::shared_ptr<WriteJob>& job, std::vector<Region>& regions);
   void stager_loop();
   void io_loop();
-  void post_io(std::function<void()> fn);
+  // `file`: the write job the task writes to (nullptr: reads, anything else),
+  // which io_loop() uses to keep threads on different files.
+  void post_io(std::function<void()> fn, const WriteJob* file = nullptr);
   void stage(StageTask& t);
   void flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w);
   void copy_from_devices(WriteJob& job, WriteJob::Window& w);
@@ -309,7 +315,12 @@ class Engine {
   std::condition_variable stage_cv_;
   std::condition_variable io_cv_;
   std::deque<StageTask> stage_q_;
-  std::deque<std::function<void()>> io_q_;
+  struct IoTask {
+    std::function<void()> fn;
+    const WriteJob* file;
+  };
+  std::deque<IoTask> io_q_;
+  std::vector<const WriteJob*> writing_;  // the file of each running write task (under mu_)
   std::atomic<bool> stopping_{false};
   std::atomic<int> in_flight_{0};
   std::mutex cuda_mu_;

@@ -5,7 +5,9 @@
 // saving or loading, so it lives in its own extension and the production
 // module (_engine) does not carry it. Every probe releases the GIL.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
+#include "crc32c.hpp"
 #include "disk_probe.hpp"
 #include "py_errors.hpp"
 
@@ -46,6 +48,18 @@ PYBIND11_MODULE(_probes, m) {
       py::arg("total"), py::arg("block") = 8 << 20, py::arg("reps") = 3,
       "Copy `total` bytes between two prefaulted buffers in `block`-byte memcpy calls on one "
       "thread; returns the seconds of the fastest of `reps` repetitions.");
+  m.def("crc32c_kernels", &crc32c_kernels, "The CRC-32C implementations this CPU can run.");
+  m.def(
+      "crc32c_with",
+      [](const std::string& kernel, py::buffer data, uint32_t crc) {
+        py::buffer_info info = data.request();
+        if (info.ndim != 1 || info.itemsize != 1 || info.strides[0] != 1)
+          throw std::invalid_argument("crc32c_with takes a contiguous byte buffer");
+        py::gil_scoped_release nogil;
+        return crc32c_with(kernel, crc, info.ptr, static_cast<size_t>(info.size));
+      },
+      py::arg("kernel"), py::arg("data"), py::arg("crc") = 0,
+      "CRC-32C of `data` extending `crc`, computed by the named kernel (ValueError if this CPU lacks it).");
   m.def(
       "drop_page_cache",
       [](const std::string& path) {

@@ -236,8 +236,9 @@ def _mesh(world_size: int):
 
 
 @case
-def save_dtensor_state(rank, world_size, default_path, planner_path):
-    """Save the mixed state dict twice: DCP's default planner, then DataStatesSavePlanner."""
+def save_dtensor_state(rank, world_size, default_path, planner_path, striped_path=None):
+    """Save the mixed state dict twice: DCP's default planner, then DataStatesSavePlanner;
+    and with ``striped_path``, a third time with each rank's data striped over files."""
     import torch.distributed.checkpoint as dcp
 
     from dcp_datastates import DataStatesSavePlanner, DataStatesWriter
@@ -249,6 +250,9 @@ def save_dtensor_state(rank, world_size, default_path, planner_path):
     assert_equal_exact(state, reference_state())
     state = dtensor_state(mesh, zeros=False)
     dcp.save(state, storage_writer=DataStatesWriter(planner_path), planner=DataStatesSavePlanner())
+    if striped_path is not None:
+        state = dtensor_state(mesh, zeros=False)
+        dcp.save(state, storage_writer=DataStatesWriter(striped_path, stripes=4))
 
 
 @case

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dist_helpers as dh  # noqa: E402
-from dcp_datastates import ChecksumMismatchError, DataStatesReader  # noqa: E402
+from dcp_datastates import ChecksumMismatchError, DataStatesReader, verify  # noqa: E402
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -60,8 +60,13 @@ def test_harness_kills_hung_workers(tmp_path):
 def dtensor_ckpts(tmp_path_factory):
     """Saved once on 2 ranks: with DCP's default planner and with DataStatesSavePlanner."""
     root = tmp_path_factory.mktemp("dist_dtensor")
-    paths = types.SimpleNamespace(default=root / "default", planner=root / "planner", logs=root / "logs")
-    dh.run_ranks("save_dtensor_state", 2, paths.logs, default_path=paths.default, planner_path=paths.planner)
+    paths = types.SimpleNamespace(
+        default=root / "default", planner=root / "planner", striped=root / "striped", logs=root / "logs"
+    )
+    dh.run_ranks(
+        "save_dtensor_state", 2, paths.logs, default_path=paths.default, planner_path=paths.planner,
+        striped_path=paths.striped,
+    )
     return paths
 
 
@@ -120,6 +125,19 @@ def test_save_2ranks_load_2ranks_same_placements(dtensor_ckpts):
 
 def test_save_2ranks_load_3ranks_resharded(dtensor_ckpts):
     dh.run_ranks("load_resharded", 3, dtensor_ckpts.logs, path=dtensor_ckpts.default)
+
+
+def test_save_2ranks_striped_load_1proc_and_3ranks_resharded(dtensor_ckpts):
+    """Each rank's data over several files (format 7): a reshard reads slices from each."""
+    path = dtensor_ckpts.striped
+    layout = DataStatesReader(path).read_metadata().storage_data
+    assert [len(r.stripes) for r in layout.ranks] == [1, 1]  # each rank has two large tensors
+    on_disk = sorted(f for f in os.listdir(path) if f.endswith(".data"))
+    assert on_disk == sorted(f for r in layout.ranks for f in r.data_files())
+    state = _load_1proc(dh.full_targets(), path)
+    dh.assert_equal_exact(state, dh.reference_state())
+    dh.run_ranks("load_resharded", 3, dtensor_ckpts.logs, path=path)
+    assert verify(path).ok
 
 
 def test_save_2ranks_with_datastates_planner_load_1proc(dtensor_ckpts):

@@ -84,6 +84,11 @@ def test_fixture_metadata_is_what_its_writer_wrote(fixture):
     assert bool(own_ids) == (fx.kind == "async")  # an async save names its files with its own id
     compressed = [e for e in layout.entries if e[5] >= 0 and e[4] >= 0]
     assert (layout.compression is not None, bool(compressed)) == ((fx.kind == "zstd",) * 2)
+    striped = [r for r in layout.ranks if r.stripes]  # format 7: a rank's data over several files
+    assert bool(striped) == (fx.kind == "striped")
+    assert sorted(n for n in os.listdir(path) if n.endswith(".data")) == sorted(
+        n for r in layout.ranks for n in r.data_files()
+    )
     assert len({e[0] for e in layout.entries}) == len(metadata.state_dict_metadata)
 
 

@@ -52,7 +52,7 @@ INDEX_ARGS = dict(
 )
 INDEX_GOLDEN = bytes.fromhex(
     "4443504453494458"  # magic b"DCPDSIDX"
-    "06000000"  # format version 6 (u32)
+    "07000000"  # format version 7 (u32)
     "03000000"  # rank 3 (u32)
     "30313233343536373839616200000000"  # save id, ASCII, zero-padded to 16
     "0020000000000000"  # data size 8192 (u64)
@@ -62,12 +62,12 @@ INDEX_GOLDEN = bytes.fromhex(
     "8000000000000000" "a00f000000000000" "efcdab89" "00000000"  # segment: offset 128, 4000 bytes, crc, 0
     "4010000000000000" "2500000000000000"  # object: offset 4160, 37 bytes
     "8010000000000000" "0000000000000000"  # object: offset 4224, 0 bytes
-    "8aa02d99"  # CRC-32C of every byte before it
+    "286ebff0"  # CRC-32C of every byte before it
 )
 
 
 def test_rank_index_bytes():
-    assert FORMAT_VERSION == 6
+    assert FORMAT_VERSION == 7
     blob = encode_index(**INDEX_ARGS)
     assert blob.hex() == INDEX_GOLDEN.hex()
     assert len(blob) == 56 + 2 * 24 + 2 * 16 + 4
@@ -93,7 +93,7 @@ def test_a_rank_index_of_a_newer_version_is_refused_by_name():
     from dcp_datastates.errors import UnsupportedFormatError
 
     body = INDEX_GOLDEN[:8] + struct.pack("<I", FORMAT_VERSION + 1) + INDEX_GOLDEN[12:-4]
-    with pytest.raises(UnsupportedFormatError, match=r"new\.index has format version 7"):
+    with pytest.raises(UnsupportedFormatError, match=r"new\.index has format version 8"):
         decode_index(body + struct.pack("<I", _crc32c(body)), "new.index")
 
 
@@ -166,7 +166,7 @@ LAYOUT = CheckpointLayout(
     FORMAT_VERSION,
     "0123456789ab",
     [
-        RankFiles(0, "rank00000-0123456789ab.data", "rank00000-0123456789ab.index"),
+        RankFiles(0, "rank00000-0123456789ab.data", "rank00000-0123456789ab.index", "", (8192,)),  # two stripes
         RankFiles(1, "rank00001-cafef00d0042.data", "rank00001-cafef00d0042.index", "cafef00d0042"),
     ],
     [
@@ -179,11 +179,11 @@ LAYOUT = CheckpointLayout(
 )
 PLAIN_GOLDEN = {
     "format": "dcp_datastates",
-    "version": 6,
+    "version": 7,
     "save_id": "0123456789ab",
     "ranks": [
-        (0, "rank00000-0123456789ab.data", "rank00000-0123456789ab.index", ""),
-        (1, "rank00001-cafef00d0042.data", "rank00001-cafef00d0042.index", "cafef00d0042"),
+        (0, "rank00000-0123456789ab.data", "rank00000-0123456789ab.index", "", (8192,)),
+        (1, "rank00001-cafef00d0042.data", "rank00001-cafef00d0042.index", "cafef00d0042", ()),
     ],
     "entries": [
         ("model.w", (0, 0), 0, 0, 4096, -1),

@@ -84,7 +84,7 @@ def test_a_saved_metadata_names_no_class_of_ours(tmp_path, kind):
     assert names and not [n for n in names if "dcp_datastates" in n], names
     assert all(n.startswith(("torch.", "collections.", "pathlib.")) for n in names), names
     storage = pickle.loads(pickled).storage_data  # DCP's plain pickle.load stops before the trailer
-    assert list(storage) == list(PLAIN_KEYS) and storage["version"] == 6
+    assert list(storage) == list(PLAIN_KEYS) and storage["version"] == 7
     assert plain_types(storage) <= {dict, list, tuple, str, int, type(None)}
     assert (storage["compression"] is not None) == (kind == "zstd")
     assert_same(load(target(), tmp_path / "c"), make_state())
@@ -139,7 +139,7 @@ PLAIN_CASES = {
     "a non-string key": (lambda p: {**p, 3: 4}, CorruptCheckpointError, "[3]"),
     "a key missing": (lambda p: {k: v for k, v in p.items() if k != "compression"}, CorruptCheckpointError, "compression"),
     "version 4 as plain data": (lambda p: {**p, "version": 4}, CorruptCheckpointError, "pickled as a class"),
-    "a newer version": (lambda p: {**p, "version": 7, "new": 1}, UnsupportedFormatError, "version 7"),
+    "a newer version": (lambda p: {**p, "version": 8, "new": 1}, UnsupportedFormatError, "version 8"),
     "a bool version": (lambda p: {**p, "version": True}, UnsupportedFormatError, "version True"),
     "another format": (lambda p: {**p, "format": "zarr"}, UnsupportedFormatError, "'zarr'"),
     "no format": (lambda p: {**p, "format": None}, UnsupportedFormatError, "None"),
@@ -184,7 +184,7 @@ def test_a_plain_layout_in_a_file_is_refused_by_the_files_name(ckpt):
 
 def _legacy(layout: CheckpointLayout, module: str, version: int = 4, **overrides):
     """The layout as a format ``version`` writer pickled it under ``module`` (version 1: locations)."""
-    dropped = {"save_id"} if version == 1 else set()  # version 1 had no per-rank save id
+    dropped = {"save_id", "stripes"} if version == 1 else {"stripes"}  # version 1 had no per-rank save id; stripes came with 7
     ranks = [crafted("RankFiles", {k: v for k, v in r.__dict__.items() if k not in dropped}, module) for r in layout.ranks]
     state = {"format": layout.format, "version": version, "save_id": layout.save_id, "ranks": ranks}
     if version == 1:

@@ -35,7 +35,7 @@ from dcp_datastates.format.metadata_record import NotRecordable, decode_record, 
 
 LAYOUT = CheckpointLayout(
     "dcp_datastates", FORMAT_VERSION, "0123456789ab",
-    [RankFiles(0, "rank00000-0123456789ab.data", "rank00000-0123456789ab.index")],
+    [RankFiles(0, "rank00000-0123456789ab.data", "rank00000-0123456789ab.index", "", (4096,))],  # two stripes
     [("w", (0, 0), 0, 0, 32, -1), ("h", (0,), 0, 64, 6, -1), ("step", None, 0, -1, -1, 0)],
 )
 
@@ -72,7 +72,7 @@ RECORD_GOLDEN = {
     "version": "1.0.0",
     "storage_data": {
         "format": "dcp_datastates", "version": FORMAT_VERSION, "save_id": "0123456789ab",
-        "ranks": [[0, "rank00000-0123456789ab.data", "rank00000-0123456789ab.index", ""]],
+        "ranks": [[0, "rank00000-0123456789ab.data", "rank00000-0123456789ab.index", "", [4096]]],
         "entries": [["w", [0, 0], 0, 0, 32, -1], ["h", [0], 0, 64, 6, -1], ["step", None, 0, -1, -1, 0]],
         "compression": None,
     },

@@ -16,7 +16,7 @@ import os
 from dcp_datastates.core.durable import fsync_dir, remove_if_present, rename_into_place, rename_without_replacing, write_new_file_durably
 from dcp_datastates.errors import CheckpointError, CheckpointExistsError
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout
-from dcp_datastates.format.file_names import METADATA_FILE, metadata_tmp_name
+from dcp_datastates.format.file_names import METADATA_FILE, layout_files, metadata_tmp_name
 from dcp_datastates.format.metadata_file import read_metadata_file
 
 
@@ -96,7 +96,7 @@ def files_of_committed(path: str) -> list[str]:
         layout.validate(md_path)  # only our own rank-file names, never a path out of the directory
     except Exception:  # noqa: BLE001 - not ours, unreadable or damaged: remove nothing
         return []
-    return [name for r in layout.ranks for name in (r.data_file, r.index_file)]
+    return layout_files(layout)
 
 
 def make_durable_after_commit(path: str, stale: list[str]) -> None:

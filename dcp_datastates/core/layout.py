@@ -13,7 +13,11 @@ Rules:
   small tensors coalesce into a few large writes;
 - larger tensors start at a 4 KiB boundary (O_DIRECT alignment);
 - Python objects are serialized during the write and appended after the
-  last tensor, from the next 4 KiB boundary, in plan order.
+  last tensor, from the next 4 KiB boundary, in plan order;
+- with stripes (format 7), the rank's data is cut at the starts of large
+  tensors into up to ``max_stripes`` parts of about equal size, each written
+  to its own file by its own thread (:func:`stripe_starts`); the offsets
+  above do not change, objects go to the last stripe.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from dcp_datastates.format.checkpoint_layout import FORMAT_NAME, FORMAT_VERSION,
 PAGE = 4096
 SMALL_ALIGN = 64
 SMALL_TENSOR_BYTES = 64 * 1024
+# Stripes chosen automatically (the writer's ``stripes=None``) hold at least this
+# much each: below it a second file saves less time than it costs.
+AUTO_STRIPE_MIN_BYTES = 32 << 20
 
 
 def align_up(value: int, alignment: int) -> int:
@@ -58,6 +65,8 @@ class RankPlanData:
     tensor_bytes_end: int  # lets the rank check that its own layout matches the coordinator's
     item_count: int
     compression: tuple | None = None  # the coordinator's choice (CheckpointLayout.compression)
+    stripes: tuple = ()  # the rank's stripe starts (RankFiles.stripes), checked like tensor_bytes_end
+    striping: tuple = (1, 0)  # the coordinator's (max_stripes, min bytes per stripe): the rank recomputes
 
 
 @dataclasses.dataclass
@@ -70,9 +79,17 @@ class RankLayout:
     tensor_bytes_end: int
     objects_base: int
     compression: tuple | None = None
+    stripes: tuple = ()  # data offsets where stripes 1, 2, ... start (RankFiles.stripes)
+    striping: tuple = (1, 0)  # (max_stripes, min bytes per stripe) it was placed with
 
     def plan_data(self) -> RankPlanData:
-        return RankPlanData(self.save_id, self.rank, self.tensor_bytes_end, len(self.locations), self.compression)
+        return RankPlanData(
+            self.save_id, self.rank, self.tensor_bytes_end, len(self.locations), self.compression, self.stripes,
+            self.striping,
+        )
+
+    def files(self) -> RankFiles:
+        return RankFiles(self.rank, self.data_file, self.index_file, "", self.stripes)
 
 
 def place_tensors(sizes: list[int]) -> tuple[list[int], int]:
@@ -124,13 +141,42 @@ def table_ordinals(items: list[WriteItem], compression: tuple | None, nbytes_of)
     return out
 
 
-def plan_rank_layout(items: list[WriteItem], rank: int, save_id: str, compression: tuple | None = None) -> RankLayout:
+def stripe_starts(sizes: list[int], offsets: list[int], end: int, max_stripes: int, min_bytes: int) -> tuple:
+    """Where a rank's data is cut into stripes: starts of large tensors (4 KiB-aligned), so
+    that stripes hold about ``end / count`` bytes each (``sizes``/``offsets`` of the placed
+    tensors, ``end`` the end of the last). ``count`` is at most ``max_stripes``, the number
+    of large tensors, and ``end // min_bytes`` when ``min_bytes``. Cut ``k`` is the large
+    tensor start nearest to ``k * end / count`` after cut ``k - 1`` (leaving a start for
+    each later cut). A pure function of its arguments: the coordinator and the rank
+    compute the same starts."""
+    large = sorted(off for n, off in zip(sizes, offsets) if n >= SMALL_TENSOR_BYTES)
+    count = min(max_stripes, len(large))  # every stripe holds a large tensor (the first also the small ones)
+    large = [off for off in large if off > 0]  # a cut at 0 would leave stripe 0 empty
+    if min_bytes > 0:
+        count = min(count, end // min_bytes)
+    starts: list[int] = []
+    lo = 0  # the first candidate after the previous cut
+    for k in range(1, count):
+        hi = len(large) - (count - 1 - k)  # leave one candidate for each later cut
+        target = k * end / count
+        best = min(range(lo, hi), key=lambda i: (abs(large[i] - target), i))
+        starts.append(large[best])
+        lo = best + 1
+    return tuple(starts)
+
+
+def plan_rank_layout(
+    items: list[WriteItem], rank: int, save_id: str, compression: tuple | None = None, striping: tuple = (1, 0)
+) -> RankLayout:
     """Fixed offsets for raw chunks; with ``compression``, large chunks get ordinals of
-    their blocks in the object table instead (after the objects', in plan order)."""
+    their blocks in the object table instead (after the objects', in plan order).
+    ``striping``: ``(max_stripes, min bytes per stripe)`` (see :func:`stripe_starts`);
+    a compressed rank is one file."""
     data_file = data_file_name(rank, save_id)
     sized = [(item, tensor_item_nbytes(item)) for item in items if item.type != WriteItemType.BYTE_IO]
     packed = [(item, n) for item, n in sized if not is_compressible(n, compression)]
     offsets, offset = place_tensors([n for _, n in packed])
+    stripes = () if compression is not None else stripe_starts([n for _, n in packed], offsets, offset, *striping)
     locations: dict = {}
     for (item, nbytes), off in zip(packed, offsets):
         locations[item.index] = ItemLocation(data_file, off, nbytes, -1)
@@ -146,6 +192,8 @@ def plan_rank_layout(items: list[WriteItem], rank: int, save_id: str, compressio
         tensor_bytes_end=offset,
         objects_base=align_up(offset, PAGE),
         compression=compression,
+        stripes=stripes,
+        striping=tuple(striping),
     )
 
 
@@ -160,8 +208,14 @@ def rank_layout_of(plan: SavePlan, info: RankPlanData, known: tuple | None) -> R
     """
     if known is not None and known[0].save_id == info.save_id and known[1] == [i.index for i in plan.items]:
         return known[0]
-    layout = plan_rank_layout(plan.items, info.rank, info.save_id, getattr(info, "compression", None))
-    if layout.tensor_bytes_end != info.tensor_bytes_end or len(layout.locations) != info.item_count:
+    layout = plan_rank_layout(
+        plan.items, info.rank, info.save_id, getattr(info, "compression", None), getattr(info, "striping", (1, 0))
+    )
+    if (
+        layout.tensor_bytes_end != info.tensor_bytes_end
+        or len(layout.locations) != info.item_count
+        or layout.stripes != getattr(info, "stripes", ())
+    ):
         raise CheckpointError(
             f"rank {info.rank}: local layout disagrees with the coordinator's "
             "(the planner reordered items after global planning)"
@@ -174,20 +228,20 @@ def has_layout(plans: list[SavePlan]) -> bool:
 
 
 def assign_checkpoint_layout(
-    plans: list[SavePlan], save_id: str, compression: tuple | None = None
+    plans: list[SavePlan], save_id: str, compression: tuple | None = None, striping: tuple = (1, 0)
 ) -> tuple[list[SavePlan], CheckpointLayout, list[RankLayout]]:
     """Give every rank its files and offsets.
 
     Returns the plans (carrying :class:`RankPlanData`), the metadata's
     storage data and the per-rank layouts. Runs on the coordinator after
     deduplication, so replicated items take space in exactly one rank's file.
-    ``compression`` (the coordinator's) reaches every rank in its plan.
+    ``compression`` and ``striping`` (the coordinator's) reach every rank in its plan.
     """
     out_plans, ranks, entries, layouts = [], [], [], []
     for rank, plan in enumerate(plans):
-        layout = plan_rank_layout(plan.items, rank, save_id, compression)
+        layout = plan_rank_layout(plan.items, rank, save_id, compression, striping)
         out_plans.append(dataclasses.replace(plan, storage_data=layout.plan_data()))
-        ranks.append(RankFiles(rank, layout.data_file, layout.index_file))
+        ranks.append(layout.files())
         for index, loc in layout.locations.items():
             entries.append((*location_key(index.fqn, index.offset), rank, loc.offset, loc.length, loc.object_ordinal))
         layouts.append(layout)

@@ -46,6 +46,7 @@ class RankReport:
     index_file: str
     save_id: str
     compression: tuple | None = None
+    stripes: tuple = ()  # RankFiles.stripes
 
 
 def is_stale(info) -> bool:
@@ -59,7 +60,9 @@ def is_stale(info) -> bool:
     return getattr(info, _WRITTEN_MARK, False)
 
 
-def place_cached_plan(plan, stale, rank: int, save_id: str, compression: tuple | None) -> RankLayout:
+def place_cached_plan(
+    plan, stale, rank: int, save_id: str, compression: tuple | None, striping: tuple = (1, 0)
+) -> RankLayout:
     """A final plan DCP's cache returned (its storage data ``stale`` names an earlier save),
     placed again in files named by ``save_id``, with this writer's ``compression``.
 
@@ -68,7 +71,7 @@ def place_cached_plan(plan, stale, rank: int, save_id: str, compression: tuple |
     area, so its end moves).
     """
     rank = stale.rank if isinstance(getattr(stale, "rank", None), int) else rank
-    layout = plan_rank_layout(plan.items, rank, save_id, compression)
+    layout = plan_rank_layout(plan.items, rank, save_id, compression, striping)
     if (
         isinstance(stale, RankPlanData)
         and getattr(stale, "compression", None) == compression
@@ -110,7 +113,9 @@ def reports_match(layout: CheckpointLayout, reports: list[RankReport | None]) ->
         files = named.get(rank)
         if report is None:
             continue
-        if files is None or (files.data_file, files.index_file) != (report.data_file, report.index_file):
+        if files is None or (files.data_file, files.index_file, files.stripes) != (
+            report.data_file, report.index_file, getattr(report, "stripes", ())
+        ):
             return False
     return True
 
@@ -123,7 +128,7 @@ def layout_from_results(
     for rank, (rank_results, report) in enumerate(zip(results, reports)):
         if report is None:
             raise CheckpointError(f"rank {rank} did not report its files (is every rank's writer a DataStatesWriter?)")
-        ranks.append(RankFiles(rank, report.data_file, report.index_file, report.save_id))
+        ranks.append(RankFiles(rank, report.data_file, report.index_file, report.save_id, getattr(report, "stripes", ())))
         compressions.add(report.compression)
         for wr in rank_results:
             loc = wr.storage_data

@@ -34,6 +34,7 @@ from dcp_datastates.core.compression import Compression, descriptor_of
 from dcp_datastates.core.layout import PAGE, SMALL_ALIGN, RankLayout, align_up, staged_locations
 from dcp_datastates.core.providers import check_planned, finish_regions, provide_object, tensor_source
 from dcp_datastates.core.save_state import RankSave
+from dcp_datastates.core.stripes import StripedWrite
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_layout import ItemLocation, location_key
 from dcp_datastates.format.rank_index import encode_index
@@ -63,7 +64,7 @@ class WriteSettings:
 class RankFile:
     """A rank's data file whose tensors are placed (and being written): what finishing it needs."""
 
-    job: Any  # the engine's WriteJob, not sealed yet
+    job: StripedWrite  # the engine's jobs of the rank's data files, not sealed yet
     rank: int
     save_id: str  # the id in the file names and the index
     data_file: str
@@ -84,13 +85,17 @@ def write_planned(
     """Copy and write the plan's items at the offsets of ``layout`` (this rank's placement)."""
     stats = save.stats
     stats.items = len(plan.items)
-    data_path = os.path.join(save.path, layout.data_file)
+    files = layout.files()
+    data_paths = [os.path.join(save.path, name) for name in files.data_files()]
     index_path = os.path.join(save.path, layout.index_file)
-    save.written_files = [data_path, index_path]
-    save.report = plan_cache.RankReport(layout.data_file, layout.index_file, layout.save_id, layout.compression)
+    save.written_files = [*data_paths, index_path]
+    save.report = plan_cache.RankReport(
+        layout.data_file, layout.index_file, layout.save_id, layout.compression, layout.stripes
+    )
+    bases = [0, *layout.stripes]
     t0 = time.perf_counter()
     if getattr(planner, "resolve_creates_tensors", False):
-        job, results = _submit_in_batches(save, plan, planner, layout, data_path, settings)
+        job, results = _submit_in_batches(save, plan, planner, layout, data_paths, bases, settings)
     else:
         placed, results = [], []
         for item in plan.items:
@@ -101,18 +106,16 @@ def write_planned(
             check_planned(item, source, loc.length)
             placed.append((source, loc.offset))
             results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
-        regions, keep = finish_regions(placed)
-        del placed
         # borrow: the caller's tensors stay as they are until write_data's future completes
         # (dcp.save waits for it), so the engine may write them without a staging copy.
-        job = save.job = settings.engine.write(
-            data_path, regions, keep, direct_io=settings.direct_io, preallocate=layout.tensor_bytes_end,
-            borrow=True,
+        job = save.job = StripedWrite.start(
+            settings.engine, data_paths, bases, layout.tensor_bytes_end, placed, finish_regions,
+            direct_io=settings.direct_io, borrow=True,
         )
-        del keep
+        del placed
     blocks, objects_base = [], layout.objects_base
     if layout.compression is not None:
-        blocks, objects_base = _write_compressed(plan, planner, layout, job, results, settings)
+        blocks, objects_base = _write_compressed(plan, planner, layout, job.tail, results, settings)
     stats.submit_s = time.perf_counter() - t0
     rank_file = RankFile(
         job, layout.rank, layout.save_id, layout.data_file, index_path, objects_base, layout.tensor_bytes_end,
@@ -153,7 +156,10 @@ def _write_compressed(plan: SavePlan, planner: SavePlanner, layout: RankLayout, 
         raise
 
 
-def _submit_in_batches(save: RankSave, plan: SavePlan, planner: SavePlanner, layout: RankLayout, data_path: str, settings: WriteSettings):
+def _submit_in_batches(
+    save: RankSave, plan: SavePlan, planner: SavePlanner, layout: RankLayout, data_paths: list[str], bases: list[int],
+    settings: WriteSettings,
+):
     """Resolve, submit and release the tensors a batch at a time (``resolve_creates_tensors``).
 
     The normal path resolves every item before submitting, which is free
@@ -166,35 +172,40 @@ def _submit_in_batches(save: RankSave, plan: SavePlan, planner: SavePlanner, lay
     function drop their references before
     the next batch is resolved. Batches split only at offsets the engine
     accepts for an append (at or after the previous batch's aligned end),
-    so small tensors packed into one page stay in one batch.
+    so small tensors packed into one page stay in one batch, and at every
+    stripe's start (a batch goes to one stripe's job).
     """
     engine = settings.engine
     limit = min(engine.pool_bytes, BATCH_BYTES_MAX)
     tensor_items = [item for item in plan.items if layout.locations[item.index].object_ordinal < 0]  # raw chunks
     tensor_items.sort(key=lambda item: layout.locations[item.index].offset)
     job, results, batch, batch_bytes, batch_end = None, [], [], 0, 0
+    stripe = 0
 
     def submit() -> bool:
         nonlocal job, batch_bytes
-        regions, keep = finish_regions(batch)
-        batch.clear()
-        batch_bytes = 0
         if job is None:
-            job = save.job = engine.write(
-                data_path, regions, keep, direct_io=settings.direct_io, preallocate=layout.tensor_bytes_end,
-                borrow=True,  # a borrowed window is staged once written: batches stay bounded
+            # Every stripe's job starts with the first batch (only stripe 0's sources in it).
+            job = save.job = StripedWrite.start(
+                engine, data_paths, bases, layout.tensor_bytes_end, batch, finish_regions,
+                direct_io=settings.direct_io, borrow=True,  # a borrowed window is staged once written
             )
         else:
-            job.append(regions, keep)
-        del keep, regions
+            regions, keep = finish_regions([(src, off - bases[stripe]) for src, off in batch])
+            job.append(stripe, regions, keep)
+            del keep, regions
+        batch.clear()
+        batch_bytes = 0
         return job.release_staged()  # False: the job failed; job.wait() raises its error
 
     for item in tensor_items:
         loc = layout.locations[item.index]
+        item_stripe = bisect.bisect_right(bases, loc.offset) - 1
         splittable = loc.offset >= align_up(batch_end, _native.ALIGNMENT)
-        if batch and splittable and batch_bytes + loc.length > limit:
+        if batch and ((splittable and batch_bytes + loc.length > limit) or item_stripe != stripe):
             if not submit():
                 break
+        stripe = item_stripe
         source = tensor_source(planner.resolve_data(item), item.index.fqn)
         check_planned(item, source, loc.length)
         batch.append((source, loc.offset))
@@ -236,7 +247,8 @@ def write_snapshot(
         results.append(WriteResult(index=item.index, size_in_bytes=placed[1], storage_data=loc))
     locations = save.tensor_locations
     rank_file = RankFile(
-        snap.job, save.rank, snap.save_id, snap.data_file, snap.index_path, snap.objects_base, snap.tensor_bytes_end,
+        StripedWrite.of_job(snap.job), save.rank, snap.save_id, snap.data_file, snap.index_path, snap.objects_base,
+        snap.tensor_bytes_end,
         lambda: [(off, off + n, fqn) for (fqn, _), (off, n) in locations.items()],
     )
     finish(save, plan, planner, rank_file, results, t0, while_writing)
@@ -279,7 +291,7 @@ def _write_snapshot_compressed(
         settings.engine, snap, staged_segments, plan, finals, n_objects, settings.direct_io, save
     )
     rank_file = RankFile(
-        job, save.rank, snap.save_id, snap.data_file, snap.index_path, end, small_end,
+        StripedWrite.of_job(job), save.rank, snap.save_id, snap.data_file, snap.index_path, end, small_end,
         lambda: [(off, off + n, fqn) for (fqn, _), (off, n, o) in finals.items() if o < 0 and n >= 0],
         blocks,
     )
@@ -318,11 +330,12 @@ def finish(
         objects.append(blob)
         offset += len(blob)
     if objects:
+        base = job.tail_base  # objects follow the tensors: in the last stripe
         regions = [
-            _native.HostRegion(address=_native.bytes_address(b), nbytes=len(b), file_offset=o)
+            _native.HostRegion(address=_native.bytes_address(b), nbytes=len(b), file_offset=o - base)
             for b, (o, _) in zip(objects, object_table) if len(b)
         ]
-        job.append(regions, objects)
+        job.tail.append(regions, objects)
     job.seal()
     t2 = time.perf_counter()
     stats.objects_s = t2 - t1
@@ -331,7 +344,7 @@ def finish(
     if save.snapshot is not None and save.snapshot.staging_error is not None:
         raise save.snapshot.staging_error
     try:
-        segments = job.wait()
+        checksums = job.wait()
     except OSError as exc:
         spans = rank_file.tensor_spans() + [(o, o + n, k) for (o, n), k in zip(object_table, object_keys)]
         spans += [(o, o + n, k) for o, n, k in rank_file.blocks]
@@ -343,7 +356,6 @@ def finish(
     tensor_end = rank_file.tensor_end
     data_size = align_up(max(offset, tensor_end), PAGE) if (tensor_end or objects or rank_file.blocks) else 0
     object_table += [(o, n) for o, n, _ in rank_file.blocks]  # compressed frames: ordinals after the objects'
-    checksums = [(seg.offset, seg.nbytes, seg.crc32c) for seg in segments]
     write_new_file_durably(
         rank_file.index_path, encode_index(rank_file.rank, rank_file.save_id, data_size, checksums, object_table)
     )

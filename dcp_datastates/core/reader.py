@@ -228,22 +228,33 @@ class DataStatesReader(StorageReader):
         if files is None:
             raise CorruptCheckpointError(f"{self.path}: metadata names data file {relative_path} of no rank")
         index_path = os.path.join(self.path, files.index_file)
-        data_path = os.path.join(self.path, files.data_file)
         missing = CorruptCheckpointError(f"rank {files.rank}'s index file {index_path} is missing; the checkpoint is damaged")
         if not os.path.lexists(index_path):
             raise missing
+        # Every data file (one per stripe) must be there; the data may reach as far as the
+        # last one's start plus its size, and every other stripe's file must hold its share.
+        data_names = files.data_files()
+        bases = [0, *files.stripes]
+        for k, (name, base) in enumerate(zip(data_names, bases)):
+            data_path = os.path.join(self.path, name)
+            try:
+                st = os.lstat(data_path)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"rank {files.rank}'s data file {data_path} is missing; the checkpoint is damaged"
+                ) from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{data_path} is not a regular file; checkpoint files must be regular files")
+            if k + 1 < len(bases) and st.st_size < bases[k + 1] - base:
+                raise CorruptCheckpointError(
+                    f"data file {data_path} is truncated: {st.st_size} bytes, its stripe holds {bases[k + 1] - base}"
+                )
         try:
-            st = os.lstat(data_path)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"rank {files.rank}'s data file {data_path} is missing; the checkpoint is damaged"
-            ) from None
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"{data_path} is not a regular file; checkpoint files must be regular files")
-        try:
-            idx = read_rank_index(index_path, IndexLimits(data_path, st.st_size, self._object_entries()[files.rank]))
+            limits = IndexLimits(data_path, bases[-1] + st.st_size, self._object_entries()[files.rank])
+            idx = read_rank_index(index_path, limits)
         except FileNotFoundError:
             raise missing from None
+        idx.apply_stripes(data_names, files.stripes, index_path)
         expected_sid = files.files_save_id(self._layout.save_id)
         if idx.save_id != expected_sid or idx.rank != files.rank:
             raise CorruptCheckpointError(
@@ -345,15 +356,26 @@ class _ReadBatch:
         return i
 
     def _request(self, key: str, relative_path: str, offset: int, nbytes: int, pointer: int, idx: RankIndex) -> None:
+        """Read ``nbytes`` at data offset ``offset`` of the rank whose data file is ``relative_path``
+        (from the stripe's file that holds them) into ``pointer``."""
+        stripe, base, end = idx.stripe_of(offset) if idx.stripes else (0, 0, None)
+        if stripe:
+            relative_path = idx.stripe_files[stripe]
+        if end is not None and offset + nbytes > end:
+            raise CorruptCheckpointError(
+                f"{os.path.join(self.reader.path, relative_path)}: {key!r} (bytes {offset}..{offset + nbytes}) "
+                f"crosses the end of its stripe at {end} (the metadata is damaged)"
+            )
         file = self._file(relative_path)
         if not self.reader.verify:
-            request = _native.ReadRequest(file_index=file, offset=offset, nbytes=nbytes, address=pointer)
+            request = _native.ReadRequest(file_index=file, offset=offset - base, nbytes=nbytes, address=pointer)
         else:
             # The engine takes the range's checks from the index's table: they must tile it,
             # since every stored byte has a segment (a gap: the index or the metadata is damaged).
             try:
                 request = _native.ReadRequest(
-                    file_index=file, offset=offset, nbytes=nbytes, address=pointer, verify_with=idx.segment_table()
+                    file_index=file, offset=offset - base, nbytes=nbytes, address=pointer,
+                    verify_with=idx.segment_table(stripe),
                 )
             except ValueError:
                 idx.check_tiled(offset, nbytes, self.paths[file], key)  # names the untiled bytes and key

@@ -140,8 +140,9 @@ def verify(
     total = sum(sum(idx.seg_lengths) for idx in indexes.values())
     done = 0
     for rel, idx in indexes.items():
-        done = _check_segments(reader, rel, idx, spans.get(rel, []), report, done, total, progress)
-        _check_padding(reader, rel, idx, spans.get(rel, []), report)
+        for stripe in range(len(idx.stripes) + 1):
+            done = _check_segments(reader, rel, idx, stripe, spans.get(rel, []), report, done, total, progress)
+            _check_padding(reader, rel, idx, stripe, spans.get(rel, []), report)
     if layout.compression is not None and not report.problems:
         _check_frames_decompress(path, layout, indexes, report)
     if not allow_pickle and not report.problems:
@@ -158,11 +159,19 @@ def _check_objects_are_plain(path: str, layout, indexes: dict[str, RankIndex], r
             continue
         rel = files[rank]
         offset, length = indexes[rel].objects[ordinal]
-        data_path = os.path.join(path, rel)
+        data_path, offset = _in_stripe(path, indexes[rel], rel, offset)
         try:
             check_object_is_plain(_read_range(data_path, offset, length), fqn, data_path)
         except CheckpointError as exc:
             report.problems.append(str(exc))
+
+
+def _in_stripe(path: str, idx: RankIndex, rel: str, offset: int) -> tuple[str, int]:
+    """The file holding data offset ``offset`` of the rank whose data file is ``rel``, and the offset in it."""
+    if not idx.stripes:
+        return os.path.join(path, rel), offset
+    stripe, base, _ = idx.stripe_of(offset)
+    return os.path.join(path, idx.stripe_files[stripe]), offset - base
 
 
 def _read_range(data_path: str, offset: int, length: int) -> bytes:
@@ -194,9 +203,9 @@ def _check_frames_decompress(path: str, layout, indexes: dict[str, RankIndex], r
         if ordinal < 0 or length < 0:
             continue
         rel = files[rank]
-        data_path = os.path.join(path, rel)
         entries = indexes[rel].objects[ordinal : ordinal + compressed_blocks(length, block)]
         for b, (o, n) in enumerate(entries):
+            data_path, o = _in_stripe(path, indexes[rel], rel, o)
             frames.append((data_path, o, n, min(block, length - b * block), f"{data_path}: block {b} of {fqn!r}"))
 
     def check(frame) -> None:
@@ -315,13 +324,24 @@ def _batches(offsets, lengths, cap: int):
         yield batch, used
 
 
-def _check_segments(reader, rel, idx: RankIndex, spans, report, done, total, progress) -> int:
-    """Read every segment of one data file through a bounded buffer and verify its CRC."""
-    path = os.path.join(reader.path, rel)
-    table = idx.segment_table()  # a run of adjacent segments is tiled by them: its checks come from here
-    largest = max(idx.seg_lengths, default=0)
-    buf = torch.empty(max(min(VERIFY_BUFFER_BYTES, sum(idx.seg_lengths)), largest), dtype=torch.uint8)
-    for batch, used in _batches(idx.seg_offsets, idx.seg_lengths, buf.numel()):
+def _stripe_file(reader, rel: str, idx: RankIndex, stripe: int) -> tuple[str, int, int]:
+    """``(path, start, end)``: the file of ``stripe`` of the rank whose data file is ``rel`` and
+    the data offsets it holds (the whole data without stripes)."""
+    start, end = idx.stripe_bounds()[stripe]
+    name = idx.stripe_files[stripe] if idx.stripes else rel
+    return os.path.join(reader.path, name), start, end
+
+
+def _check_segments(reader, rel, idx: RankIndex, stripe: int, spans, report, done, total, progress) -> int:
+    """Read every segment of one data file (a stripe) through a bounded buffer and verify its CRC."""
+    path, base, _end = _stripe_file(reader, rel, idx, stripe)
+    rows = idx.stripe_segments(stripe)
+    offsets = [idx.seg_offsets[i] - base for i in rows]
+    lengths = idx.seg_lengths[rows.start : rows.stop]
+    table = idx.segment_table(stripe)  # a run of adjacent segments is tiled by them: its checks come from here
+    largest = max(lengths, default=0)
+    buf = torch.empty(max(min(VERIFY_BUFFER_BYTES, sum(lengths)), largest), dtype=torch.uint8)
+    for batch, used in _batches(offsets, lengths, buf.numel()):
         requests, pos = [], 0
         for start, n in batch:
             address = buf.data_ptr() + pos
@@ -330,7 +350,7 @@ def _check_segments(reader, rel, idx: RankIndex, spans, report, done, total, pro
             pos += n
             report.segments_checked += len(request.checks)
         failures = reader._engine.read([path], requests, [buf]).wait()
-        _report_failures(failures, [r.offset for r in requests], spans, report)
+        _report_failures(failures, [r.offset for r in requests], spans, report, base)
         report.bytes_checked += used
         done += used
         if progress is not None:
@@ -352,18 +372,22 @@ def _zeros_crc(nbytes: int) -> int:
     return crc
 
 
-def _padding(idx: RankIndex, cap: int) -> list[tuple[int, int]]:
-    """``(offset, nbytes)`` pieces of ``[0, data_size)`` no segment covers, each at most ``cap``."""
-    out, pos = [], 0
-    for o, n in zip(idx.seg_offsets, idx.seg_lengths):
-        out += [(p, min(cap, o - p)) for p in range(pos, o, cap)]
+def _padding(idx: RankIndex, stripe: int, cap: int) -> list[tuple[int, int]]:
+    """``(offset in the stripe's file, nbytes)`` pieces of the stripe's data that no segment
+    covers, each at most ``cap``."""
+    start, end = idx.stripe_bounds()[stripe]
+    out, pos = [], start
+    for i in idx.stripe_segments(stripe):
+        o, n = idx.seg_offsets[i], idx.seg_lengths[i]
+        out += [(p - start, min(cap, o - p)) for p in range(pos, o, cap)]
         pos = o + n
-    out += [(p, min(cap, idx.data_size - p)) for p in range(pos, idx.data_size, cap)]
+    out += [(p - start, min(cap, end - p)) for p in range(pos, end, cap)]
     return out
 
 
-def _check_padding(reader, rel, idx: RankIndex, spans, report: VerifyReport) -> None:
-    """Every byte of the data file that no segment covers is zero; it ends at ``data_size``.
+def _check_padding(reader, rel, idx: RankIndex, stripe: int, spans, report: VerifyReport) -> None:
+    """Every byte of the data file (a stripe) that no segment covers is zero; it ends where its
+    data does (``data_size`` for the last stripe, the next stripe's start for the others).
 
     The engine zero-fills the gaps it leaves (csrc/engine.cpp stage()), so a
     non-zero byte there is a change to the checkpoint that no checksum would
@@ -371,14 +395,14 @@ def _check_padding(reader, rel, idx: RankIndex, spans, report: VerifyReport) -> 
     engine, checked against the CRC of zeros; a piece that fails is read
     again here to name its first non-zero byte.
     """
-    path = os.path.join(reader.path, rel)
+    path, base, end = _stripe_file(reader, rel, idx, stripe)
     size = os.lstat(path).st_size
-    if size > idx.data_size:
+    if size > end - base:
         report.problems.append(
-            f"{path}: {size - idx.data_size} bytes past offset {idx.data_size}, where its index says the "
+            f"{path}: {size - (end - base)} bytes past offset {end - base}, where its index says the "
             "data ends (bytes were appended to it)"
         )
-    pieces = _padding(idx, VERIFY_BUFFER_BYTES)
+    pieces = _padding(idx, stripe, VERIFY_BUFFER_BYTES)
     if not pieces:
         return
     buf = torch.empty(min(VERIFY_BUFFER_BYTES, sum(n for _, n in pieces)), dtype=torch.uint8)
@@ -396,7 +420,7 @@ def _check_padding(reader, rel, idx: RankIndex, spans, report: VerifyReport) -> 
             for failure in reader._engine.read([path], requests, [buf]).wait():
                 o, n = batch[failure.request]
                 if failure.kind == "checksum":
-                    report.problems.append(_nonzero_padding(path, o, n, spans))
+                    report.problems.append(_nonzero_padding(path, o, n, spans, base))
                 else:
                     report.problems.append(f"{failure.path}: reading the padding at offset {o} failed: {failure.message}")
             report.padding_bytes_checked += used
@@ -406,8 +430,9 @@ def _check_padding(reader, rel, idx: RankIndex, spans, report: VerifyReport) -> 
             used += piece[1]
 
 
-def _nonzero_padding(path: str, offset: int, nbytes: int, spans) -> str:
-    """The problem for a padding piece that is not all zeros: its first non-zero byte and the key before."""
+def _nonzero_padding(path: str, offset: int, nbytes: int, spans, base: int = 0) -> str:
+    """The problem for a padding piece that is not all zeros: its first non-zero byte and the key before
+    (``spans`` are at data offsets, the file's offsets start at data offset ``base``)."""
     found, value = offset + nbytes, None
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
@@ -423,7 +448,7 @@ def _nonzero_padding(path: str, offset: int, nbytes: int, spans) -> str:
             pos += len(block)
     finally:
         os.close(fd)
-    i = bisect.bisect_left(spans, (found,)) - 1
+    i = bisect.bisect_left(spans, (found + base,)) - 1
     where = f"after {spans[i][2]!r}" if i >= 0 else "before the first item"
     what = f"is {value:#04x}, not zero" if value is not None else "is not zero (it changed while read)"
     return (
@@ -432,9 +457,11 @@ def _nonzero_padding(path: str, offset: int, nbytes: int, spans) -> str:
     )
 
 
-def _report_failures(failures: list[_native.ReadFailure], starts, spans, report: VerifyReport) -> None:
+def _report_failures(failures: list[_native.ReadFailure], starts, spans, report: VerifyReport, base: int = 0) -> None:
+    """Each failure as a problem naming the key it hit (``spans`` at data offsets; the file read
+    starts at data offset ``base``)."""
     for f in failures:
-        key = _key_at(spans, f.offset if f.offset >= 0 else starts[f.request])
+        key = _key_at(spans, base + (f.offset if f.offset >= 0 else starts[f.request]))
         what = f" in {key!r}" if key else ""
         if f.kind == "checksum":
             report.problems.append(f"{f.path}{what}: {f.message}")

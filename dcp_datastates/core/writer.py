@@ -51,6 +51,7 @@ from dcp_datastates import _dcp_compat
 from dcp_datastates.core import commit, durable, plan_cache, rank_file
 from dcp_datastates.core.compression import descriptor_of, resolve_compression
 from dcp_datastates.core.layout import (
+    AUTO_STRIPE_MIN_BYTES,
     RankLayout,
     RankPlanData,
     StagedRankData,
@@ -68,7 +69,7 @@ from dcp_datastates.core.stager import WriterSnapshots
 from dcp_datastates.core.staging import StagingFuture
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.metadata_file import encode_metadata
-from dcp_datastates.format.file_names import METADATA_FILE
+from dcp_datastates.format.file_names import MAX_STRIPES, METADATA_FILE, layout_files
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 from dcp_datastates.native import engine as _native
 
@@ -100,6 +101,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             zstd frames of 4 MiB blocks (see :mod:`compression`); needs
             ``pip install "dcp_datastates[zstd]"``. ``None`` (default): raw.
         compression_level: the zstd level (default 3, DCP's).
+        stripes: how many data files a rank of a synchronous save may write its
+            tensors to, each from its own I/O thread (format 7; buffered
+            writes to one file serialize on its inode lock, so on fast
+            storage one file per thread is faster). ``None`` (default): up to
+            ``io_threads``, each stripe at least 32 MiB; ``1``: one file per
+            rank. Compressed saves and asynchronous snapshots write one file.
         _extensions: DCP's ``FileSystemWriter`` argument, accepted so that
             switching is one argument: ``[ZStandard()]`` means ``compression="zstd"``;
             any other extension is refused.
@@ -127,6 +134,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         sequence: int = 0,
         compression: str | None = None,
         compression_level: int | None = None,
+        stripes: int | None = None,
         _extensions: Sequence[Any] | None = None,
     ) -> None:
         super().__init__()
@@ -139,6 +147,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if not isinstance(sequence, int) or isinstance(sequence, bool) or not 0 <= sequence < 1 << 64:
             raise ValueError(f"sequence must be an integer in [0, 2**64), got {sequence!r}")
         self.sequence = sequence
+        if stripes is not None and (not isinstance(stripes, int) or isinstance(stripes, bool) or not 1 <= stripes < MAX_STRIPES):
+            raise ValueError(f"stripes must be None or an integer from 1 to {MAX_STRIPES - 1}, got {stripes!r}")
+        # (max stripes, min bytes per stripe) for stripe_starts: the coordinator's reaches every rank.
+        self._striping = (io_threads, AUTO_STRIPE_MIN_BYTES) if stripes is None else (stripes, 0)
         # The engine belongs to a process: see the _engine property (forks).
         self._engine_ref = _native.ProcessEngine(host_cache_bytes, io_threads, window_bytes)
         _dcp_compat.quiet_discarded_dcp_debug_records()  # see README, "Performance"
@@ -327,7 +339,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 save.layout = None
                 return plans
             # (With compression, a planner's raw layout is replaced by one with compressed chunks.)
-            plans, save.layout, layouts = assign_checkpoint_layout(plans, save.save_id, compression)
+            plans, save.layout, layouts = assign_checkpoint_layout(plans, save.save_id, compression, self._striping)
             save.rank_layouts = {lay.rank: (lay, [item.index for item in p.items]) for lay, p in zip(layouts, plans)}
             return plans
 
@@ -344,7 +356,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if save.asynchronous:  # each rank's snapshot placed its tensors
             return plans
         sent = [p if p.usable else SavePlan([]) for p in plans]
-        placed, _, _ = assign_checkpoint_layout(sent, save.save_id, descriptor_of(self.compression))
+        placed, _, _ = assign_checkpoint_layout(sent, save.save_id, descriptor_of(self.compression), self._striping)
         return [new if old.usable else old for old, new in zip(plans, placed)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -395,7 +407,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             save.metadata_tmp = None
             save.metadata_obj = None
             self._end(save)
-        keep = {name for r in layout.ranks for name in (r.data_file, r.index_file)}
+        keep = set(layout_files(layout))
         commit.make_durable_after_commit(save.path, [os.path.join(save.path, f) for f in replaced if f not in keep])
         save.stats.commit_s = time.perf_counter() - t0
         self.last_save_stats = save.stats
@@ -506,7 +518,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             save.stats.plan_from_cache = True
             # This writer's own compression: DCP's cache is per planner class and process, so
             # the cached plan may come from another writer (or from a FileSystemWriter save).
-            layout = plan_cache.place_cached_plan(plan, info, save.rank, save.save_id, descriptor_of(self.compression))
+            layout = plan_cache.place_cached_plan(
+                plan, info, save.rank, save.save_id, descriptor_of(self.compression), self._striping
+            )
             save.rank_layouts[layout.rank] = (layout, [item.index for item in plan.items])
             info = layout.plan_data()
         if not isinstance(info, RankPlanData):

@@ -14,13 +14,14 @@ directory, locations in range.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import NamedTuple
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_datastates.errors import CorruptCheckpointError, UnsupportedFormatError
-from dcp_datastates.format.file_names import DATA_FILE_RE, SAVE_ID_RE
+from dcp_datastates.format.file_names import DATA_FILE_RE, MAX_STRIPES, SAVE_ID_RE, stripe_file_name
 
 FORMAT_NAME = "dcp_datastates"
 # 2: RankFiles may carry their own save id (files named by an asynchronous snapshot).
@@ -29,7 +30,9 @@ FORMAT_NAME = "dcp_datastates"
 # 5: storage_data is plain data, no class of ours (storage_data.py); the index is unchanged.
 # 6: .metadata carries a plain JSON record of the Metadata after the pickle, which our reader
 #    decodes instead of unpickling (metadata_record.py); its trailer counts the record.
-FORMAT_VERSION = 6
+# 7: a rank's data may be striped over several files (RankFiles.stripes), written in parallel.
+FORMAT_VERSION = 7
+STRIPES_SINCE = 7  # the first version whose ranks record stripes
 
 
 def show(value, limit: int = 100) -> str:
@@ -84,16 +87,29 @@ class ItemLocation(NamedTuple):
         return self.object_ordinal >= 0 and self.length >= 0
 
 
+STRIPE_ALIGN = 4096  # a stripe starts at a page boundary of the rank's data (O_DIRECT writes)
+
+
 @dataclasses.dataclass
 class RankFiles:
-    """A rank's two files. ``save_id`` is the id in their names and index when it is not
+    """A rank's files. ``save_id`` is the id in their names and index when it is not
     the checkpoint's own (asynchronous saves name their files before the coordinator
-    picks the checkpoint's id); empty otherwise."""
+    picks the checkpoint's id); empty otherwise.
+
+    ``stripes`` (format 7): where the rank's data continues in another file. A
+    rank's data is one range of offsets, as entries and the index record it;
+    with stripes ``(s1, s2, ...)`` the bytes ``[0, s1)`` are in ``data_file``,
+    ``[s1, s2)`` at the start of ``stripe_file_name(data_file, 1)``, and so on,
+    the last stripe running to the end of the data. Writing each stripe from
+    its own thread is what lets buffered writes to fast storage run in
+    parallel (one file's writes serialize on its inode lock). Empty: one file.
+    """
 
     rank: int
     data_file: str
     index_file: str
     save_id: str = ""
+    stripes: tuple = ()
 
     def __setstate__(self, state):  # in-process copies only: on disk a rank is a plain tuple
         _set_fields_strictly(self, state, RANK_FILES_FIELDS)
@@ -101,8 +117,18 @@ class RankFiles:
     def files_save_id(self, checkpoint_save_id: str) -> str:
         return getattr(self, "save_id", "") or checkpoint_save_id
 
+    def data_files(self) -> list[str]:
+        """The rank's data files, stripe by stripe."""
+        return [stripe_file_name(self.data_file, k) for k in range(len(self.stripes) + 1)]
 
-RANK_FILES_FIELDS = {"rank": int, "data_file": str, "index_file": str, "save_id": str}
+    def stripe_of(self, offset: int) -> tuple[int, int, int | None]:
+        """``(stripe, its first offset, its end or None)`` of the stripe holding data offset ``offset``."""
+        starts = self.stripes
+        k = bisect.bisect_right(starts, offset)
+        return k, (starts[k - 1] if k else 0), (starts[k] if k < len(starts) else None)
+
+
+RANK_FILES_FIELDS = {"rank": int, "data_file": str, "index_file": str, "save_id": str, "stripes": tuple}
 LAYOUT_FIELDS = {
     "format": str, "version": int, "save_id": str, "ranks": list, "entries": list, "compression": (tuple, type(None)),
 }
@@ -147,6 +173,17 @@ def _set_fields_strictly(obj, state, kinds: dict) -> None:
     fields (``kinds`` names every one), with the dataclass's defaults."""
     defaults = {f.name: f.default for f in dataclasses.fields(obj) if f.default is not dataclasses.MISSING}
     obj.__dict__.update(strict_fields(type(obj).__name__, state, kinds, defaults))
+
+
+def check_stripes(stripes, where: str, bad) -> None:
+    """A rank's stripe starts: a tuple of increasing positive multiples of ``STRIPE_ALIGN``."""
+    if not isinstance(stripes, tuple) or len(stripes) >= MAX_STRIPES:
+        raise bad(f"{where} has stripes {show(stripes)}")
+    prev = 0
+    for s in stripes:
+        if not isinstance(s, int) or isinstance(s, bool) or s <= prev or s % STRIPE_ALIGN or s >= 1 << 63:
+            raise bad(f"{where} has stripe starts {show(stripes)}: not increasing multiples of {STRIPE_ALIGN}")
+        prev = s
 
 
 COMPRESSION_CODECS = ("zstd",)
@@ -280,11 +317,15 @@ class CheckpointLayout:
                 raise bad(f"rank {rank}'s save id {show(sid)}")
             for name, kind in ((getattr(r, "data_file", None), "data"), (getattr(r, "index_file", None), "index")):
                 m = DATA_FILE_RE.match(name) if isinstance(name, str) else None
-                if m is None or m.group(3) != kind or int(m.group(1)) != rank:
+                if m is None or m.group(4) != kind or m.group(3) is not None or int(m.group(1)) != rank:
                     raise bad(f"rank {rank}'s {kind} file name {show(name)} is not a rank file name")
+            check_stripes(getattr(r, "stripes", None), f"rank {rank}", bad)
+            if r.stripes and self.version < STRIPES_SINCE:
+                raise bad(f"rank {rank} is striped in a layout of version {self.version}")
             if rank in ranks:
                 raise bad(f"rank {rank} is listed twice")
             ranks.add(rank)
+        striped = {r.rank: r.stripes for r in self.ranks if r.stripes}
         for e in self.entries:
             if not (isinstance(e, tuple) and len(e) == 6 and isinstance(e[0], str)):
                 raise bad(f"item entry {show(e)}")
@@ -305,6 +346,11 @@ class CheckpointLayout:
                 continue
             if offset < 0 or length < 0:
                 raise bad(f"{fqn!r} is stored at offset {offset} with length {length}")
+            starts = striped.get(rank)
+            if starts:
+                k = bisect.bisect_right(starts, offset)
+                if k < len(starts) and offset + length > starts[k]:
+                    raise bad(f"{fqn!r} (bytes {offset}..{offset + length}) crosses the start of rank {rank}'s stripe {k + 1} at {starts[k]}")
 
 
 def object_entries(layout: CheckpointLayout) -> dict[int, int]:

@@ -5,7 +5,8 @@ A checkpoint is one directory::
     .metadata                      DCP Metadata (pickle + checksum trailer), written last, atomically
     rank00000-<sid>.data           raw bytes of rank 0's items at planned offsets
     rank00000-<sid>.index          rank 0's checksums and object table (binary)
-    ...                            one .data/.index pair per rank
+    rank00000-<sid>.s1.data        rank 0's second stripe (format 7; only for ranks written as several files)
+    ...                            one .data/.index pair per rank, and a .s<k>.data per further stripe
 
 ``<sid>`` is the save id, 12 hex digits, new for every save: files of a new
 save never overwrite those of the committed one it replaces, so an
@@ -28,11 +29,23 @@ from typing import Collection, Iterable
 
 METADATA_FILE = ".metadata"
 SAVE_ID_RE = re.compile(r"^[0-9a-f]{12}$")
-DATA_FILE_RE = re.compile(r"^rank(\d{5,})-([0-9a-f]{12})\.(data|index)$")
+# Groups: rank, save id, stripe (None for a rank's first data file, and for its index), kind.
+DATA_FILE_RE = re.compile(r"^rank(\d{5,})-([0-9a-f]{12})(?:\.s([1-9]\d{0,2}))?\.(data|index)$")
+MAX_STRIPES = 256  # stripe numbers have at most three digits
 
 
 def data_file_name(rank: int, save_id: str) -> str:
     return f"rank{rank:05d}-{save_id}.data"
+
+
+def stripe_file_name(data_file: str, stripe: int) -> str:
+    """The file of stripe ``stripe`` of a rank whose first data file is ``data_file``
+    (stripe 0 is ``data_file`` itself; format 7, see docs/format.md)."""
+    if stripe == 0:
+        return data_file
+    if not 0 < stripe < MAX_STRIPES:
+        raise ValueError(f"stripe {stripe} is out of range (0 to {MAX_STRIPES - 1})")
+    return data_file[: -len(".data")] + f".s{stripe}.data"
 
 
 def index_file_name(rank: int, save_id: str) -> str:
@@ -80,5 +93,5 @@ def stray_files(names: Iterable[str], named: Collection[str], *, stock_dcp: bool
 
 
 def layout_files(layout) -> list[str]:
-    """The rank files a ``CheckpointLayout`` names (data, then index, rank by rank), without ``.metadata``."""
-    return [name for r in layout.ranks for name in (r.data_file, r.index_file)]
+    """The rank files a ``CheckpointLayout`` names (data files, then index, rank by rank), without ``.metadata``."""
+    return [name for r in layout.ranks for name in (*r.data_files(), r.index_file)]

@@ -171,7 +171,11 @@ def _layout_plain(data) -> dict:
     _check(type(data) is dict, "its storage data is not a dict")
     out = dict(data)
     if type(out.get("ranks")) is list:
-        out["ranks"] = [tuple(r) if type(r) is list else r for r in out["ranks"]]
+        # a rank's stripe starts (its fifth element, format 7) are a list in JSON too
+        out["ranks"] = [
+            tuple(tuple(x) if i == 4 and type(x) is list else x for i, x in enumerate(r)) if type(r) is list else r
+            for r in out["ranks"]
+        ]
     if type(out.get("entries")) is list:
         entries = []
         for e in out["entries"]:

@@ -11,7 +11,10 @@
            M x (offset u64, length u64)
     end 4  crc32c of every preceding byte (u32)
 
-Segments cover every stored byte: each item is split at the engine's write
+Offsets are the rank's data offsets: with stripes (format 7,
+``RankFiles.stripes``) the bytes from a stripe's start live at the start of
+that stripe's file, and no segment or object crosses a stripe's start
+(:meth:`RankIndex.apply_stripes`). Segments cover every stored byte: each item is split at the engine's write
 windows. A read is widened to whole segments and must be tiled by them
 exactly, so every byte handed to the caller has been verified. Objects (and
 the frames of compressed chunks) are found by ordinal in the object table:
@@ -49,14 +52,67 @@ class RankIndex:
     seg_lengths: list[int]
     seg_crcs: list[int]
     objects: list[tuple[int, int]]
-    _table: SegmentTable | None = dataclasses.field(default=None, repr=False, compare=False)
+    # The rank's data files (stripe by stripe) and where stripes 1, 2, ... start: set by
+    # apply_stripes from the layout's RankFiles; one file (the data file) before.
+    stripe_files: list[str] = dataclasses.field(default_factory=list)
+    stripes: tuple = ()
+    _tables: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
-    def segment_table(self) -> SegmentTable:
+    def apply_stripes(self, data_files: list[str], stripes: tuple, path: str) -> None:
+        """Take the rank's stripes (its ``RankFiles``, validated) after checking that this index
+        fits them: its data ends after the last stripe's start, and no segment or object
+        crosses a stripe's start (each is read from one file)."""
+        if stripes and self.data_size <= stripes[-1]:
+            raise CorruptCheckpointError(
+                f"rank index {path} is corrupt: its data ends at {self.data_size}, before its last stripe starts ({stripes[-1]})"
+            )
+        for start in stripes:
+            i = bisect_left(self.seg_offsets, start)
+            if i and self.seg_offsets[i - 1] + self.seg_lengths[i - 1] > start:
+                raise CorruptCheckpointError(
+                    f"rank index {path} is corrupt: the segment at offset {self.seg_offsets[i - 1]} crosses the start of a stripe at {start}"
+                )
+            for o, n in self.objects:
+                if o < start < o + n:
+                    raise CorruptCheckpointError(
+                        f"rank index {path} is corrupt: the object at offset {o} crosses the start of a stripe at {start}"
+                    )
+        self.stripe_files, self.stripes = list(data_files), tuple(stripes)
+        self._tables = {}
+
+    def stripe_bounds(self) -> list[tuple[int, int]]:
+        """``(start, end)`` of each stripe's data (one stripe: ``(0, data_size)``)."""
+        starts = [0, *self.stripes]
+        return list(zip(starts, starts[1:] + [self.data_size]))
+
+    def stripe_of(self, offset: int) -> tuple[int, int, int]:
+        """``(stripe, start, end)`` of the stripe holding data offset ``offset``."""
+        k = bisect_right(self.stripes, offset)
+        return k, *self.stripe_bounds()[k]
+
+    def stripe_segments(self, stripe: int) -> range:
+        """The indices of the segments in ``stripe``."""
+        start, end = self.stripe_bounds()[stripe]
+        return range(bisect_left(self.seg_offsets, start), bisect_left(self.seg_offsets, end))
+
+    def segment_table(self, stripe: int = 0) -> SegmentTable:
         """The segments as the engine's table (made once): a read given it as ``verify_with``
-        takes its checks from it natively, and fails if they do not tile its range."""
-        if self._table is None:
-            self._table = SegmentTable(offsets=self.seg_offsets, lengths=self.seg_lengths, crc32cs=self.seg_crcs)
-        return self._table
+        takes its checks from it natively, and fails if they do not tile its range. With
+        stripes, the table of ``stripe``'s segments, at offsets in its file."""
+        table = self._tables.get(stripe)
+        if table is None:
+            if not self.stripes:
+                table = SegmentTable(offsets=self.seg_offsets, lengths=self.seg_lengths, crc32cs=self.seg_crcs)
+            else:
+                rows = self.stripe_segments(stripe)
+                base = self.stripe_bounds()[stripe][0]
+                table = SegmentTable(
+                    offsets=[self.seg_offsets[i] - base for i in rows],
+                    lengths=self.seg_lengths[rows.start : rows.stop],
+                    crc32cs=self.seg_crcs[rows.start : rows.stop],
+                )
+            self._tables[stripe] = table
+        return table
 
     def covering_range(self, start: int, length: int) -> tuple[int, int]:
         """The byte range of the segments that overlap ``[start, start+length)``.
@@ -83,6 +139,17 @@ class RankIndex:
             i += 1
         return out
 
+    def _whole_table(self) -> SegmentTable:
+        """Every segment at its data offset (the same as ``segment_table(0)`` without stripes)."""
+        if not self.stripes:
+            return self.segment_table(0)
+        table = self._tables.get("all")
+        if table is None:
+            table = self._tables["all"] = SegmentTable(
+                offsets=self.seg_offsets, lengths=self.seg_lengths, crc32cs=self.seg_crcs
+            )
+        return table
+
     def check_tiled(self, start: int, length: int, path: str, key: str) -> None:
         """Refuse ``[start, start+length)`` unless the segments inside it tile it exactly.
 
@@ -91,7 +158,7 @@ class RankIndex:
         such bytes would reach the caller unverified. The engine applies the
         same rule to a read made with ``verify_with=self.segment_table()``.
         """
-        gap = self.segment_table().first_gap(start, length)
+        gap = self._whole_table().first_gap(start, length)
         if gap is not None:
             raise CorruptCheckpointError(
                 f"{path}: bytes {gap[0]}..{gap[1]} of {key!r} are not covered by the "

@@ -10,15 +10,17 @@ into a validated layout when it is decoded. The plain form::
 
     {
         "format": "dcp_datastates",
-        "version": 5,
+        "version": 7,
         "save_id": "3f9c2a71b0de",
-        "ranks": [(rank, data_file, index_file, files_save_id), ...],
+        "ranks": [(rank, data_file, index_file, files_save_id, stripe_starts), ...],
         "entries": [(fqn, chunk_offsets or None, rank, offset, length, object_ordinal), ...],
         "compression": None or (codec, block_bytes),
     }
 
 ``files_save_id`` is ``""`` when the rank's files carry the checkpoint's own
-save id; an entry is what :class:`CheckpointLayout` documents. Only ``str``,
+save id; ``stripe_starts`` (from version 7; versions 5 and 6 have 4-tuples)
+is a tuple of the data offsets where the rank's further data files begin
+(:class:`RankFiles`), ``()`` for one file; an entry is what :class:`CheckpointLayout` documents. Only ``str``,
 ``int``, ``None``, tuples, lists and the one dict: exactly these six keys.
 
 Versions 1 to 4 pickled the layout as our classes, under the module path
@@ -37,7 +39,7 @@ from __future__ import annotations
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_datastates.errors import CorruptCheckpointError
-from dcp_datastates.format.checkpoint_layout import FORMAT_NAME, FORMAT_VERSION, LAYOUT_FIELDS, RANK_FILES_FIELDS, CheckpointLayout, RankFiles, check_format_version, show, strict_fields
+from dcp_datastates.format.checkpoint_layout import FORMAT_NAME, FORMAT_VERSION, LAYOUT_FIELDS, RANK_FILES_FIELDS, STRIPES_SINCE, CheckpointLayout, RankFiles, check_format_version, show, strict_fields
 
 PLAIN_SINCE = 5  # the first format version whose layout is plain data
 PLAIN_KEYS = ("format", "version", "save_id", "ranks", "entries", "compression")
@@ -63,7 +65,7 @@ def layout_to_plain(layout: CheckpointLayout) -> dict:
         "format": layout.format,
         "version": FORMAT_VERSION,
         "save_id": layout.save_id,
-        "ranks": [(r.rank, r.data_file, r.index_file, r.save_id) for r in layout.ranks],
+        "ranks": [(r.rank, r.data_file, r.index_file, r.save_id, r.stripes) for r in layout.ranks],
         "entries": layout.entries,
         "compression": layout.compression,
     }
@@ -84,10 +86,13 @@ def _layout_from_plain(data: dict, where: str) -> CheckpointLayout:
         if not isinstance(data[key], kind):
             raise _corrupt(where, f"its {key} is a {type(data[key]).__name__}")
     ranks = []
+    width, what = (5, "(rank, data file, index file, save id, stripe starts)") if version >= STRIPES_SINCE else (
+        4, "(rank, data file, index file, save id)"
+    )
     for r in data["ranks"]:
-        if not (isinstance(r, tuple) and len(r) == 4 and all(isinstance(x, str) for x in r[1:])):
-            raise _corrupt(where, f"rank entry {show(r)} is not (rank, data file, index file, save id)")
-        ranks.append(RankFiles(*r))  # the rank's kind and range are checked by validate
+        if not (isinstance(r, tuple) and len(r) == width and all(isinstance(x, str) for x in r[1:4])):
+            raise _corrupt(where, f"rank entry {show(r)} is not {what}")
+        ranks.append(RankFiles(*r))  # the rank's kind and range, and its stripes, are checked by validate
     return CheckpointLayout(FORMAT_NAME, version, data["save_id"], ranks, data["entries"], data["compression"])
 
 
@@ -123,7 +128,7 @@ class PickledLayout(_Pickled):
 class PickledRankFiles(_Pickled):
     __slots__ = ()
     NAME = "RankFiles"
-    KINDS = RANK_FILES_FIELDS
+    KINDS = {k: v for k, v in RANK_FILES_FIELDS.items() if k != "stripes"}  # stripes came with version 7
     DEFAULTS = {"save_id": ""}  # version 1 had no per-rank save id
 
 

@@ -177,6 +177,10 @@ class CheckpointView:
                 frames = self.reader.rank_index(loc.relative_path).objects
                 n = compressed_blocks(loc.length, self.reader.layout.compression[1])
                 return loc.relative_path, -1, sum(m for _, m in frames[loc.object_ordinal : loc.object_ordinal + n])
+            files = next((r for r in self.reader.layout.ranks if r.data_file == loc.relative_path), None)
+            if files is not None and files.stripes:  # the stripe's own file, and the offset in it
+                stripe, base, _ = files.stripe_of(loc.offset)
+                return files.data_files()[stripe], loc.offset - base, loc.length
             return loc.relative_path, loc.offset, loc.length
         info = self.metadata.storage_data.get(index)
         if info is None:

@@ -312,11 +312,11 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
 
 def _rank_numbers(files: list[str]) -> str:
     """``rank00000-...data, rank00001-...data, rank00003-...data`` -> ``0-1,3`` (other names as they are)."""
-    ranks, others = [], []
+    found, others = set(), []
     for name in files:
         m = DATA_FILE_RE.match(name)
-        (ranks.append(int(m.group(1))) if m else others.append(name))
-    ranks.sort()
+        (found.add(int(m.group(1))) if m else others.append(name))
+    ranks = sorted(found)  # a rank striped over several data files is one rank
     runs: list[str] = []
     i = 0
     while i < len(ranks):

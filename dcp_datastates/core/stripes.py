@@ -1,0 +1,128 @@
+"""A rank's data written as stripes: one file and one engine job per stripe.
+
+Buffered writes to one file serialize on its inode lock (tmpfs, ext4, xfs):
+two I/O threads writing one file on tmpfs moved 2.5 GB/s here, two threads
+each writing its own file 4.6 GB/s (docs/benchmarks.md, issue 15). So a
+synchronous save cuts a rank's data into stripes at the starts of large
+tensors (:func:`layout.stripe_starts`; offsets do not move) and writes each
+to its own file, while the engine keeps each I/O thread on a file no other
+thread is writing. The rank's data stays one range of offsets: entries,
+checksum segments and the object table all use it, and only the engine
+sees per-file offsets. :class:`StripedWrite` is the one place that
+translates; a rank of one file is a :class:`StripedWrite` of one job.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any, Callable
+
+from dcp_datastates.native import engine as _native
+
+
+class StripedWrite:
+    """The engine jobs of one rank's data files, addressed by data offset.
+
+    ``bases[k]`` is the data offset where stripe ``k`` (``jobs[k]``) begins;
+    ``bases[0] == 0``. Objects and compressed frames, appended once the
+    tensors are placed, go to the last stripe (:attr:`tail`).
+    """
+
+    def __init__(self, jobs: list, bases: list[int]) -> None:
+        self.jobs = jobs
+        self.bases = bases
+
+    @classmethod
+    def of_job(cls, job) -> StripedWrite:
+        return cls([job], [0])
+
+    @classmethod
+    def start(
+        cls, engine, paths: list[str], bases: list[int], end: int, placed: list, finish: Callable, **write_options: Any,
+    ) -> StripedWrite:
+        """Start one job per stripe file ``paths[k]`` with the ``placed`` sources that fall in it.
+
+        ``placed``: ``(source, data offset)`` pairs; ``finish`` turns a list
+        of ``(source, file offset)`` into ``(regions, keep)``
+        (:func:`providers.finish_regions`); ``end``: the end of the placed
+        tensors (each stripe is preallocated to its share). A failure to
+        start any job stops those already started.
+        """
+        per_stripe: list[list] = [[] for _ in paths]
+        for source, offset in placed:
+            k = bisect.bisect_right(bases, offset) - 1
+            per_stripe[k].append((source, offset - bases[k]))
+        ends = bases[1:] + [max(end, bases[-1])]
+        jobs: list = []
+        try:
+            for path, stripe, base, stripe_end in zip(paths, per_stripe, bases, ends):
+                regions, keep = finish(stripe)
+                stripe.clear()
+                jobs.append(engine.write(path, regions, keep, preallocate=stripe_end - base, **write_options))
+                del regions, keep
+        except BaseException:
+            for job in jobs:
+                _native.stop_write_job(job, "starting another stripe of the rank failed")
+            raise
+        return cls(jobs, list(bases))
+
+    @property
+    def tail(self):
+        """The job of the last stripe (objects and compressed frames are appended there)."""
+        return self.jobs[-1]
+
+    @property
+    def tail_base(self) -> int:
+        return self.bases[-1]
+
+    def stripe_of(self, offset: int) -> int:
+        return bisect.bisect_right(self.bases, offset) - 1
+
+    def append(self, k: int, regions: list, keep: list) -> None:
+        self.jobs[k].append(regions, keep)
+
+    def seal(self) -> None:
+        for job in self.jobs:
+            job.seal()
+
+    def release_staged(self) -> bool:
+        """Every job's staged sources let go of; False if any failed (``wait`` raises its error)."""
+        return all([job.release_staged() for job in self.jobs])
+
+    @property
+    def done(self) -> bool:
+        return all(job.done for job in self.jobs)
+
+    @property
+    def direct(self) -> bool:
+        return all(job.direct for job in self.jobs)
+
+    @property
+    def windows_from_source(self) -> int:
+        return sum(job.windows_from_source for job in self.jobs)
+
+    def cancel(self, why: str) -> None:
+        """Cancel every stripe (:func:`engine.stop_write_job` takes a striped write too)."""
+        for job in self.jobs:
+            if not job.done:
+                job.cancel(why)
+
+    def wait(self) -> list[tuple[int, int, int]]:
+        """Wait for every stripe; its checksum segments as ``(data offset, nbytes, crc32c)``, sorted.
+
+        A failed stripe's ``OSError`` is raised (its ``offset`` turned into a
+        data offset) once the others are stopped: no job is left running.
+        """
+        segments: list[tuple[int, int, int]] = []
+        for k, (job, base) in enumerate(zip(self.jobs, self.bases)):
+            try:
+                segments.extend((base + s.offset, s.nbytes, s.crc32c) for s in job.wait())
+            except OSError as exc:
+                for other in self.jobs[k + 1 :]:
+                    _native.stop_write_job(other, "another stripe of the rank failed")
+                offset = getattr(exc, "offset", -1)
+                if offset is not None and offset >= 0:
+                    exc.offset = offset + base
+                raise
+        segments.sort()
+        return segments
