@@ -118,7 +118,7 @@ def our_files(path):
     for name in os.listdir(path):
         m = DATA_FILE_RE.match(name)
         if m:
-            out[name] = m.group(3)
+            out[name] = m.group(4)
         elif name == METADATA_FILE:
             out[name] = "metadata"
         elif name.startswith(METADATA_FILE + "."):

@@ -524,7 +524,8 @@ def _as_unsequenced(root) -> None:
         layout = metadata.storage_data
         metadata.storage_data = crafted("CheckpointLayout", {
             "format": layout.format, "version": 3, "save_id": layout.save_id,
-            "ranks": [crafted("RankFiles", dict(r.__dict__)) for r in layout.ranks], "entries": layout.entries,
+            "ranks": [crafted("RankFiles", {k: v for k, v in r.__dict__.items() if k != "stripes"}) for r in layout.ranks],
+            "entries": layout.entries,
         })
         with old_paths_importable():
             blob = pickle.dumps(metadata)
