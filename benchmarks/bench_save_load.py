@@ -31,6 +31,8 @@ Variants (every save is durable: its data is fsynced before the clock stops)
                 caching (DefaultSavePlanner(enable_plan_caching=True), cache filled
                 by an untimed save first), FileSystemWriter(thread_count=1)
   ours_repeat   (small state) the same with DataStatesWriter
+  ours_planner  (small state) dcp.save with DataStatesWriter and DataStatesSavePlanner()
+                (DCP's planning in one pass per item; the same plans and metadata)
 
 Targets depend on the storage under --dir (issue 15):
   tmpfs (no disk: software cost)  big: save >= 1.3x the best DCP (t=1, t=2) and
@@ -76,7 +78,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # n
 
 from bench_common import add_common_args, drop_tree, filesystem_type, fmt, make_scratch, median, remove, remove_scratch, write_json  # noqa: E402
 from bench_common import machine_info as common_machine_info  # noqa: E402
-from dcp_datastates import DataStatesReader, DataStatesWriter  # noqa: E402
+from dcp_datastates import DataStatesReader, DataStatesSavePlanner, DataStatesWriter  # noqa: E402
 from dcp_datastates import _engine, _probes  # noqa: E402
 from dcp_datastates.core.durable import fsync_dir  # noqa: E402
 
@@ -87,6 +89,7 @@ BLOCK = 8 * MiB
 
 SAVE_VARIANTS = ["raw_direct", "raw_buffered", "raw_read_2t", "memcpy", "torch", "dcp_t1", "dcp_t2", "ours"]
 REPEAT_VARIANTS = ["dcp_t1_repeat", "ours_repeat"]  # the small state only
+SMALL_ONLY_VARIANTS = REPEAT_VARIANTS + ["ours_planner"]
 LABELS = {
     "raw_direct": "raw O_DIRECT write / cold read",
     "raw_read_2t": "raw cold read, 2 threads",
@@ -98,6 +101,7 @@ LABELS = {
     "ours": "ours DataStates",
     "dcp_t1_repeat": "DCP t=1, repeated (plan cache)",
     "ours_repeat": "ours, repeated (plan cache)",
+    "ours_planner": "ours + DataStatesSavePlanner",
 }
 TARGETS = {
     "tmpfs": {"save_vs_best_dcp_big": 1.3, "save_vs_memcpy_big": 0.5, "load_vs_dcp_big": 2.0},
@@ -122,7 +126,7 @@ class DcpCachedPlanner(DefaultSavePlanner):
 
 
 def variants_for(state_name: str) -> list[str]:
-    return SAVE_VARIANTS + (REPEAT_VARIANTS if state_name == "small" else [])
+    return SAVE_VARIANTS + (SMALL_ONLY_VARIANTS if state_name == "small" else [])
 
 
 # ---------------------------------------------------------------- states
@@ -323,6 +327,10 @@ class Runner:
         return self._dcp(state, dst, verify, what, lambda d: FileSystemWriter(d, thread_count=1),
                          FileSystemReader, "dcp_t1_repeat", DcpCachedPlanner())
 
+    def _ours_planner(self, state, dst, nbytes, verify, what) -> dict:
+        return self._dcp(state, dst, verify, what, DataStatesWriter, DataStatesReader, "ours_planner",
+                         DataStatesSavePlanner())
+
     def _ours_repeat(self, state, dst, nbytes, verify, what) -> dict:
         rec = self._dcp(state, dst, verify, what, DataStatesWriter, DataStatesReader, "ours_repeat",
                         OursCachedPlanner())
@@ -383,6 +391,11 @@ def ratios(summary: dict, state_name: str, storage: str) -> list[dict]:
             ("ours repeated save / DCP t=1 repeated", summary["ours_repeat"]["save_gbps"],
              gbps["dcp_t1_repeat"], target("save_repeat_vs_dcp_t1_repeat")),
             ("ours repeated save / ours first save", summary["ours_repeat"]["save_gbps"], ours["save_gbps"], None),
+        ]
+    if "ours_planner" in summary:
+        rows += [
+            ("ours + planner save / DCP t=1 (default)", summary["ours_planner"]["save_gbps"], gbps["dcp_t1"],
+             target("save_vs_dcp_t1")),
         ]
     rows += [
         ("ours load / raw cold read", ours["load_gbps"], summary["raw_direct"]["load_gbps"], target("load_vs_raw_read")),
@@ -495,7 +508,7 @@ def main() -> int:
                 recs = {}
                 for v in order:
                     recs[v] = runner.run(v, name, states[name], dsts[name], metas[name]["bytes"])
-                for v in ("ours", "ours_repeat"):
+                for v in ("ours", "ours_repeat", "ours_planner"):
                     if v in recs:
                         st = recs[v]["stats"]
                         st["dcp_other_s"] = recs[v]["save_s"] - st["data_write_s"] - st["index_s"] - st["commit_s"]

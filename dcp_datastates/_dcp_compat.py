@@ -93,6 +93,25 @@ def flatten_state_dict(state_dict: dict) -> dict:
     return flatten(state_dict)[0]
 
 
+def dedup_save_plans(planner, plans: list) -> list:
+    """DefaultSavePlanner's deduplication of replicated items across ranks' plans, with the
+    planner's own setting (``dedup_save_to_lowest_rank``): ``DefaultSavePlanner._dedup_save_plans``,
+    private, present since 2.2."""
+    return planner._dedup_save_plans(plans)
+
+
+def validate_global_save_plan(plans: list, metadata) -> list[str]:
+    """DCP's check of a global save plan (chunks inside their tensor, none overlapping, the
+    tensor covered): ``default_planner._validate_global_plan``, private. It returns the
+    problems from torch 2.13 on and a bool before (logging them as warnings)."""
+    from torch.distributed.checkpoint.default_planner import _validate_global_plan
+
+    result = _validate_global_plan(plans, metadata)
+    if isinstance(result, bool):
+        return [] if result else ["chunks out of bounds, overlapping or not covering their tensor (DCP logged which)"]
+    return list(result)
+
+
 @functools.lru_cache(maxsize=None)
 def storage_info_class():
     """DCP ``FileSystemWriter``'s per-item storage record (``filesystem._StorageInfo``):

@@ -189,3 +189,37 @@ def test_dcps_discarded_debug_records_are_quieted_only_where_nobody_can_see_them
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == expected.split()
+
+
+def _plan(fqn, chunk_offsets, chunk_sizes, size):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    return SavePlan([WriteItem(
+        index=MetadataIndex(fqn, torch.Size(chunk_offsets)), type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size(chunk_offsets), sizes=torch.Size(chunk_sizes)),
+            properties=TensorProperties(dtype=torch.float32), size=torch.Size(size),
+        ),
+    )])
+
+
+def test_dedup_save_plans_keeps_one_copy_of_a_replicated_item():
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_save_plan
+
+    state = {"w": torch.ones(3), "step": 4}
+    plans = [create_default_local_save_plan(state, True) for _ in range(2)]
+    deduped = _dcp_compat.dedup_save_plans(DefaultSavePlanner(), plans)
+    assert sorted(i.index.fqn for p in deduped for i in p.items) == ["step", "w"]
+
+
+def test_validate_global_save_plan_lists_problems_on_every_torch():
+    from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+
+    good = [_plan("w", (0,), (2,), (4,)), _plan("w", (2,), (2,), (4,))]
+    plans, md = create_default_global_save_plan(good)
+    assert _dcp_compat.validate_global_save_plan(plans, md) == []
+    bad = [_plan("w", (0,), (3,), (4,)), _plan("w", (2,), (3,), (4,))]  # overlapping, out of bounds
+    plans, md = create_default_global_save_plan(bad)
+    problems = _dcp_compat.validate_global_save_plan(plans, md)
+    assert problems and all(isinstance(p, str) for p in problems)

@@ -223,10 +223,6 @@ def rank_layout_of(plan: SavePlan, info: RankPlanData, known: tuple | None) -> R
     return layout
 
 
-def has_layout(plans: list[SavePlan]) -> bool:
-    return bool(plans) and all(isinstance(p.storage_data, RankPlanData) for p in plans)
-
-
 def assign_checkpoint_layout(
     plans: list[SavePlan], save_id: str, compression: tuple | None = None, striping: tuple = (1, 0)
 ) -> tuple[list[SavePlan], CheckpointLayout, list[RankLayout]]:

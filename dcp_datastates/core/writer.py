@@ -6,9 +6,8 @@ each a few lines that hand the work to the module that owns it.
 Synchronous saves (``dcp.save``), per rank:
 1. ``storage_meta`` begins the save (its turn in the order of saves,
    :mod:`save_order`);
-2. ``prepare_global_plan`` (coordinator) fixes each rank's files and offsets
-   (:mod:`layout`) after DCP deduplicated items, unless DataStatesSavePlanner
-   already did;
+2. ``prepare_global_plan`` (coordinator) fixes each rank's files, stripes
+   and offsets (:mod:`layout`) after the planner deduplicated items;
 3. ``write_data`` writes the rank's file (:mod:`rank_file`): the engine
    copies, checksums and writes while Python serializes the objects and, on
    the coordinator, the final metadata;
@@ -57,7 +56,6 @@ from dcp_datastates.core.layout import (
     StagedRankData,
     assign_checkpoint_layout,
     assign_staged_layout,
-    has_layout,
     has_staged_layout,
     new_save_id,
     rank_layout_of,
@@ -335,10 +333,6 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             if any(isinstance(p.storage_data, StagedRankData) for p in plans):
                 raise CheckpointError("some ranks saved asynchronously and others not; every rank must use the same call")
             compression = descriptor_of(self.compression)
-            if has_layout(plans) and compression is None:  # DataStatesSavePlanner placed everything
-                save.layout = None
-                return plans
-            # (With compression, a planner's raw layout is replaced by one with compressed chunks.)
             plans, save.layout, layouts = assign_checkpoint_layout(plans, save.save_id, compression, self._striping)
             save.rank_layouts = {lay.rank: (lay, [item.index for item in p.items]) for lay, p in zip(layouts, plans)}
             return plans

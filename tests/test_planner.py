@@ -1,0 +1,129 @@
+"""DataStatesSavePlanner: DCP's default save planning in one pass per item, with the same results."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from conftest import load
+from dcp_datastates import DataStatesSavePlanner, DataStatesWriter, verify
+from dcp_datastates.core.planner import _global_plan_and_metadata
+from dcp_datastates.format.metadata_file import read_metadata_file
+
+
+def _flat_state():
+    g = torch.Generator().manual_seed(3)
+    state = {f"t{i}": torch.randn(5, i + 1, generator=g) for i in range(20)}
+    state.update({
+        "bf16": torch.randn(7, generator=g).to(torch.bfloat16),
+        "ints": torch.arange(9, dtype=torch.int32),
+        "grad": torch.randn(3, generator=g).requires_grad_(),
+        "zero_d": torch.tensor(2.5),
+        "empty": torch.empty(0, 4),
+        "strided": torch.randn(4, 6, generator=g).t(),
+        "mask": torch.arange(6) % 2 == 0,
+        "step": 11, "lr": 0.5, "name": "run", "flag": True, "none": None, "raw": b"\x00\x01",
+    })
+    return state
+
+
+def _nested_state():
+    return {"model": {"w": torch.ones(3, 2), "b": torch.zeros(2)}, "optim": {"state": {0: {"exp": torch.ones(3)}}, "lr": [0.1, 0.2]}, "step": 3}
+
+
+def _plans(planner_cls, state, ranks=1):
+    planner = planner_cls()
+    planner.set_up_planner(state, None, True)
+    local = planner.create_local_plan()
+    global_plans, metadata = planner.create_global_plan([local] * ranks)
+    return planner, local, global_plans, metadata
+
+
+def _item_key(item, hint=True):
+    td = item.tensor_data
+    return (item.index, item.index.index if hint else None, item.type, None if td is None else (td.chunk, td.properties, td.size))
+
+
+@pytest.mark.parametrize("make", [_flat_state, _nested_state], ids=["flat", "nested"])
+def test_plans_and_metadata_equal_the_default_planners(make):
+    state = make()
+    ours = _plans(DataStatesSavePlanner, state)
+    dcps = _plans(DefaultSavePlanner, state)
+    assert ours[0].mappings == dcps[0].mappings
+    # Local items are equal (a MetadataIndex compares without its index hint, which ours sets early).
+    assert [_item_key(i, hint=False) for i in ours[1].items] == [_item_key(i, hint=False) for i in dcps[1].items]
+    assert ours[1].planner_data == dcps[1].planner_data
+    assert [[_item_key(i) for i in p.items] for p in ours[2]] == [[_item_key(i) for i in p.items] for p in dcps[2]]
+    assert ours[3].state_dict_metadata == dcps[3].state_dict_metadata
+    assert ours[3].planner_data == dcps[3].planner_data
+    for item in ours[2][0].items:  # what write_data gets back for each item
+        got, want = ours[0].resolve_data(item), dcps[0].resolve_data(item)
+        assert type(got) is type(want)
+        if isinstance(got, torch.Tensor):
+            assert got is want
+
+
+def test_flat_state_dicts_share_tensor_properties():
+    _, local, _, metadata = _plans(DataStatesSavePlanner, _flat_state())
+    props = {id(i.tensor_data.properties) for i in local.items if i.tensor_data is not None and i.index.fqn.startswith("t")}
+    assert len(props) == 1  # 20 float32 tensors, one TensorProperties
+    assert metadata.state_dict_metadata["grad"].properties.requires_grad
+
+
+def test_a_replicated_plan_of_several_ranks_is_deduplicated_like_dcps():
+    ours = _plans(DataStatesSavePlanner, _flat_state(), ranks=2)
+    dcps = _plans(DefaultSavePlanner, _flat_state(), ranks=2)
+    assert [[_item_key(i) for i in p.items] for p in ours[2]] == [[_item_key(i) for i in p.items] for p in dcps[2]]
+    assert ours[3].state_dict_metadata == dcps[3].state_dict_metadata
+
+
+def test_an_invalid_global_plan_is_refused_by_dcps_validation():
+    from test_dcp_compat import _plan
+
+    planner = DataStatesSavePlanner()
+    planner.set_up_planner({}, None, True)
+    with pytest.raises(ValueError, match="Failed to validate global plan"):
+        planner.create_global_plan([_plan("w", (0,), (3,), (4,)), _plan("w", (2,), (3,), (4,))])
+    with pytest.raises(ValueError, match="'w' is planned twice"):
+        _global_plan_and_metadata([_flat_plan("w"), _flat_plan("w")])
+
+
+def _flat_plan(fqn):
+    planner = DataStatesSavePlanner()
+    planner.set_up_planner({fqn: torch.ones(2)}, None, True)
+    return planner.create_local_plan()
+
+
+def test_saves_with_the_planner_round_trip_with_the_writers_layout(tmp_path):
+    state = {**_flat_state(), **{f"big{i}": torch.randn(256, 256) for i in range(3)}}
+    writer = DataStatesWriter(tmp_path / "c", stripes=3)
+    dcp.save(state, storage_writer=writer, planner=DataStatesSavePlanner(), no_dist=True)
+    metadata, _ = read_metadata_file(os.path.join(tmp_path / "c", ".metadata"))
+    assert len(metadata.storage_data.ranks[0].stripes) == 2  # placed by the writer, with its stripes
+    out = {k: (torch.zeros_like(v.contiguous()) if isinstance(v, torch.Tensor) else None) for k, v in state.items()}
+    load(out, tmp_path / "c")
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
+        else:
+            assert out[k] == v, k
+    assert verify(tmp_path / "c").ok
+
+
+class _CachingPlanner(DataStatesSavePlanner):
+    """DCP keys its plan cache by the planner's class name: one of our own here."""
+
+
+def test_dcp_plan_caching_is_supported(tmp_path):
+    state = _flat_state()
+    for i in range(3):
+        state["step"] = i
+        writer = DataStatesWriter(tmp_path / f"s{i}")
+        dcp.save(state, storage_writer=writer, planner=_CachingPlanner(enable_plan_caching=True), no_dist=True)
+        assert writer.last_save_stats.plan_from_cache == (i > 0)
+        out = load({k: (torch.zeros_like(v.contiguous()) if isinstance(v, torch.Tensor) else None) for k, v in state.items()}, tmp_path / f"s{i}")
+        assert out["step"] == i and torch.equal(out["strided"], state["strided"])
