@@ -334,3 +334,23 @@ def test_async_snapshots_and_compression_write_one_file(tmp_path):
     assert _layout(tmp_path / "z").ranks[0].stripes == ()
     _assert_equal(load(_empty_like(state), tmp_path / "z"),
                   {k: (v.contiguous() if isinstance(v, torch.Tensor) else v) for k, v in state.items()})
+
+
+def test_stripe_files_of_an_interrupted_save_are_strays(tmp_path):
+    """A save killed while writing its stripes leaves files no layout names: verify notes them,
+    du counts them as stray, and they never touch the committed checkpoint."""
+    from dcp_datastates.format.file_names import stray_files
+    from dcp_datastates.tools.listing import disk_usage
+
+    state = _state()
+    path = tmp_path / "c"
+    save(state, path, stripes=3)
+    left = ["rank00000-00000000abcd.data", "rank00000-00000000abcd.s1.data", "rank00000-00000000abcd.s2.data"]
+    for name in left:
+        (path / name).write_bytes(b"\0" * 4096)
+    rank = _layout(path).ranks[0]
+    assert stray_files(os.listdir(path), [*rank.data_files(), rank.index_file]) == sorted(left)
+    report = verify(path)
+    assert report.ok and sorted(n.split()[0] for n in report.notes) == sorted(left)
+    (usage,) = disk_usage([str(path)])
+    assert usage.stray_bytes == 3 * 4096 and sorted(usage.stray_files) == sorted(left)

@@ -83,6 +83,16 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         self.plan = SavePlan(_plain_write_items(self.state_dict), planner_data=self.mappings)
         return self.plan
 
+    def resolve_data(self, write_item: WriteItem):
+        """A flat state dict's plain tensor is the item's data as it is (DCP finds it through
+        ``find_state_dict_object``: a lookup and its checks per item)."""
+        if getattr(self, "_flat", False) and write_item.type == WriteItemType.TENSOR:
+            value = self.state_dict.get(write_item.index.fqn)
+            offset = write_item.index.offset
+            if type(value) is torch.Tensor and offset is not None and not any(offset):
+                return value
+        return super().resolve_data(write_item)
+
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         if self._enable_plan_caching:
             return super().create_global_plan(all_plans)
