@@ -100,6 +100,15 @@ def dedup_save_plans(planner, plans: list) -> list:
     return planner._dedup_save_plans(plans)
 
 
+def extends_global_planning(planner) -> bool:
+    """Whether ``planner``'s class overrides ``DefaultSavePlanner._create_global_plan`` (private,
+    the step DCP's caching also calls): DataStatesSavePlanner then leaves global planning to it."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    own = getattr(type(planner), "_create_global_plan", None)
+    return own is not getattr(DefaultSavePlanner, "_create_global_plan", None)
+
+
 def validate_global_save_plan(plans: list, metadata) -> list[str]:
     """DCP's check of a global save plan (chunks inside their tensor, none overlapping, the
     tensor covered): ``default_planner._validate_global_plan``, private. It returns the

@@ -127,3 +127,45 @@ def test_dcp_plan_caching_is_supported(tmp_path):
         assert writer.last_save_stats.plan_from_cache == (i > 0)
         out = load({k: (torch.zeros_like(v.contiguous()) if isinstance(v, torch.Tensor) else None) for k, v in state.items()}, tmp_path / f"s{i}")
         assert out["step"] == i and torch.equal(out["strided"], state["strided"])
+
+
+class _HalfEmbeddings(DataStatesSavePlanner):
+    """DCP's documented extension: edit the local plan's properties in place (FP16Planner)."""
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        for item in plan.items:
+            if item.index.fqn == "t3":
+                item.tensor_data.properties.dtype = torch.float16
+        return plan
+
+
+class _Doubling(DataStatesSavePlanner):
+    """DCP's other extension points: transform_object sees every tensor."""
+
+    def transform_object(self, write_item, object):
+        return object * 2 if isinstance(object, torch.Tensor) else super().transform_object(write_item, object)
+
+
+def test_subclasses_that_edit_properties_or_transform_objects_keep_dcps_semantics():
+    planner, local, _, metadata = _plans(_HalfEmbeddings, _flat_state())
+    dtypes = {i.index.fqn: i.tensor_data.properties.dtype for i in local.items if i.tensor_data is not None}
+    assert dtypes["t3"] == torch.float16 and dtypes["t4"] == torch.float32  # no shared object edited
+    assert metadata.state_dict_metadata["t5"].properties.dtype == torch.float32
+    state = _flat_state()
+    planner, _, plans, _ = _plans(_Doubling, state)
+    item = next(i for i in plans[0].items if i.index.fqn == "t2")
+    assert torch.equal(planner.resolve_data(item), state["t2"] * 2)
+
+
+def test_a_subclass_global_planning_step_is_used():
+    calls = []
+
+    class Own(DataStatesSavePlanner):
+        def _create_global_plan(self, all_plans):
+            calls.append(len(all_plans))
+            return super()._create_global_plan(all_plans)
+
+    ours = _plans(Own, _flat_state())
+    assert calls == [1]
+    assert ours[3].state_dict_metadata == _plans(DefaultSavePlanner, _flat_state())[3].state_dict_metadata

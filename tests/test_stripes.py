@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -118,6 +119,7 @@ def test_inspect_names_each_chunks_stripe_file_and_offset_in_it(tmp_path):
             assert f.read(chunk.length) == state[key].contiguous().view(torch.uint8).numpy().tobytes(), key
     assert seen == set(rank.data_files())
     assert view.stored_chunks("tiny")[0].file == rank.data_file  # small tensors are packed in stripe 0
+    assert view.object_location("step")[0] == rank.data_files()[-1]  # objects follow the tensors
 
 
 def test_automatic_stripes_follow_io_threads_and_a_minimum_size(tmp_path):
@@ -313,11 +315,25 @@ def test_dcp_plan_caching_keeps_the_stripes(tmp_path):
                       {k: (v.contiguous() if isinstance(v, torch.Tensor) else v) for k, v in state.items()})
 
 
+def test_stripes_that_fit_one_by_one_but_not_together_are_refused_up_front(small_tmpfs):
+    state = {f"t{i}": torch.randn(192, 1024) for i in range(3)}  # 3 x 768 KiB: each fits in 2 MiB, not all
+    with raises_from_checkpoint(OSError, match="the rank's stripes need") as info:
+        save(state, small_tmpfs / "c", stripes=3)
+    assert info.value.errno == errno.ENOSPC
+    assert not [n for n in os.listdir(small_tmpfs / "c") if n.endswith((".data", ".index"))]
+
+
 def test_a_failed_stripe_write_names_the_key_and_leaves_no_files(small_tmpfs):
-    state = {f"t{i}": torch.randn(128, 1024) for i in range(6)}  # 3 MiB > the 2 MiB tmpfs
+    state = {f"t{i}": torch.randn(128, 1024) for i in range(3)}  # 1.5 MiB of tensors: the reservation fits
+    state["blob"] = bytes(1 << 20)  # 1 MiB object appended to the last stripe: the tmpfs fills up
     with raises_from_checkpoint(OSError) as info:
         save(state, small_tmpfs / "c", stripes=3)
-    assert "writing 't" in str(info.value) or "reserving space" in str(info.value)
+    assert info.value.errno == errno.ENOSPC, info.value
+    # The last stripe's write of the object fails, or the metadata's temporary (written meanwhile) first.
+    if info.value.filename.endswith(".data"):
+        assert info.value.filename.endswith(".s2.data") and "writing 'blob'" in str(info.value), info.value
+    else:
+        assert ".metadata." in info.value.filename, info.value
     assert not [n for n in os.listdir(small_tmpfs / "c") if n.endswith((".data", ".index"))]
 
 

@@ -80,13 +80,22 @@ class DataStatesSavePlanner(DefaultSavePlanner):
     def create_local_plan(self) -> SavePlan:
         if not getattr(self, "_flat", False) or self._enable_plan_caching:
             return super().create_local_plan()
-        self.plan = SavePlan(_plain_write_items(self.state_dict), planner_data=self.mappings)
+        # A subclass that calls this and then edits items' properties in place (DCP's FP16Planner
+        # example) gets one TensorProperties per item, as from DCP; otherwise kinds share one.
+        share = type(self).create_local_plan is DataStatesSavePlanner.create_local_plan
+        self.plan = SavePlan(_plain_write_items(self.state_dict, share), planner_data=self.mappings)
         return self.plan
 
     def resolve_data(self, write_item: WriteItem):
         """A flat state dict's plain tensor is the item's data as it is (DCP finds it through
-        ``find_state_dict_object``: a lookup and its checks per item)."""
-        if getattr(self, "_flat", False) and write_item.type == WriteItemType.TENSOR:
+        ``find_state_dict_object``: a lookup and its checks per item), unless a subclass
+        extends the lookup (``lookup_object``, ``transform_object``)."""
+        cls = type(self)
+        if (
+            getattr(self, "_flat", False) and write_item.type == WriteItemType.TENSOR
+            and cls.lookup_object is DefaultSavePlanner.lookup_object
+            and cls.transform_object is DefaultSavePlanner.transform_object
+        ):
             value = self.state_dict.get(write_item.index.fqn)
             offset = write_item.index.offset
             if type(value) is torch.Tensor and offset is not None and not any(offset):
@@ -94,7 +103,7 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         return super().resolve_data(write_item)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        if self._enable_plan_caching:
+        if self._enable_plan_caching or _dcp_compat.extends_global_planning(self):
             return super().create_global_plan(all_plans)
         plans, metadata = self._one_pass_global_plan(all_plans)
         self.global_plan = plans
@@ -117,8 +126,9 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         return plans, metadata
 
 
-def _plain_write_items(state_dict: dict) -> list[WriteItem]:
-    """DCP's write items of a flat state dict of plain tensors and scalars (see ``_is_flat``)."""
+def _plain_write_items(state_dict: dict, share_properties: bool = True) -> list[WriteItem]:
+    """DCP's write items of a flat state dict of plain tensors and scalars (see ``_is_flat``);
+    with ``share_properties``, one ``TensorProperties`` object per kind of tensor."""
     items = []
     properties: dict = {}  # one TensorProperties per kind of tensor (DCP makes one per tensor)
     tensor_item, bytes_item, contiguous = WriteItemType.TENSOR, WriteItemType.BYTE_IO, torch.contiguous_format
@@ -130,7 +140,7 @@ def _plain_write_items(state_dict: dict) -> list[WriteItem]:
         offsets = torch.Size([0] * len(size))
         pinned = value.is_pinned()
         key = (value.dtype, value.layout, value.requires_grad, pinned)
-        props = properties.get(key)
+        props = properties.get(key) if share_properties else None
         if props is None:
             props = properties[key] = TensorProperties(
                 dtype=value.dtype, layout=value.layout, requires_grad=value.requires_grad,

@@ -250,7 +250,7 @@ class DataStatesReader(StorageReader):
                     f"data file {data_path} is truncated: {st.st_size} bytes, its stripe holds {bases[k + 1] - base}"
                 )
         try:
-            limits = IndexLimits(data_path, bases[-1] + st.st_size, self._object_entries()[files.rank])
+            limits = IndexLimits(data_path, st.st_size, self._object_entries()[files.rank], bases[-1])
             idx = read_rank_index(index_path, limits)
         except FileNotFoundError:
             raise missing from None

@@ -15,9 +15,22 @@ translates; a rank of one file is a :class:`StripedWrite` of one job.
 from __future__ import annotations
 
 import bisect
+import errno
+import os
 from typing import Any, Callable
 
 from dcp_datastates.native import engine as _native
+
+
+def _check_free_space(path: str, nbytes: int) -> None:
+    """Refuse a striped rank that cannot fit, before any byte moves. Each job checks (or
+    reserves) its own stripe only, so stripes that each fit could together overflow."""
+    st = os.statvfs(os.path.dirname(path) or ".")
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes:
+        raise OSError(
+            errno.ENOSPC, f"reserving space: the rank's stripes need {nbytes} bytes, {free} are free", path
+        )
 
 
 class StripedWrite:
@@ -48,6 +61,8 @@ class StripedWrite:
         tensors (each stripe is preallocated to its share). A failure to
         start any job stops those already started.
         """
+        if len(paths) > 1:
+            _check_free_space(paths[0], max(end, bases[-1]))
         per_stripe: list[list] = [[] for _ in paths]
         for source, offset in placed:
             k = bisect.bisect_right(bases, offset) - 1

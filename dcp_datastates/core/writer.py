@@ -103,8 +103,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             tensors to, each from its own I/O thread (format 7; buffered
             writes to one file serialize on its inode lock, so on fast
             storage one file per thread is faster). ``None`` (default): up to
-            ``io_threads``, each stripe at least 32 MiB; ``1``: one file per
-            rank. Compressed saves and asynchronous snapshots write one file.
+            ``io_threads``, and at most one per 32 MiB of the rank's tensors;
+            ``1``: one file per rank. Stripes are cut at large tensors' starts,
+            so a rank has at most as many as it has tensors of 64 KiB or more.
+            Compressed saves and asynchronous snapshots write one file.
         _extensions: DCP's ``FileSystemWriter`` argument, accepted so that
             switching is one argument: ``[ZStandard()]`` means ``compression="zstd"``;
             any other extension is refused.

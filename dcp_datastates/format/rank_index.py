@@ -188,14 +188,17 @@ def encode_index(
 class IndexLimits(NamedTuple):
     """What a rank's index can claim, known before it is read (its header is checked against it).
 
-    ``data_file_size``: the size of the rank's data file (``data_size`` cannot
-    exceed it); ``objects``: the entries of the rank's object table that
-    ``.metadata`` refers to (its objects and the blocks of its compressed chunks).
+    ``data_file_size``: the size of the rank's data file, its last stripe's
+    with stripes, which holds data offsets from ``data_start`` on (``data_size``
+    cannot exceed their sum); ``objects``: the entries of the rank's object
+    table that ``.metadata`` refers to (its objects and the blocks of its
+    compressed chunks).
     """
 
     data_path: str
     data_file_size: int
     objects: int
+    data_start: int = 0
 
 
 def max_segments(data_size: int) -> int:
@@ -240,10 +243,11 @@ def check_index_header(header: tuple, file_size: int, path: str, limits: IndexLi
         raise bad(f"it lists {nseg} checksum segments; {data_size} bytes hold at most {max_segments(data_size)}")
     if limits is None:
         return
-    if data_size > limits.data_file_size:
+    if data_size > limits.data_start + limits.data_file_size:
+        held = f" from data offset {limits.data_start} on" if limits.data_start else ""
         raise CorruptCheckpointError(
-            f"data file {limits.data_path} is truncated: {limits.data_file_size} bytes, its index "
-            f"{path} says {data_size}"
+            f"data file {limits.data_path} is truncated: it holds {limits.data_file_size} bytes{held}, its index "
+            f"{path} says the data ends at {data_size}"
         )
     if nobj > limits.objects:
         raise bad(f"it lists {nobj} objects; the metadata refers to {limits.objects} in this rank")

@@ -179,6 +179,8 @@ class CheckpointView:
                 return loc.relative_path, -1, sum(m for _, m in frames[loc.object_ordinal : loc.object_ordinal + n])
             files = next((r for r in self.reader.layout.ranks if r.data_file == loc.relative_path), None)
             if files is not None and files.stripes:  # the stripe's own file, and the offset in it
+                if loc.offset < 0:  # an object: after the tensors, in the last stripe
+                    return files.data_files()[-1], loc.offset, loc.length
                 stripe, base, _ = files.stripe_of(loc.offset)
                 return files.data_files()[stripe], loc.offset - base, loc.length
             return loc.relative_path, loc.offset, loc.length
