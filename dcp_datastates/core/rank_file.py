@@ -36,7 +36,7 @@ from dcp_datastates.core.providers import check_planned, finish_regions, provide
 from dcp_datastates.core.save_state import RankSave
 from dcp_datastates.core.stripes import StripedWrite
 from dcp_datastates.errors import CheckpointError
-from dcp_datastates.format.checkpoint_layout import ItemLocation, location_key
+from dcp_datastates.format.checkpoint_layout import ItemLocation, location_key, stripe_span
 from dcp_datastates.format.rank_index import encode_index
 from dcp_datastates.native import engine as _native
 
@@ -200,7 +200,7 @@ def _submit_in_batches(
 
     for item in tensor_items:
         loc = layout.locations[item.index]
-        item_stripe = bisect.bisect_right(bases, loc.offset) - 1
+        item_stripe = stripe_span(layout.stripes, loc.offset)[0]
         splittable = loc.offset >= align_up(batch_end, _native.ALIGNMENT)
         if batch and ((splittable and batch_bytes + loc.length > limit) or item_stripe != stripe):
             if not submit():

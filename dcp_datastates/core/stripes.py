@@ -14,11 +14,11 @@ translates; a rank of one file is a :class:`StripedWrite` of one job.
 
 from __future__ import annotations
 
-import bisect
 import errno
 import os
 from typing import Any, Callable
 
+from dcp_datastates.format.checkpoint_layout import stripe_span
 from dcp_datastates.native import engine as _native
 
 
@@ -64,9 +64,10 @@ class StripedWrite:
         if len(paths) > 1:
             _check_free_space(paths[0], max(end, bases[-1]))
         per_stripe: list[list] = [[] for _ in paths]
+        starts = tuple(bases[1:])
         for source, offset in placed:
-            k = bisect.bisect_right(bases, offset) - 1
-            per_stripe[k].append((source, offset - bases[k]))
+            k, base, _ = stripe_span(starts, offset)
+            per_stripe[k].append((source, offset - base))
         ends = bases[1:] + [max(end, bases[-1])]
         jobs: list = []
         try:
@@ -89,9 +90,6 @@ class StripedWrite:
     @property
     def tail_base(self) -> int:
         return self.bases[-1]
-
-    def stripe_of(self, offset: int) -> int:
-        return bisect.bisect_right(self.bases, offset) - 1
 
     def append(self, k: int, regions: list, keep: list) -> None:
         self.jobs[k].append(regions, keep)

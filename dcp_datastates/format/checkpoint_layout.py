@@ -123,9 +123,15 @@ class RankFiles:
 
     def stripe_of(self, offset: int) -> tuple[int, int, int | None]:
         """``(stripe, its first offset, its end or None)`` of the stripe holding data offset ``offset``."""
-        starts = self.stripes
-        k = bisect.bisect_right(starts, offset)
-        return k, (starts[k - 1] if k else 0), (starts[k] if k < len(starts) else None)
+        return stripe_span(self.stripes, offset)
+
+
+def stripe_span(starts: tuple, offset: int, end: int | None = None) -> tuple[int, int, int | None]:
+    """``(stripe, its first data offset, its end)`` of data offset ``offset``, for a rank whose
+    stripes 1, 2, ... start at ``starts`` (``RankFiles.stripes``); the last stripe ends at
+    ``end``. The one place that maps a data offset to its stripe."""
+    k = bisect.bisect_right(starts, offset)
+    return k, (starts[k - 1] if k else 0), (starts[k] if k < len(starts) else end)
 
 
 RANK_FILES_FIELDS = {"rank": int, "data_file": str, "index_file": str, "save_id": str, "stripes": tuple}
@@ -348,9 +354,9 @@ class CheckpointLayout:
                 raise bad(f"{fqn!r} is stored at offset {offset} with length {length}")
             starts = striped.get(rank)
             if starts:
-                k = bisect.bisect_right(starts, offset)
-                if k < len(starts) and offset + length > starts[k]:
-                    raise bad(f"{fqn!r} (bytes {offset}..{offset + length}) crosses the start of rank {rank}'s stripe {k + 1} at {starts[k]}")
+                k, _, next_start = stripe_span(starts, offset)
+                if next_start is not None and offset + length > next_start:
+                    raise bad(f"{fqn!r} (bytes {offset}..{offset + length}) crosses the start of rank {rank}'s stripe {k + 1} at {next_start}")
 
 
 def object_entries(layout: CheckpointLayout) -> dict[int, int]:

@@ -29,7 +29,7 @@ from bisect import bisect_left, bisect_right
 from typing import NamedTuple, Sequence
 
 from dcp_datastates.errors import CorruptCheckpointError, UnsupportedFormatError
-from dcp_datastates.format.checkpoint_layout import FORMAT_VERSION
+from dcp_datastates.format.checkpoint_layout import FORMAT_VERSION, stripe_span
 from dcp_datastates.native.engine import SegmentTable, crc32c
 
 INDEX_MAGIC = b"DCPDSIDX"
@@ -87,8 +87,7 @@ class RankIndex:
 
     def stripe_of(self, offset: int) -> tuple[int, int, int]:
         """``(stripe, start, end)`` of the stripe holding data offset ``offset``."""
-        k = bisect_right(self.stripes, offset)
-        return k, *self.stripe_bounds()[k]
+        return stripe_span(self.stripes, offset, self.data_size)
 
     def stripe_segments(self, stripe: int) -> range:
         """The indices of the segments in ``stripe``."""
