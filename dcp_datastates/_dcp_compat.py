@@ -100,6 +100,12 @@ def dedup_save_plans(planner, plans: list) -> list:
     return planner._dedup_save_plans(plans)
 
 
+def plan_caching_enabled(planner) -> bool:
+    """Whether ``DefaultSavePlanner(enable_plan_caching=True)`` made ``planner``: the argument is
+    kept only as the private attribute ``_enable_plan_caching`` (absent: off)."""
+    return bool(getattr(planner, "_enable_plan_caching", False))
+
+
 def extends_global_planning(planner) -> bool:
     """Whether ``planner``'s class overrides ``DefaultSavePlanner._create_global_plan`` (private,
     the step DCP's caching also calls): DataStatesSavePlanner then leaves global planning to it."""

@@ -223,3 +223,21 @@ def test_validate_global_save_plan_lists_problems_on_every_torch():
     plans, md = create_default_global_save_plan(bad)
     problems = _dcp_compat.validate_global_save_plan(plans, md)
     assert problems and all(isinstance(p, str) for p in problems)
+
+
+def test_plan_caching_enabled_reads_the_planners_argument():
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    assert _dcp_compat.plan_caching_enabled(DefaultSavePlanner(enable_plan_caching=True))
+    assert not _dcp_compat.plan_caching_enabled(DefaultSavePlanner())
+
+
+def test_extends_global_planning_sees_an_override_only():
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class Own(DefaultSavePlanner):
+        def _create_global_plan(self, all_plans):
+            return super()._create_global_plan(all_plans)
+
+    assert not _dcp_compat.extends_global_planning(DefaultSavePlanner())
+    assert _dcp_compat.extends_global_planning(Own())

@@ -78,7 +78,7 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
-        if not getattr(self, "_flat", False) or self._enable_plan_caching:
+        if not getattr(self, "_flat", False) or _dcp_compat.plan_caching_enabled(self):
             return super().create_local_plan()
         # A subclass that calls this and then edits items' properties in place (DCP's FP16Planner
         # example) gets one TensorProperties per item, as from DCP; otherwise kinds share one.
@@ -103,7 +103,7 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         return super().resolve_data(write_item)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        if self._enable_plan_caching or _dcp_compat.extends_global_planning(self):
+        if _dcp_compat.plan_caching_enabled(self) or _dcp_compat.extends_global_planning(self):
             return super().create_global_plan(all_plans)
         plans, metadata = self._one_pass_global_plan(all_plans)
         self.global_plan = plans
