@@ -155,9 +155,10 @@ __attribute__((target("sse4.2"))) uint32_t crc_hw(uint32_t crc, const uint8_t* p
 // Folding with carry-less multiplication (PCLMULQDQ): four 16-byte
 // accumulators, each multiplied forward by x^512 (mod P) and XORed with the
 // next 64 bytes, then folded into one by x^128, whose 16 bytes are finished
-// with crc32q. It runs on another unit than crc32q and was 1.6x faster than
-// the three crc32q chains on the machine of docs/benchmarks.md (8.0 against
-// 5.2 GB/s over 1 GiB, 10 against 5.9 GB/s in cache). The constants are
+// with crc32q. It runs on another unit than crc32q and was 1.5x faster than
+// the three crc32q chains on the machine of docs/benchmarks.md (8.68 against
+// 5.91 GB/s over 1 GiB, 11.3 against 7.0 GB/s in cache:
+// benchmarks/bench_engine_files.py). The constants are
 // x^(D+32) and x^(D-32) mod P for a fold over D bits, bit-reflected and
 // shifted left by one (the reflected product carries one factor x too many);
 // tests/test_engine.py checks the kernel against the byte-wise CRC.

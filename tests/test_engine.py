@@ -235,7 +235,7 @@ def test_durable_false_skips_the_fsync_of_scratch_files(engine, tmp_path, durabl
 
 def test_tmpfs_is_not_preallocated_but_its_free_space_is_checked(engine, tmp_path):
     """fallocate on tmpfs zeroes every page before the writes fill them again (an extra
-    pass: 5-10% of a save to /dev/shm, and 61 ms of stage() for 200 MB when it ran in the
+    pass: 6% of a write to /dev/shm in benchmarks/probe_file_writes.cc, and 61 ms of stage() for 200 MB when it ran in the
     caller's thread). On tmpfs the job checks the free space at once and reserves nothing;
     on an extent-based filesystem it still reserves at once."""
     import tempfile

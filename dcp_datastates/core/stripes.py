@@ -1,8 +1,9 @@
 """A rank's data written as stripes: one file and one engine job per stripe.
 
 Buffered writes to one file serialize on its inode lock (tmpfs, ext4, xfs):
-two I/O threads writing one file on tmpfs moved 2.5 GB/s here, two threads
-each writing its own file 4.6 GB/s (docs/benchmarks.md, issue 15). So a
+two threads writing one file on tmpfs moved 2.19 GB/s here, two threads
+each writing its own file 4.44 GB/s (benchmarks/probe_file_writes.cc,
+docs/benchmarks.md, issue 15). So a
 synchronous save cuts a rank's data into stripes at the starts of large
 tensors (:func:`layout.stripe_starts`; offsets do not move) and writes each
 to its own file, while the engine keeps each I/O thread on a file no other
