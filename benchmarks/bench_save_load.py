@@ -33,6 +33,15 @@ Variants (every save is durable: its data is fsynced before the clock stops)
   ours_repeat   (small state) the same with DataStatesWriter
   ours_planner  (small state) dcp.save with DataStatesWriter and DataStatesSavePlanner()
                 (DCP's planning in one pass per item; the same plans and metadata)
+  ours_planner_repeat  (small state) a repeated save with
+                DataStatesSavePlanner(enable_plan_caching=True) and DataStatesWriter
+
+Shape (--shape): every dcp variant saves {"model": state} (nested, the default:
+what dcp.save gets from {"model": model.state_dict()} or torchtitan's Stateful
+wrappers) or the state itself (flat: one top-level key per tensor). dcp.save
+wraps each top-level key's Stateful check in DCP's method logger (about 50 us
+a key, the same for every writer), so the flat shape adds about 1 s to every
+dcp variant of the small state.
 
 Targets depend on the storage under --dir (issue 15):
   tmpfs (no disk: software cost)  big: save >= 1.3x the best DCP (t=1, t=2) and
@@ -88,7 +97,7 @@ GB = 1e9
 BLOCK = 8 * MiB
 
 SAVE_VARIANTS = ["raw_direct", "raw_buffered", "raw_read_2t", "memcpy", "torch", "dcp_t1", "dcp_t2", "ours"]
-REPEAT_VARIANTS = ["dcp_t1_repeat", "ours_repeat"]  # the small state only
+REPEAT_VARIANTS = ["dcp_t1_repeat", "ours_repeat", "ours_planner_repeat"]  # the small state only
 SMALL_ONLY_VARIANTS = REPEAT_VARIANTS + ["ours_planner"]
 LABELS = {
     "raw_direct": "raw O_DIRECT write / cold read",
@@ -102,6 +111,7 @@ LABELS = {
     "dcp_t1_repeat": "DCP t=1, repeated (plan cache)",
     "ours_repeat": "ours, repeated (plan cache)",
     "ours_planner": "ours + DataStatesSavePlanner",
+    "ours_planner_repeat": "ours + planner, repeated",
 }
 TARGETS = {
     "tmpfs": {"save_vs_best_dcp_big": 1.3, "save_vs_memcpy_big": 0.5, "load_vs_dcp_big": 2.0},
@@ -123,6 +133,18 @@ class DcpCachedPlanner(DefaultSavePlanner):
 
     def __init__(self) -> None:
         super().__init__(enable_plan_caching=True)
+
+
+class OursPlannerCached(DataStatesSavePlanner):
+    """DataStatesSavePlanner with DCP's plan caching (a third cache key)."""
+
+    def __init__(self) -> None:
+        super().__init__(enable_plan_caching=True)
+
+
+def cached_planner(variant: str) -> DefaultSavePlanner:
+    return {"ours_repeat": OursCachedPlanner, "ours_planner_repeat": OursPlannerCached,
+            "dcp_t1_repeat": DcpCachedPlanner}[variant]()
 
 
 def variants_for(state_name: str) -> list[str]:
@@ -218,8 +240,9 @@ def timed(fn):
 
 
 class Runner:
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, nested: bool = True) -> None:
         self.root = root
+        self.nested = nested  # dcp variants save {"model": state}
         self.counter = 0
         self.verified: set[tuple[str, str]] = set()
 
@@ -295,7 +318,8 @@ class Runner:
     def _dcp(self, state, dst, verify, what, writer_factory, reader_factory, tag, planner=None) -> dict:
         d = self.fresh(tag)
         writer = writer_factory(d)
-        save_s, _ = timed(lambda: dcp.save(state, storage_writer=writer, no_dist=True, planner=planner))
+        saved = {"model": state} if self.nested else state
+        save_s, _ = timed(lambda: dcp.save(saved, storage_writer=writer, no_dist=True, planner=planner))
         rec = {"save_s": save_s, "file_bytes": sum(
             os.path.getsize(os.path.join(d, n)) for n in os.listdir(d)), "files": len(os.listdir(d))}
         if isinstance(writer, DataStatesWriter):
@@ -304,7 +328,8 @@ class Runner:
             t.zero_()
         drop_tree(d)
         reader = reader_factory(d)
-        load_s, _ = timed(lambda: dcp.load(dst, storage_reader=reader, no_dist=True))
+        loaded = {"model": dst} if self.nested else dst
+        load_s, _ = timed(lambda: dcp.load(loaded, storage_reader=reader, no_dist=True))
         rec["load_s"] = load_s
         if verify:
             check_equal(state, dst, what)
@@ -331,12 +356,15 @@ class Runner:
         return self._dcp(state, dst, verify, what, DataStatesWriter, DataStatesReader, "ours_planner",
                          DataStatesSavePlanner())
 
-    def _ours_repeat(self, state, dst, nbytes, verify, what) -> dict:
-        rec = self._dcp(state, dst, verify, what, DataStatesWriter, DataStatesReader, "ours_repeat",
-                        OursCachedPlanner())
+    def _ours_repeat(self, state, dst, nbytes, verify, what, variant="ours_repeat") -> dict:
+        rec = self._dcp(state, dst, verify, what, DataStatesWriter, DataStatesReader, variant,
+                        cached_planner(variant))
         if not rec["stats"]["plan_from_cache"]:
             raise AssertionError(f"{what}: the repeated save did not use DCP's cached plan")
         return rec
+
+    def _ours_planner_repeat(self, state, dst, nbytes, verify, what) -> dict:
+        return self._ours_repeat(state, dst, nbytes, verify, what, "ours_planner_repeat")
 
 
 # ---------------------------------------------------------------- reporting
@@ -397,6 +425,11 @@ def ratios(summary: dict, state_name: str, storage: str) -> list[dict]:
             ("ours + planner save / DCP t=1 (default)", summary["ours_planner"]["save_gbps"], gbps["dcp_t1"],
              target("save_vs_dcp_t1")),
         ]
+    if "ours_planner_repeat" in summary:
+        rows += [
+            ("ours + planner repeated / DCP t=1 repeated", summary["ours_planner_repeat"]["save_gbps"],
+             gbps["dcp_t1_repeat"], target("save_repeat_vs_dcp_t1_repeat")),
+        ]
     rows += [
         ("ours load / raw cold read", ours["load_gbps"], summary["raw_direct"]["load_gbps"], target("load_vs_raw_read")),
         ("ours load / raw cold read, 2 threads", ours["load_gbps"], summary["raw_read_2t"]["load_gbps"], None),
@@ -450,6 +483,8 @@ def main() -> int:
     ap.add_argument("--big-mib", type=int, default=None, help="override the big state's size in MiB")
     ap.add_argument("--small-count", type=int, default=None, help="override the small state's tensor count")
     ap.add_argument("--states", default="big,small", help="comma-separated subset of big,small")
+    ap.add_argument("--shape", choices=["nested", "flat"], default="nested",
+                    help='what dcp.save gets: {"model": state} (nested) or one top-level key per tensor (flat)')
     args = ap.parse_args()
 
     torch.set_num_threads(2)
@@ -464,7 +499,7 @@ def main() -> int:
     info["storage"] = storage
     t_start = time.perf_counter()
     print(f"dcp_datastates save/load benchmark: dir={root} ({fstype}: {storage} targets) reps={reps} "
-          f"quick={args.quick}")
+          f"quick={args.quick} shape={args.shape}")
     print(f"nproc={info['nproc']} cpu={info.get('cpu', '?')} RAM={info.get('mem_total_kib', 0) / 2**20:.1f} GiB "
           f"torch={info['torch']} threads={info['torch_threads']} "
           f"crc32c={info['crc32c_backend']} mount: {info.get('mount', '?')}")
@@ -484,7 +519,7 @@ def main() -> int:
         print(f"states built in {time.perf_counter() - t:.1f}s: " + ", ".join(
             f"{n}={m['tensors']} tensors/{m['bytes'] / MiB:.0f} MiB" for n, m in metas.items()))
 
-        runner = Runner(root)
+        runner = Runner(root, nested=args.shape == "nested")
         # Untimed warm-up of every variant on a tiny state.
         tiny = {f"w{i}": torch.randn(1024 + i) for i in range(4)}
         tiny_dst = {k: torch.zeros_like(v) for k, v in tiny.items()}
@@ -495,9 +530,9 @@ def main() -> int:
             for v in variants_for(name):
                 if v in REPEAT_VARIANTS:
                     d = runner.fresh("fill")
-                    writer = DataStatesWriter(d) if v == "ours_repeat" else FileSystemWriter(d, thread_count=1)
-                    planner = OursCachedPlanner() if v == "ours_repeat" else DcpCachedPlanner()
-                    dcp.save(states[name], storage_writer=writer, no_dist=True, planner=planner)
+                    writer = FileSystemWriter(d, thread_count=1) if v == "dcp_t1_repeat" else DataStatesWriter(d)
+                    saved = {"model": states[name]} if runner.nested else states[name]
+                    dcp.save(saved, storage_writer=writer, no_dist=True, planner=cached_planner(v))
                     remove(d)
 
         results = {n: [] for n in state_names}
@@ -508,7 +543,7 @@ def main() -> int:
                 recs = {}
                 for v in order:
                     recs[v] = runner.run(v, name, states[name], dsts[name], metas[name]["bytes"])
-                for v in ("ours", "ours_repeat", "ours_planner"):
+                for v in ("ours", "ours_repeat", "ours_planner", "ours_planner_repeat"):
                     if v in recs:
                         st = recs[v]["stats"]
                         st["dcp_other_s"] = recs[v]["save_s"] - st["data_write_s"] - st["index_s"] - st["commit_s"]
@@ -517,7 +552,8 @@ def main() -> int:
                 print(f"rep {rep + 1}/{reps} {name} (save/load s, order {','.join(order)}): {line}", flush=True)
 
         report = {"config": {"reps": reps, "quick": args.quick, "dir": root, "big_bytes": big_bytes,
-                             "small_count": small_count, "block": BLOCK, "argv": sys.argv},
+                             "small_count": small_count, "block": BLOCK, "shape": args.shape,
+                             "argv": sys.argv},
                   "machine": info, "targets": {**TARGETS[storage], **TARGETS["both"]}, "states": {}}
         for name in state_names:
             summary = summarize(results[name], metas[name]["bytes"], variants_for(name))

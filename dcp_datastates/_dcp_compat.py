@@ -106,13 +106,41 @@ def plan_caching_enabled(planner) -> bool:
     return bool(getattr(planner, "_enable_plan_caching", False))
 
 
-def extends_global_planning(planner) -> bool:
-    """Whether ``planner``'s class overrides ``DefaultSavePlanner._create_global_plan`` (private,
-    the step DCP's caching also calls): DataStatesSavePlanner then leaves global planning to it."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+GLOBAL_PLAN_STEP = "_create_global_plan"
+"""The method ``DefaultSavePlanner.create_global_plan`` calls to deduplicate, build the metadata
+and validate (private; with plan caching, only when a local plan changed). DataStatesSavePlanner
+defines its one-pass version under this name, so that DCP's caching uses it and a subclass's own
+step overrides it; were DCP to rename it, DCP's slower step would run, with the same result."""
 
-    own = getattr(type(planner), "_create_global_plan", None)
-    return own is not getattr(DefaultSavePlanner, "_create_global_plan", None)
+
+def local_plan_unchanged(planner, plan) -> bool:
+    """DCP's plan-cache check of ``DefaultSavePlanner.create_local_plan``: whether ``plan`` equals
+    the local plan cached under the planner's key by an earlier save (``SavePlanner._cached_save_plan``,
+    compared by ``planner_helpers._compare_save_plans``, both private). If not, ``plan`` is
+    remembered the way this torch does: torch 2.11 caches it at once, later releases keep it
+    pending (``_pending_local_plan``) until ``finish_plan`` knows the global plan succeeded."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import SavePlanner
+    from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
+
+    key = planner._cached_plans_key
+    cached = SavePlanner._cached_save_plan.get(key)
+    if cached is not None and _compare_save_plans(plan, cached):
+        return True
+    if "_pending_local_plan" in DefaultSavePlanner.finish_plan.__code__.co_names:
+        planner._pending_local_plan = plan
+    else:
+        SavePlanner._cached_save_plan[key] = plan
+    return False
+
+
+def flattening_is_legacy() -> bool:
+    """Whether DCP flattens state dicts the torch 2.3 way (``_version._derived_version == "2_3"``,
+    private, set when loading a checkpoint of that era): DataStatesSavePlanner then leaves the
+    flattening to DCP."""
+    from torch.distributed.checkpoint import _version
+
+    return getattr(_version, "_derived_version", None) == "2_3"
 
 
 def validate_global_save_plan(plans: list, metadata) -> list[str]:

@@ -89,6 +89,8 @@ def cached_saves(rank, world_size, path, mode, saves=3):
                 resp.staging_completion.result()
                 resp.upload_completion.result()
         from_cache.append(writer.last_save_stats.plan_from_cache)
+        if mode == "sync" and rank == 0:  # the coordinator placed every rank's cached plan itself
+            assert writer.last_save_stats.metadata_serialize_s > 0, i
     expected = [False] + [True] * (saves - 1)
     assert planner.local_plan_usable == [not c for c in expected], planner.local_plan_usable
     assert from_cache == expected, from_cache

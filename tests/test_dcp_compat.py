@@ -232,12 +232,50 @@ def test_plan_caching_enabled_reads_the_planners_argument():
     assert not _dcp_compat.plan_caching_enabled(DefaultSavePlanner())
 
 
-def test_extends_global_planning_sees_an_override_only():
+def test_dcp_calls_the_global_plan_step_by_its_private_name():
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    class Own(DefaultSavePlanner):
-        def _create_global_plan(self, all_plans):
-            return super()._create_global_plan(all_plans)
+    calls = []
 
-    assert not _dcp_compat.extends_global_planning(DefaultSavePlanner())
-    assert _dcp_compat.extends_global_planning(Own())
+    class Own(DefaultSavePlanner):
+        pass
+
+    def step(self, all_plans):
+        calls.append(len(all_plans))
+        return DefaultSavePlanner.__dict__[_dcp_compat.GLOBAL_PLAN_STEP](self, all_plans)
+
+    setattr(Own, _dcp_compat.GLOBAL_PLAN_STEP, step)
+    for caching in (False, True):
+        planner = Own(enable_plan_caching=caching)
+        planner._cached_plans_key = f"compat-step-{caching}"
+        planner.set_up_planner({"w": torch.ones(2)}, None, True)
+        planner.create_global_plan([planner.create_local_plan()])
+    assert calls == [1, 1]
+
+
+def test_local_plan_unchanged_follows_dcps_plan_cache():
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class Cached(DefaultSavePlanner):
+        pass
+
+    def plan_of(state):
+        planner = Cached(enable_plan_caching=True)
+        planner.set_up_planner(state, None, True)
+        sent = planner.create_local_plan()
+        return planner, planner.plan, sent  # the plan made, and what is sent (empty if cached)
+
+    # DCP's own planner fills the cache (at once on 2.11, at finish_plan later).
+    planner, local, sent = plan_of({"w": torch.ones(2)})
+    assert sent is local
+    global_plans, _ = planner.create_global_plan([local])
+    planner.finish_plan(global_plans[0])
+    probe = Cached(enable_plan_caching=True)
+    _, same, sent = plan_of({"w": torch.zeros(2)})
+    assert not sent.usable and _dcp_compat.local_plan_unchanged(probe, same)
+    changed = plan_of({"w": torch.zeros(3)})[1]
+    assert not _dcp_compat.local_plan_unchanged(probe, changed)
+
+
+def test_flattening_is_legacy_only_for_torch_2_3_checkpoints():
+    assert _dcp_compat.flattening_is_legacy() is False

@@ -106,6 +106,8 @@ def test_plan_caching_one_process(tmp_path, fresh_plan_cache, mode):
     # DCP sent the first local plan and took the others from its cache; so did the writer
     assert planner.local_plan_usable == [True, False, False, False]
     assert [w.last_save_stats.plan_from_cache for w in writers] == [False, True, True, True]
+    if mode == "sync":  # cached plans are placed by the coordinator too: metadata written while the data is
+        assert all(w.last_save_stats.metadata_serialize_s > 0 for w in writers)
     save_ids = set()
     for i in range(4):
         path = tmp_path / f"c{i}"

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from conftest import load
-from dcp_datastates import DataStatesSavePlanner, DataStatesWriter, verify
+from dcp_datastates import DataStatesReader, DataStatesSavePlanner, DataStatesWriter, verify
 from dcp_datastates.core.planner import _global_plan_and_metadata
 from dcp_datastates.format.metadata_file import read_metadata_file
 
@@ -35,6 +35,25 @@ def _nested_state():
     return {"model": {"w": torch.ones(3, 2), "b": torch.zeros(2)}, "optim": {"state": {0: {"exp": torch.ones(3)}}, "lr": [0.1, 0.2]}, "step": 3}
 
 
+def _training_state():
+    """What a training loop saves: a module's and an optimizer's state_dict() (OrderedDict, int
+    keys, param_groups as a list of dicts), with every kind of leaf DCP's flattening knows."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    return {
+        "model": model.state_dict(),
+        "optim": optim.state_dict(),
+        "extra": {
+            "terminal_list": [1, 2.5, "x", (3, 4)], "nested_lists": [[1, 2], [torch.ones(2)]],
+            "tuple_leaf": (torch.ones(1), 2), "empty": {}, "deep": {"empty": {}, "t": torch.arange(3)},
+            "tensors": [torch.zeros(2), {"in_list": torch.ones(1)}],
+        },
+        "step": 7,
+    }
+
+
 def _plans(planner_cls, state, ranks=1):
     planner = planner_cls()
     planner.set_up_planner(state, None, True)
@@ -48,12 +67,14 @@ def _item_key(item, hint=True):
     return (item.index, item.index.index if hint else None, item.type, None if td is None else (td.chunk, td.properties, td.size))
 
 
-@pytest.mark.parametrize("make", [_flat_state, _nested_state], ids=["flat", "nested"])
+@pytest.mark.parametrize("make", [_flat_state, _nested_state, _training_state], ids=["flat", "nested", "training"])
 def test_plans_and_metadata_equal_the_default_planners(make):
     state = make()
     ours = _plans(DataStatesSavePlanner, state)
     dcps = _plans(DefaultSavePlanner, state)
+    assert ours[0]._flat  # the one-pass path made these plans
     assert ours[0].mappings == dcps[0].mappings
+    assert list(ours[0].state_dict) == list(dcps[0].state_dict)
     # Local items are equal (a MetadataIndex compares without its index hint, which ours sets early).
     assert [_item_key(i, hint=False) for i in ours[1].items] == [_item_key(i, hint=False) for i in dcps[1].items]
     assert ours[1].planner_data == dcps[1].planner_data
@@ -65,6 +86,25 @@ def test_plans_and_metadata_equal_the_default_planners(make):
         assert type(got) is type(want)
         if isinstance(got, torch.Tensor):
             assert got is want
+
+
+def test_tensor_subclasses_and_other_mappings_go_through_dcps_flattening():
+    import types
+
+    param = {"model": {"w": torch.nn.Parameter(torch.ones(2))}, "b": torch.zeros(1)}
+    proxy = {"model": types.MappingProxyType({"w": torch.ones(2)})}
+    for state in (param, proxy):
+        ours = _plans(DataStatesSavePlanner, state)
+        dcps = _plans(DefaultSavePlanner, state)
+        assert not ours[0]._flat
+        assert ours[3].state_dict_metadata == dcps[3].state_dict_metadata and ours[0].mappings == dcps[0].mappings
+
+
+def test_a_key_two_paths_join_to_is_refused_like_dcp():
+    state = {"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}
+    for planner_cls in (DataStatesSavePlanner, DefaultSavePlanner):
+        with pytest.raises(ValueError, match="duplicated flatten key a.b"):
+            planner_cls().set_up_planner(state, None, True)
 
 
 def test_flat_state_dicts_share_tensor_properties():
@@ -127,6 +167,24 @@ def test_dcp_plan_caching_is_supported(tmp_path):
         assert writer.last_save_stats.plan_from_cache == (i > 0)
         out = load({k: (torch.zeros_like(v.contiguous()) if isinstance(v, torch.Tensor) else None) for k, v in state.items()}, tmp_path / f"s{i}")
         assert out["step"] == i and torch.equal(out["strided"], state["strided"])
+
+
+class _CachingPlanner2(DataStatesSavePlanner):
+    """A second cache key, for the test below."""
+
+
+def test_plan_caching_replans_when_the_structure_changes(tmp_path):
+    state = _training_state()
+    for i, grow in enumerate([False, False, True, True]):
+        if grow:
+            state["model"]["new"] = torch.full((4,), float(i))
+        writer = DataStatesWriter(tmp_path / f"s{i}")
+        dcp.save(state, storage_writer=writer, planner=_CachingPlanner2(enable_plan_caching=True), no_dist=True)
+        assert writer.last_save_stats.plan_from_cache == (i in (1, 3)), i
+        out = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+        dcp.load(out, storage_reader=DataStatesReader(tmp_path / f"s{i}"), no_dist=True)
+        for k, v in state["model"].items():
+            assert torch.equal(out["model"][k], v), (i, k)
 
 
 class _HalfEmbeddings(DataStatesSavePlanner):

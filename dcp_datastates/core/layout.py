@@ -224,7 +224,8 @@ def rank_layout_of(plan: SavePlan, info: RankPlanData, known: tuple | None) -> R
 
 
 def assign_checkpoint_layout(
-    plans: list[SavePlan], save_id: str, compression: tuple | None = None, striping: tuple = (1, 0)
+    plans: list[SavePlan], save_id: str, compression: tuple | None = None, striping: tuple = (1, 0),
+    placed: dict | None = None,
 ) -> tuple[list[SavePlan], CheckpointLayout, list[RankLayout]]:
     """Give every rank its files and offsets.
 
@@ -232,10 +233,14 @@ def assign_checkpoint_layout(
     storage data and the per-rank layouts. Runs on the coordinator after
     deduplication, so replicated items take space in exactly one rank's file.
     ``compression`` and ``striping`` (the coordinator's) reach every rank in its plan.
+    ``placed`` maps ranks to layouts already made of the same plans by this rule (in this
+    save's files), which are used as they are.
     """
     out_plans, ranks, entries, layouts = [], [], [], []
     for rank, plan in enumerate(plans):
-        layout = plan_rank_layout(plan.items, rank, save_id, compression, striping)
+        layout = (placed or {}).get(rank)
+        if layout is None or layout.save_id != save_id:
+            layout = plan_rank_layout(plan.items, rank, save_id, compression, striping)
         out_plans.append(dataclasses.replace(plan, storage_data=layout.plan_data()))
         ranks.append(layout.files())
         for index, loc in layout.locations.items():

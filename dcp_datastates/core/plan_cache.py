@@ -13,9 +13,12 @@ replaces). So, in a save where some plan came from the cache:
   (:func:`is_stale` tells such a plan from a fresh one);
 * every rank reports the files it wrote in its write results
   (:func:`report_result`), which reach the coordinator's ``finish``;
-* the coordinator builds the checkpoint's layout from those results
-  (:func:`layout_from_results`) instead of assigning it while planning, and
-  serializes the metadata then.
+* the coordinator places every rank's cached global plan again by the same rule
+  while the data is written (its planner keeps them), serializes the metadata
+  early as usual, and checks in ``finish`` that every rank wrote what it placed;
+  where it cannot (no global plans at hand, asynchronous snapshots), it builds
+  the checkpoint's layout from those results (:func:`layout_from_results`)
+  and serializes the metadata then.
 
 Saves without cached plans keep the coordinator's layout and the early
 metadata; their reports only confirm it (:func:`reports_match`).

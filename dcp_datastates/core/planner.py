@@ -9,9 +9,10 @@ metadata. For a state dict of 20,000 small tensors that was 1.3 s of a
 plans and the same ``Metadata`` for the common case, plain tensors and
 plain values, in one pass each:
 
-- a flat state dict of plain tensors and scalars is its own flattening
-  (each key maps to the path ``(key,)``); anything else (nested containers,
-  DTensor, ShardedTensor, other objects) goes through DCP's code;
+- a state dict of dicts, lists and plain tensors or values (a model's and
+  an optimizer's ``state_dict()``) is flattened in one walk by DCP's rules
+  (the same keys and ``planner_data`` paths); anything else (DTensor,
+  ShardedTensor, parameters, other Mappings) goes through DCP's code;
 - a plain tensor's write item is built directly, with one
   ``TensorProperties`` object shared by every tensor of the same dtype,
   ``requires_grad`` and pinning;
@@ -19,10 +20,12 @@ plain values, in one pass each:
   and checked by DCP's own validation.
 
 Its plans, metadata and ``planner_data`` equal DefaultSavePlanner's
-(``tests/test_planner.py`` compares them). With DCP's save-plan caching
-(``enable_plan_caching=True``) the planning is DefaultSavePlanner's own
-(its cache keeps the plans it made; a repeated save skips the global plan
-and the metadata). The file
+(``tests/test_planner.py`` compares them). DCP's save-plan caching
+(``enable_plan_caching=True``) works as with DefaultSavePlanner: an
+unchanged local plan is not sent, and a repeated save reuses the cached
+global plan and metadata (the one-pass local plan is still made, to be
+compared: that is what tells a changed structure from an unchanged one).
+The file
 layout is not the planner's business: ``DataStatesWriter`` places every item
 itself (with its stripes and compression) in ``prepare_global_plan``::
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import ChainMap
+from collections.abc import Mapping
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -48,16 +52,50 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from dcp_datastates import _dcp_compat
 
-# Values a flat state dict may hold for the fast path: DCP's flattening leaves them as they are.
-_PLAIN_VALUES = (int, float, bool, str, bytes, type(None))
 
+def _flatten_plain(state_dict) -> tuple[dict, dict] | None:
+    """DCP's flattening (``flatten_state_dict``: keys joined by dots, list positions as path
+    items) of a state dict whose leaves are plain ``torch.Tensor`` objects or values that are
+    not tensors at all, in one pass; None if anything needs DCP's own handling (a tensor
+    subclass such as DTensor, ShardedTensor or a parameter, an object with
+    ``__create_write_items__``, a Mapping that is not a dict).
 
-def _is_flat(state_dict: dict) -> bool:
-    """Every value a plain ``torch.Tensor`` (not a subclass: DTensor, ShardedTensor,
-    parameters go through DCP) or a plain scalar, every key a string."""
+    The rules are DCP's (``_traverse.traverse_state_dict``): a dict is walked with ``str(key)``;
+    a list is walked with its positions when it holds a tensor, a Mapping or a list that is
+    walked, and is a leaf otherwise; a tuple and every other value is a leaf; an empty dict
+    leaves nothing; a key that two paths join to is an error."""
+    flat: dict = {}
+    mappings: dict = {}
     tensor = torch.Tensor
-    for key, value in state_dict.items():
-        if type(key) is not str or (type(value) is not tensor and type(value) not in _PLAIN_VALUES):
+    stack = [((str(k),), v) for k, v in reversed(state_dict.items())]
+    while stack:
+        path, value = stack.pop()
+        kind = type(value)
+        if kind is dict or (kind is not tensor and isinstance(value, dict)):  # OrderedDict and the like
+            stack.extend((path + (str(k),), v) for k, v in reversed(value.items()))
+            continue
+        if kind is list and not _is_terminal_list(value):
+            stack.extend((path + (i,), v) for i, v in reversed(list(enumerate(value))))
+            continue
+        if kind is not tensor and (
+            isinstance(value, (tensor, Mapping)) or hasattr(value, "__create_write_items__")
+        ):
+            return None  # a subclass of Tensor, another Mapping: DCP's code
+        fqn = path[0] if len(path) == 1 else ".".join(map(str, path))
+        if fqn in flat:
+            raise ValueError(f"duplicated flatten key {fqn}")
+        flat[fqn] = value
+        mappings[fqn] = path
+    return flat, mappings
+
+
+def _is_terminal_list(values: list) -> bool:
+    """DCP's ``_is_terminal`` for a list: a leaf unless it holds a tensor, a Mapping, or a list
+    that is not a leaf."""
+    for entry in values:
+        if isinstance(entry, (torch.Tensor, Mapping)):
+            return False
+        if isinstance(entry, list) and not _is_terminal_list(entry):
             return False
     return True
 
@@ -66,29 +104,34 @@ class DataStatesSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` with one-pass local and global planning (see the module docstring)."""
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        self._flat = (
+        flat = None
+        if (
             self.flatten_state_dict and self.flatten_sharded_tensors and isinstance(state_dict, dict)
-            and _is_flat(state_dict)
-        )
-        if not self._flat:
+            and not _dcp_compat.flattening_is_legacy()
+        ):
+            flat = _flatten_plain(state_dict)
+        self._flat = flat is not None
+        if flat is None:
             super().set_up_planner(state_dict, storage_meta, is_coordinator)
             return
-        self.state_dict = state_dict
-        self.mappings = {key: (key,) for key in state_dict}
+        self.state_dict, self.mappings = flat
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
-        if not getattr(self, "_flat", False) or _dcp_compat.plan_caching_enabled(self):
+        if not getattr(self, "_flat", False):
             return super().create_local_plan()
         # A subclass that calls this and then edits items' properties in place (DCP's FP16Planner
         # example) gets one TensorProperties per item, as from DCP; otherwise kinds share one.
         share = type(self).create_local_plan is DataStatesSavePlanner.create_local_plan
         self.plan = SavePlan(_plain_write_items(self.state_dict, share), planner_data=self.mappings)
+        if _dcp_compat.plan_caching_enabled(self) and _dcp_compat.local_plan_unchanged(self, self.plan):
+            # DCP's caching: an unchanged plan is not sent; finish_plan returns the cached final plan.
+            return SavePlan([], usable=False)
         return self.plan
 
     def resolve_data(self, write_item: WriteItem):
-        """A flat state dict's plain tensor is the item's data as it is (DCP finds it through
-        ``find_state_dict_object``: a lookup and its checks per item), unless a subclass
+        """A plain tensor of the flattened state dict is the item's data as it is (DCP finds it
+        through ``find_state_dict_object``: a lookup and its checks per item), unless a subclass
         extends the lookup (``lookup_object``, ``transform_object``)."""
         cls = type(self)
         if (
@@ -102,17 +145,10 @@ class DataStatesSavePlanner(DefaultSavePlanner):
                 return value
         return super().resolve_data(write_item)
 
-    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        if _dcp_compat.plan_caching_enabled(self) or _dcp_compat.extends_global_planning(self):
-            return super().create_global_plan(all_plans)
-        plans, metadata = self._one_pass_global_plan(all_plans)
-        self.global_plan = plans
-        self.metadata = metadata
-        return plans, metadata
-
     def _one_pass_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        """DCP's global planning (deduplication, metadata with index hints, validation), with
-        one pass over the items."""
+        """DCP's global planning step (deduplication, metadata with index hints, planner data,
+        validation) with one pass over the items. DCP's ``create_global_plan`` calls it, with or
+        without plan caching, under the private name ``_dcp_compat.GLOBAL_PLAN_STEP``."""
         deduped = all_plans if len(all_plans) == 1 else _dcp_compat.dedup_save_plans(self, all_plans)
         plans, metadata = _global_plan_and_metadata(deduped)
         if self.flatten_state_dict:
@@ -126,8 +162,12 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         return plans, metadata
 
 
+setattr(DataStatesSavePlanner, _dcp_compat.GLOBAL_PLAN_STEP, DataStatesSavePlanner._one_pass_global_plan)
+
+
 def _plain_write_items(state_dict: dict, share_properties: bool = True) -> list[WriteItem]:
-    """DCP's write items of a flat state dict of plain tensors and scalars (see ``_is_flat``);
+    """DCP's write items of a flattened state dict of plain tensors and other values (see
+    ``_flatten_plain``);
     with ``share_properties``, one ``TensorProperties`` object per kind of tensor."""
     items = []
     properties: dict = {}  # one TensorProperties per kind of tensor (DCP makes one per tensor)

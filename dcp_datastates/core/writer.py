@@ -384,7 +384,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         with self._failing(save), self._gc_paused(save):
             results, reports = plan_cache.split_reports(results)
             layout = save.layout or metadata.storage_data
-            if save.plan_cached or (isinstance(layout, CheckpointLayout) and not plan_cache.reports_match(layout, reports)):
+            if (save.plan_cached and save.layout is None) or (
+                isinstance(layout, CheckpointLayout) and not plan_cache.reports_match(layout, reports)
+            ):
                 # Plans from DCP's cache named an earlier save's files: what the ranks wrote decides.
                 where = os.path.join(save.path, METADATA_FILE)
                 layout = save.layout = plan_cache.layout_from_results(results, reports, save.save_id, metadata, where)
@@ -535,17 +537,37 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def _serialize_metadata_early(self, save: RankSave, planner: SavePlanner) -> None:
         """Pickle and write the final metadata while the engine writes tensor bytes."""
-        if save.plan_cached:
-            return  # finish() builds the layout from what the ranks wrote
         metadata = getattr(planner, "metadata", None)
         if not isinstance(metadata, Metadata):
             return  # finish() will serialize it
+        if save.plan_cached:
+            # Plans from DCP's cache: every rank places its cached plan again, by the rule the
+            # layout follows, in files of this save; the coordinator's planner holds every
+            # rank's global plan, so it can place them all now. finish() checks that each rank
+            # wrote its items where this layout says (else the save fails).
+            save.layout = self._layout_of_global_plans(save, getattr(planner, "global_plan", None))
         layout = save.layout or metadata.storage_data
         if not isinstance(layout, CheckpointLayout):
             return
         t = time.perf_counter()
         self._write_metadata_tmp(save, metadata, layout)
         save.stats.metadata_serialize_s = time.perf_counter() - t
+
+    def _layout_of_global_plans(self, save: RankSave, plans) -> CheckpointLayout | None:
+        """The layout this save's ranks write when DCP's cache gave them their plans: the
+        coordinator's global plans placed in this save's files (None for an asynchronous save,
+        whose snapshots placed the tensors, or where the planner keeps no global plans)."""
+        if save.asynchronous or not isinstance(plans, list) or not plans:
+            return None
+        if not all(isinstance(p, SavePlan) and p.usable for p in plans):
+            return None
+        placed = {rank: lay for rank, (lay, _) in save.rank_layouts.items()}  # this rank's, placed for writing
+        _, layout, layouts = assign_checkpoint_layout(
+            plans, save.save_id, descriptor_of(self.compression), self._striping, placed
+        )
+        for lay, plan in zip(layouts, plans):
+            save.rank_layouts.setdefault(lay.rank, (lay, [item.index for item in plan.items]))
+        return layout
 
     def _discard_metadata_tmp(self, save: RankSave) -> None:
         if save.metadata_tmp is not None:
