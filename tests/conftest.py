@@ -192,3 +192,47 @@ def run_checkpoints(tmp_path_factory):
     import cli_checkpoints
 
     return cli_checkpoints.make_run(str(tmp_path_factory.mktemp("cli_run")))
+
+
+# -- durable tiers: a real S3 server and a second filesystem ---------------------------
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """SeaweedFS on the loopback for the session (tests/s3_server.py), with the client's
+    endpoint and dummy credentials in the environment; stopped at the end."""
+    pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
+    from s3_server import WeedServer
+
+    server = WeedServer()
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        server.start()
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_mount(tmp_path_factory):
+    """A second filesystem standing in for shared storage: a tmpfs mounted for the session."""
+    with mounted_tmpfs(tmp_path_factory.mktemp("shared") / "mnt", "size=1g") as mnt:
+        yield str(mnt)
+
+
+_tier_counter = iter(range(1_000_000))
+
+
+@pytest.fixture(params=["posix", "s3"])
+def durable_url(request):
+    """A fresh durable destination: a directory on the shared mount, or a prefix in the S3 bucket."""
+    n = next(_tier_counter)
+    if request.param == "posix":
+        return os.path.join(request.getfixturevalue("shared_mount"), f"t{n}")
+    return f"s3://{request.getfixturevalue('s3_server').bucket}/t{n}"

@@ -129,6 +129,22 @@ def manager_async_saves(rank, world_size, root):
 
 
 @case
+def manager_durable_saves(rank, world_size, root, durable):
+    """Sharded async saves with a durable tier: each rank drains its own files, rank 0 commits."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dcp_datastates.manager.checkpoint_manager import CheckpointManager
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    mgr = CheckpointManager(root, keep_last=1, durable=durable, async_save=True)
+    for step in (10, 20):
+        mgr.save(step, _dtensor_state(step, mesh))
+    mgr.wait_durable()
+    assert all(st.state == "durable" for st in mgr.durable_status().values()), mgr.durable_status()
+    mgr.close()
+
+
+@case
 def manager_resume_skips_corrupt(rank, world_size, root):
     """2 ranks resume from a root whose newest checkpoint is corrupt: both fall back to the same step."""
     import warnings

@@ -44,6 +44,8 @@ class SaveStats:
     index_s: float = 0.0
     commit_s: float = 0.0  # coordinator: finish()
     plan_from_cache: bool = False  # DCP's plan cache (enable_plan_caching) supplied this rank's plan
+    # This rank's files (a checkpoint_layout.RankFiles) once written: what a durable tier copies.
+    rank_files: Any = None
 
 
 @dataclasses.dataclass

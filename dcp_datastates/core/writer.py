@@ -68,7 +68,7 @@ from dcp_datastates.core.staging import StagingFuture
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.metadata_file import encode_metadata
 from dcp_datastates.format.file_names import MAX_STRIPES, METADATA_FILE, layout_files
-from dcp_datastates.format.checkpoint_layout import CheckpointLayout
+from dcp_datastates.format.checkpoint_layout import CheckpointLayout, RankFiles
 from dcp_datastates.native import engine as _native
 
 __all__ = ["DataStatesWriter", "SaveStats"]
@@ -371,6 +371,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 layout = self._rank_layout(save, plan)
                 results = rank_file.write_planned(save, plan, planner, layout, self._settings(), metadata_early)
             results.append(plan_cache.report_result(save.report))
+            r = save.report
+            save.stats.rank_files = RankFiles(save.rank, r.data_file, r.index_file, r.save_id, tuple(r.stripes))
         self.last_save_stats = save.stats
         if not save.is_coordinator:
             self._end(save)  # the coordinator commits; nothing more happens on this rank

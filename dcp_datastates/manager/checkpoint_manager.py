@@ -73,7 +73,9 @@ from dcp_datastates.manager.checkpoint_root import (
     resume_order,
     step_dir_name,
     step_dirs,
+    step_of,
 )
+from dcp_datastates.manager.durable_tier import DrainStatus, DurableTier
 from dcp_datastates.manager.cleanup import (
     LOCK_FILE,
     delete_checkpoint_dir,
@@ -148,6 +150,19 @@ class CheckpointManager:
         allow_pickle: load checkpoints whose objects need arbitrary unpickling
             (only checkpoints you trust; see :class:`DataStatesReader`).
         cleanup: on start, remove crash leftovers (see module docs).
+        durable: a durable tier every committed step is copied to in the
+            background (docs/manager.md, "Tiers"): a directory on a shared
+            file system, or ``s3://bucket/prefix`` (``pip install
+            "dcp_datastates[s3]"``; endpoint and credentials from the usual
+            ``AWS_*`` environment variables). ``None``: the local root only.
+        durable_keep_last, durable_keep_every: retention on the durable tier
+            (``None``: keep every durable copy).
+        delete_undrained: let local retention delete a step whose durable copy
+            has not committed (default False: such a step is kept until it has).
+        durable_read_back: read every copied object back from the durable tier
+            and compare its CRC-32C (default True).
+        durable_options: keyword arguments of the store (``S3Store``: ``endpoint``,
+            ``region``, ``part_bytes``, ``upload_concurrency``, ``max_retries``, ...).
 
     One manager owns a root at a time: rank 0 holds an exclusive lock on
     ``root/.manager.lock`` until :meth:`close`. Another manager opened on the
@@ -170,6 +185,12 @@ class CheckpointManager:
         fence: bool = True,
         allow_pickle: bool = False,
         cleanup: bool = True,
+        durable: str | os.PathLike | None = None,
+        durable_keep_last: int | None = None,
+        durable_keep_every: int | None = None,
+        delete_undrained: bool = False,
+        durable_read_back: bool = True,
+        durable_options: dict | None = None,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None (keep all), got {keep_last!r}")
@@ -204,6 +225,13 @@ class CheckpointManager:
         # Commits are numbered from the newest one in the root (every rank gets rank 0's
         # number, so every rank hands its writer the same sequence for the same save).
         self._seq = self._pointed_seq = newest
+        self.delete_undrained = delete_undrained
+        self._tier: DurableTier | None = None
+        self._durable_committed: set[int] = set()
+        if durable is not None:
+            self._open_durable_tier(
+                durable, durable_keep_last, durable_keep_every, durable_read_back, durable_options or {}
+            )
 
     # -- public API -------------------------------------------------------------
 
@@ -265,6 +293,7 @@ class CheckpointManager:
                 self._forget(pending)
                 raise _save_error(step, path, exc) from _unwrap(exc)
             self._after_commit(pending)
+            self._drain(pending)
             pending.done.set_result(None)
             self._forget(pending)
             self._replaceable.discard(step)
@@ -295,6 +324,22 @@ class CheckpointManager:
                 pass
         self._raise_finished_errors()
 
+    def wait_durable(self, timeout: float | None = None) -> None:
+        """Wait for the saves in flight and for every copy to the durable tier queued so far;
+        raise the first error not yet raised (a failed drain: :class:`DrainError`)."""
+        self.wait()
+        if self._tier is not None:
+            self._tier.wait(timeout)
+
+    def durable_status(self) -> dict[int, DrainStatus]:
+        """This rank's drains: ``{step: DrainStatus}`` (state queued, draining, durable or
+        failed; bytes done and total; seconds; error)."""
+        return self._tier.status() if self._tier is not None else {}
+
+    def durable_steps(self) -> list[int]:
+        """Steps committed on the durable tier, ascending (a listing of it; [] without one)."""
+        return sorted(self._tier.committed_steps()) if self._tier is not None else []
+
     def load(self, state: dict, step: int | None = None, *, full_verify: bool = False) -> int | None:
         """Load a checkpoint into ``state`` in place; return its step.
 
@@ -315,11 +360,15 @@ class CheckpointManager:
         # Rank 0's view of the root, so every rank tries the same candidates in the same order.
         def listing():
             order = resume_order(self.root)
-            return order, sorted(set(step_dirs(self.root)) - set(order.candidates) - set(order.abandoned))
+            durable = sorted(self._tier.committed_steps()) if self._tier is not None else []
+            return order, sorted(set(step_dirs(self.root)) - set(order.candidates) - set(order.abandoned)), durable
 
-        order, uncommitted = self._on_rank0(listing, "listing the checkpoints")
+        order, uncommitted, durable = self._on_rank0(listing, "listing the checkpoints")
+        local = set(order.candidates) | set(order.abandoned)
         if step is not None:
-            if step not in order.candidates and step not in order.abandoned:
+            if step not in local and step in durable:
+                candidates = [step]  # fetched from the durable tier below
+            elif step not in local:
                 path = self.path_of(step)
                 if step in uncommitted:
                     raise IncompleteCheckpointError(
@@ -327,10 +376,12 @@ class CheckpointManager:
                     )
                 raise CheckpointNotFoundError(
                     f"no checkpoint of step {step} under {self.root} (committed: {sorted(order.candidates + order.abandoned)})"
+                    + (f" or {self._tier.url} (durable: {durable})" if self._tier is not None else "")
                 )
-            candidates = [step]
+            else:
+                candidates = [step]
         else:
-            candidates = order.candidates
+            candidates = _with_durable_only(order.candidates, [s for s in durable if s not in local])
             if order.pointer_error:
                 _warn(f"{order.pointer_error}; resuming from the newest committed checkpoint")
             for s in uncommitted:
@@ -345,13 +396,20 @@ class CheckpointManager:
                 return None
         refused: list[str] = []
         for s in candidates:
-            # One reader per candidate: its .metadata is decoded once for the check, the
-            # verification and the load.
             path = self.path_of(s)
-            reader = DataStatesReader(path, allow_pickle=self.allow_pickle)
-            verdict = self._agree(self._check(reader, full_verify))
-            if verdict is None:
-                verdict = self._try_load(state, reader)
+            fetched = False
+            if s not in local:  # on the durable tier only (a new node, a lost local disk)
+                verdict = self._fetch_durable(s, replace_bad=False)
+                fetched = verdict is None
+            else:
+                verdict = self._load_local(state, s, full_verify)
+                if verdict is not None and verdict[1] and s in durable:
+                    # The local copy is bad; the durable one committed: replace it and load that.
+                    _warn(f"the local copy of step {s} ({path}) is bad ({verdict[0]}); loading its durable copy")
+                    verdict = self._fetch_durable(s, replace_bad=True)
+                    fetched = verdict is None
+            if fetched:
+                verdict = self._load_local(state, s, full_verify)
             if verdict is None:
                 self._replaceable.update(c for c in order.candidates if c > s)
                 return s
@@ -367,7 +425,8 @@ class CheckpointManager:
         )
 
     def close(self) -> None:
-        """Wait for the saves in flight (raising their errors), then give up the root and the fence.
+        """Wait for the saves in flight and (with a durable tier) for their copies there,
+        raising their errors; then give up the root and the fence.
 
         The process-wide fence hook is shared by every open manager: it is
         uninstalled when the last one that installed it closes.
@@ -378,7 +437,11 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
-            self._release()
+            try:
+                if self._tier is not None:
+                    self._tier.close()
+            finally:
+                self._release()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -413,6 +476,7 @@ class CheckpointManager:
             exc = _future_exception(pending.upload)
             if exc is None:
                 self._after_commit(pending)
+                self._drain(pending)
         except BaseException as unexpected:  # noqa: BLE001 - must reach the future, not the void
             exc = unexpected
         if exc is None:
@@ -434,8 +498,7 @@ class CheckpointManager:
                 if pending.seq > self._pointed_seq:
                     point_latest_at(self.root, pending.step, pending.seq)
                     self._pointed_seq = pending.seq
-                in_flight = {p.step for p in self._pending if not p.done.done()}
-                victims = retention_victims(self.root, pending.step, self.keep_last, self.keep_every, in_flight)
+                victims = self._local_victims(pending.step)
             for name in victims:
                 delete_checkpoint_dir(os.path.join(self.root, name))
         except Exception as exc:  # noqa: BLE001
@@ -445,6 +508,97 @@ class CheckpointManager:
                 CheckpointManagerWarning,
                 stacklevel=2,
             )
+
+    def _local_victims(self, committed_step: int) -> list[str]:
+        """Local retention's deletions now that ``committed_step`` committed (under ``self._lock``):
+        with a durable tier, only steps whose durable copy committed (unless ``delete_undrained``)."""
+        in_flight = {p.step for p in self._pending if not p.done.done()}
+        victims = retention_victims(self.root, committed_step, self.keep_last, self.keep_every, in_flight)
+        if self._tier is not None and not self.delete_undrained:
+            victims = [name for name in victims if step_of(name) in self._durable_committed]
+        return victims
+
+    # -- the durable tier -------------------------------------------------------------
+
+    def _open_durable_tier(self, url, keep_last, keep_every, read_back, options) -> None:
+        """Open the store; rank 0 (the owner) lists what it holds and clears what interrupted
+        drains left; then every rank drains again the committed local steps not durable yet."""
+        self._tier = DurableTier(
+            os.fspath(url), rank=self._rank, keep_last=keep_last, keep_every=keep_every, read_back=read_back,
+            store_options=options, on_durable=self._on_durable,
+            warn=lambda m: warnings.warn(m, CheckpointManagerWarning, stacklevel=2),
+        )
+
+        def survey():
+            durable = self._tier.committed_steps()
+            if not self.owner:
+                return sorted(durable), []
+            self._tier.clear_incomplete()
+            return sorted(durable), [s for s in self.steps() if s not in durable]
+
+        durable, undrained = self._on_rank0(survey, f"listing the durable tier {self._tier.url}")
+        self._durable_committed = set(durable)
+        if not self.owner:
+            return
+        for s in undrained:
+            try:
+                files = DataStatesReader(self.path_of(s)).read_metadata().storage_data.ranks
+                mine = next((f for f in files if f.rank == self._rank), None)
+            except Exception as exc:  # noqa: BLE001 - this step stays local-only; said once
+                warnings.warn(
+                    f"step {s} is committed locally but not on {self._tier.url}, and cannot be drained: {exc}",
+                    CheckpointManagerWarning, stacklevel=3,
+                )
+                continue
+            if mine is not None:
+                self._tier.enqueue(s, self.path_of(s), mine)
+
+    def _drain(self, pending: _PendingSave) -> None:
+        """Every rank: queue the copy of its files of the step just committed."""
+        if self._tier is not None:
+            self._tier.enqueue(pending.step, pending.path, pending.writer.last_save_stats.rank_files)
+
+    def _on_durable(self, step: int) -> None:
+        """Rank 0's drain thread, once ``step`` committed on the durable tier: local retention
+        may now delete the local copies it kept for want of a durable one."""
+        try:
+            with self._lock:
+                self._durable_committed.add(step)
+                committed = self.steps()
+                newest = max(committed) if committed else step
+                victims = self._local_victims(newest)
+            for name in victims:
+                delete_checkpoint_dir(os.path.join(self.root, name))
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"step {step} is durable, but local retention failed: {exc}", CheckpointManagerWarning, stacklevel=2)
+
+    def _fetch_durable(self, step: int, replace_bad: bool):
+        """Copy ``step`` from the durable tier into the local root (rank 0; then any rank that
+        does not see it, such as one with a node-local root); a verdict like ``_check``'s."""
+        path = self.path_of(step)
+
+        def fetch():
+            if replace_bad:
+                delete_checkpoint_dir(path)
+            self._tier.fetch(step, path)
+
+        try:
+            self._on_rank0(fetch, f"fetching step {step} from {self._tier.url}")
+            if self._rank != 0 and not is_committed(path):
+                self._tier.fetch(step, path)
+            verdict = None
+        except BaseException as exc:  # noqa: BLE001 - classified like a load's failure
+            verdict = (f"fetching it from {self._tier.url} failed: {_describe(exc)}", False)
+        return self._agree(verdict)
+
+    def _load_local(self, state: dict, step: int, full_verify: bool):
+        # One reader per candidate: its .metadata is decoded once for the check, the
+        # verification and the load.
+        reader = DataStatesReader(self.path_of(step), allow_pickle=self.allow_pickle)
+        verdict = self._agree(self._check(reader, full_verify))
+        if verdict is None:
+            verdict = self._try_load(state, reader)
+        return verdict
 
     def _raise_finished_errors(self) -> None:
         """Close the writers of finished saves; raise the first error not yet raised."""
@@ -569,6 +723,16 @@ def _classify(exc: BaseException) -> tuple:
     if isinstance(exc, _UNREADABLE) or (isinstance(exc, OSError) and exc.errno in _READ_ERRNOS):
         return _describe(exc), False
     return _RAISE, f"{type(exc).__name__}: {_describe(exc)}"
+
+
+def _with_durable_only(local: list[int], durable_only: list[int]) -> list[int]:
+    """Resume candidates: the local ones in their order, each durable-only step placed before
+    the first local one with a smaller step."""
+    out = list(local)
+    for s in sorted(durable_only, reverse=True):
+        at = next((i for i, c in enumerate(out) if c < s), len(out))
+        out.insert(at, s)
+    return out
 
 
 def _save_error(step: int, path: str, exc: BaseException, background: bool = False) -> CheckpointError:

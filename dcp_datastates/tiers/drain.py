@@ -1,0 +1,339 @@
+"""Copying a committed checkpoint to a durable tier, verified, with ``.metadata`` last.
+
+The local tier holds committed checkpoints (``ROOT/step_<N>/``); the durable
+tier (:class:`DurableStore`) holds copies under the same names
+(``step_<N>/...``). A copy is a checkpoint on the durable tier only once its
+``.metadata`` is there, and that object is written last, after every rank's
+files are confirmed:
+
+1. Each rank drains its own files (:func:`drain_rank`): its data files, one
+   per stripe, streamed from the local tier in blocks, each block checked
+   against the rank index's CRC-32C segments before it is handed to the
+   store (a corrupt local copy is never uploaded), then its index. Each
+   object is read back from the store and its CRC-32C compared with the
+   bytes that were read locally (``read_back=True``, the default).
+2. Each rank then writes a confirmation, ``step_<N>/.drain/rank<R>.json``:
+   its files, their sizes and CRC-32Cs.
+3. The coordinator (rank 0, :func:`commit_durable`) waits for every rank's
+   confirmation, checks it against the checkpoint's layout and the store's
+   object sizes, and writes ``.metadata``: the durable copy is committed.
+   The confirmations are removed afterwards (a crash may leave them; they
+   are not part of the checkpoint and :func:`delete_durable_step` removes
+   them with the rest).
+
+A crash at any point leaves the durable tier without that step's
+``.metadata``: an incomplete copy, which listing and resume ignore and a
+new drain of the step replaces (:func:`clear_incomplete_step`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+
+from dcp_datastates.errors import CheckpointError, CorruptCheckpointError
+from dcp_datastates.format.checkpoint_files import read_rank_index
+from dcp_datastates.format.checkpoint_layout import RankFiles
+from dcp_datastates.format.file_names import METADATA_FILE
+from dcp_datastates.format.metadata_file import read_metadata_file
+from dcp_datastates.format.rank_index import IndexLimits, RankIndex
+from dcp_datastates.native.engine import crc32c
+from dcp_datastates.tiers.store import DurableStore, StoreError
+
+BLOCK_BYTES = 16 << 20  # bytes read, checked and handed to the store at a time
+CONFIRM_DIR = ".drain"
+
+
+class DrainError(CheckpointError):
+    """A checkpoint could not be copied to the durable tier; the message names the step and the file."""
+
+
+@dataclasses.dataclass
+class DrainedFile:
+    name: str
+    size: int
+    crc32c: int
+
+
+@dataclasses.dataclass
+class RankDrain:
+    """What one rank copied: its confirmation's content, and how long it took."""
+
+    rank: int
+    files: list[DrainedFile]
+    seconds: float = 0.0
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> bytes:
+        return json.dumps({"rank": self.rank, "files": [dataclasses.asdict(f) for f in self.files]}).encode()
+
+    @classmethod
+    def from_json(cls, blob: bytes, where: str) -> RankDrain:
+        try:
+            doc = json.loads(blob)
+            files = [DrainedFile(str(f["name"]), int(f["size"]), int(f["crc32c"])) for f in doc["files"]]
+            return cls(int(doc["rank"]), files)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DrainError(f"{where}: not a drain confirmation ({exc})") from None
+
+
+def step_prefix(step_dir: str) -> str:
+    return step_dir.rstrip("/") + "/"
+
+
+def confirmation_key(step_dir: str, rank: int) -> str:
+    return f"{step_dir}/{CONFIRM_DIR}/rank{rank:05d}.json"
+
+
+# -- one rank's files ----------------------------------------------------------------
+
+
+class _SegmentChecker:
+    """Checks a data file's bytes, fed in order, against the rank index's segments that lie in
+    it; every segment must be seen whole and match."""
+
+    def __init__(self, index: RankIndex, stripe: int, path: str) -> None:
+        rows = index.stripe_segments(stripe)
+        base = index.stripe_bounds()[stripe][0]
+        self.offsets = [index.seg_offsets[i] - base for i in rows]
+        self.lengths = index.seg_lengths[rows.start : rows.stop]
+        self.crcs = index.seg_crcs[rows.start : rows.stop]
+        self.path = path
+        self.next = 0
+        self.partial: int | None = None  # the running CRC of a segment cut by a block's end
+
+    def feed(self, view: memoryview, at: int) -> None:
+        end = at + len(view)
+        offs, lens = self.offsets, self.lengths
+        while self.next < len(offs) and offs[self.next] < end:
+            i = self.next
+            seg_end = offs[i] + lens[i]
+            lo = max(offs[i], at)
+            hi = min(seg_end, end)
+            seed = self.partial if offs[i] < at and self.partial is not None else 0
+            crc = crc32c(view[lo - at : hi - at], seed)
+            if hi < seg_end:
+                self.partial = crc
+                return
+            self.partial = None
+            if crc != self.crcs[i]:
+                raise CorruptCheckpointError(
+                    f"{self.path}: checksum mismatch in the segment at offset {offs[i]} ({lens[i]} bytes): "
+                    f"{crc:08x} != {self.crcs[i]:08x}; the local copy is damaged and is not drained"
+                )
+            self.next += 1
+
+    def finish(self, size: int) -> None:
+        if self.next < len(self.offsets):
+            i = self.next
+            raise CorruptCheckpointError(
+                f"{self.path}: the file ends at {size}, before the segment at offset {self.offsets[i]} ({self.lengths[i]} bytes)"
+            )
+
+
+def _local_blocks(path: str, checker: _SegmentChecker | None, crc_box: list, block: int) -> Iterator[bytes]:
+    """The file's bytes in blocks, each checked (``checker``) before it is yielded; the
+    whole file's CRC-32C ends in ``crc_box[0]``."""
+    crc = 0
+    at = 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            data = f.read(block)
+            if not data:
+                break
+            view = memoryview(data)
+            if checker is not None:
+                checker.feed(view, at)
+            crc = crc32c(view, crc)
+            at += len(data)
+            yield data
+    if checker is not None:
+        checker.finish(at)
+    crc_box[0] = crc
+
+
+def _read_back_crc(store: DurableStore, key: str, size: int, block: int) -> int:
+    crc = 0
+    for at in range(0, size, block):
+        crc = crc32c(store.read_range(key, at, min(block, size - at)), crc)
+    return crc
+
+
+def drain_rank(
+    local_dir: str,
+    step_dir: str,
+    files: RankFiles,
+    store: DurableStore,
+    *,
+    read_back: bool = True,
+    progress: Callable[[int], None] | None = None,
+    block: int = BLOCK_BYTES,
+) -> RankDrain:
+    """Copy one rank's files of the committed checkpoint in ``local_dir`` to ``step_dir/`` in
+    ``store``, verified (see the module docstring); then write the rank's confirmation.
+
+    Files of this rank an interrupted drain left in the store are replaced."""
+    t0 = time.perf_counter()
+    names = files.data_files()
+    index_path = os.path.join(local_dir, files.index_file)
+    try:
+        sizes = [os.path.getsize(os.path.join(local_dir, n)) for n in names]
+        limits = IndexLimits(os.path.join(local_dir, names[-1]), sizes[-1], 1 << 62, files.stripes[-1] if files.stripes else 0)
+        index = read_rank_index(index_path, limits)
+        index.apply_stripes(names, files.stripes, index_path)
+    except FileNotFoundError as exc:
+        raise DrainError(f"{local_dir}: rank {files.rank}'s file {exc.filename} is missing; the step is not drained") from exc
+    except OSError as exc:
+        raise DrainError(f"{local_dir}: reading rank {files.rank}'s files: {exc}") from exc
+    store.delete([f"{step_dir}/{n}" for n in (*names, files.index_file)] + [confirmation_key(step_dir, files.rank)])
+    drained = []
+    for stripe, name in enumerate((*names, files.index_file)):
+        path = os.path.join(local_dir, name)
+        key = f"{step_dir}/{name}"
+        checker = _SegmentChecker(index, stripe, path) if stripe < len(names) else None
+        crc_box = [0]
+        size = os.path.getsize(path)
+        store.put_stream(key, _local_blocks(path, checker, crc_box, block), size, progress)
+        if read_back:
+            got = _read_back_crc(store, key, size, block)
+            if got != crc_box[0]:
+                raise DrainError(
+                    f"{store.where(key)}: the copy reads back with CRC-32C {got:08x}, the local file {path} has {crc_box[0]:08x}"
+                )
+        drained.append(DrainedFile(name, size, crc_box[0]))
+    result = RankDrain(files.rank, drained)
+    store.put_bytes(confirmation_key(step_dir, files.rank), result.to_json())
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+# -- the commit on the durable tier ------------------------------------------------------
+
+
+def commit_durable(
+    local_dir: str,
+    step_dir: str,
+    store: DurableStore,
+    *,
+    timeout_s: float = 3600.0,
+    poll_s: float = 0.2,
+    stop: Callable[[], bool] | None = None,
+) -> None:
+    """Coordinator: once every rank confirmed its files, write ``step_dir/.metadata``.
+
+    Every rank of the checkpoint's layout must have confirmed exactly the files the
+    layout names for it, and the store must hold each at the confirmed size."""
+    meta_path = os.path.join(local_dir, METADATA_FILE)
+    try:
+        metadata, _ = read_metadata_file(meta_path, allow_pickle=False)
+        with open(meta_path, "rb") as f:
+            blob = f.read()
+    except OSError as exc:
+        raise DrainError(f"{meta_path}: {exc}") from exc
+    layout = metadata.storage_data
+    expected = {r.rank: [*r.data_files(), r.index_file] for r in layout.ranks}
+    deadline = time.monotonic() + timeout_s
+    confirmed: dict[int, RankDrain] = {}
+    while True:
+        for rank in sorted(set(expected) - set(confirmed)):
+            key = confirmation_key(step_dir, rank)
+            if store.size(key) is not None:
+                confirmed[rank] = RankDrain.from_json(store.read(key), store.where(key))
+        if len(confirmed) == len(expected):
+            break
+        if time.monotonic() > deadline or (stop is not None and stop()):
+            missing = sorted(set(expected) - set(confirmed))
+            raise DrainError(
+                f"{store.where(step_dir)}: ranks {missing} did not confirm their files within {timeout_s:.0f} s; "
+                "the durable copy stays uncommitted"
+            )
+        time.sleep(poll_s)
+    for rank, drain in confirmed.items():
+        names = [f.name for f in drain.files]
+        if names != expected[rank]:
+            raise DrainError(f"{store.where(step_dir)}: rank {rank} confirmed {names}, the checkpoint names {expected[rank]}")
+        for f in drain.files:
+            size = store.size(f"{step_dir}/{f.name}")
+            if size != f.size:
+                raise DrainError(f"{store.where(step_dir + '/' + f.name)}: {size} bytes in the store, {f.size} confirmed")
+    store.put_bytes(f"{step_dir}/{METADATA_FILE}", blob)
+    try:
+        store.delete([confirmation_key(step_dir, rank) for rank in confirmed])
+    except StoreError:
+        pass  # committed; leftovers are removed with the step
+
+
+# -- the durable tier's steps ------------------------------------------------------------
+
+
+def durable_steps(store: DurableStore, step_of: Callable[[str], int | None]) -> dict[int, tuple[str, bool]]:
+    """``{step: (directory, committed)}`` of every step under the store's root."""
+    out: dict[int, tuple[str, bool]] = {}
+    for key in store.list():
+        head, _, rest = key.partition("/")
+        step = step_of(head)
+        if step is None or not rest:
+            continue
+        committed = rest == METADATA_FILE or out.get(step, (head, False))[1]
+        out[step] = (head, committed)
+    return out
+
+
+def delete_durable_step(store: DurableStore, step_dir: str) -> None:
+    """Remove a step from the durable tier, ``.metadata`` first (a crash in between leaves an
+    incomplete copy, never a committed one with objects missing)."""
+    meta = f"{step_dir}/{METADATA_FILE}"
+    store.delete([meta])
+    store.delete([k for k in store.list(step_prefix(step_dir)) if k != meta])
+
+
+def clear_incomplete_step(store: DurableStore, step_dir: str) -> bool:
+    """Remove what an interrupted drain left of an uncommitted step; False if it is committed."""
+    if store.size(f"{step_dir}/{METADATA_FILE}") is not None:
+        return False
+    store.delete(store.list(step_prefix(step_dir)))
+    return True
+
+
+def fetch_step(store: DurableStore, step_dir: str, local_dir: str, *, block: int = BLOCK_BYTES) -> int:
+    """Copy a committed step from the durable tier into ``local_dir`` (created; it must not hold a
+    ``.metadata``), ``.metadata`` last, each file fsynced before it is renamed into place; return
+    the bytes copied. The load that follows verifies every byte it reads against the checksums."""
+    from dcp_datastates.core import durable
+
+    meta_key = f"{step_dir}/{METADATA_FILE}"
+    if store.size(meta_key) is None:
+        raise DrainError(f"{store.where(step_dir)}: not a committed checkpoint on the durable tier (no {METADATA_FILE})")
+    if os.path.lexists(os.path.join(local_dir, METADATA_FILE)):
+        raise DrainError(f"{local_dir} holds a committed checkpoint already; it is not replaced by a fetch")
+    keys = [k for k in store.list(step_prefix(step_dir)) if k != meta_key and f"/{CONFIRM_DIR}/" not in k]
+    os.makedirs(local_dir, exist_ok=True)
+    total = 0
+    for key in [*keys, meta_key]:
+        name = key[len(step_prefix(step_dir)):]
+        if "/" in name:
+            raise DrainError(f"{store.where(key)}: a checkpoint holds no subdirectories")
+        final = os.path.join(local_dir, name)
+        tmp = os.path.join(local_dir, f".{name}.fetch-{os.getpid()}")
+        size = store.size(key)
+        if size is None:
+            raise DrainError(f"{store.where(key)}: vanished during the fetch")
+        try:
+            durable.remove_if_present([tmp])
+            with open(tmp, "xb", buffering=0) as f:
+                for at in range(0, size, block):
+                    f.write(store.read_range(key, at, min(block, size - at)))
+                os.fsync(f.fileno())
+            durable.rename_into_place(tmp, final, local_dir)
+        except BaseException:
+            durable.remove_if_present([tmp])
+            raise
+        total += size
+    durable.fsync_dir(local_dir)
+    return total

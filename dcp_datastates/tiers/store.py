@@ -1,0 +1,124 @@
+"""The durable destination of a checkpoint copy: one small interface, two implementations.
+
+A durable tier holds checkpoints as a tree of named objects under one root
+(``step_00000010/.metadata``, ``step_00000010/rank00000-<id>.data``, ...):
+a directory on a shared file system, or a prefix of an S3 bucket. The drain
+needs only what both can do well: write a whole object from a local file
+(streamed, never whole in memory), write a small object, read a byte range,
+tell an object's size, list names under a prefix and delete names. An
+object becomes visible under its name only when it is complete (a file is
+renamed into place after an fsync; an S3 object exists only once its upload
+completed), which is what lets a checkpoint commit there by writing its
+``.metadata`` last.
+
+Every failure is a :class:`StoreError` naming the destination and the key.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from collections.abc import Callable, Iterable
+
+from dcp_datastates.errors import CheckpointError
+
+Progress = Callable[[int], None]  # called with the bytes handed on since the last call
+
+
+class StoreError(CheckpointError, OSError):
+    """A durable store refused or failed an operation; the message names the store and the key."""
+
+
+class DurableStore(abc.ABC):
+    """A tree of named objects under one root (see the module docstring).
+
+    Keys are relative, ``/``-separated, never empty, never absolute, without
+    ``.`` or ``..`` parts (:func:`check_key`).
+    """
+
+    url: str  # where the root is, as the user named it (a path or s3://bucket/prefix)
+
+    @abc.abstractmethod
+    def put_stream(self, key: str, blocks: Iterable[bytes], size: int, progress: Progress | None = None) -> None:
+        """Write ``key`` from ``blocks`` (``size`` bytes in all, in order), visible only once
+        complete. An exception raised by ``blocks`` abandons the object and propagates."""
+
+    def put_file(self, key: str, local_path: str, progress: Progress | None = None, block: int = 8 << 20) -> int:
+        """Copy the local file to ``key`` (visible only once complete); return its size."""
+        try:
+            size = os.path.getsize(local_path)
+        except OSError as exc:
+            raise StoreError(f"copying {local_path} to {self.where(key)}: {exc.strerror or exc}") from exc
+
+        def blocks():
+            with open(local_path, "rb", buffering=0) as f:
+                while data := f.read(block):
+                    yield data
+
+        try:
+            self.put_stream(key, blocks(), size, progress)
+        except OSError as exc:
+            if isinstance(exc, StoreError):
+                raise
+            raise StoreError(f"copying {local_path} to {self.where(key)}: {exc.strerror or exc}") from exc
+        return size
+
+    @abc.abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Write a small object (visible only once complete)."""
+
+    @abc.abstractmethod
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of ``key`` from ``offset``; a short object is an error."""
+
+    @abc.abstractmethod
+    def size(self, key: str) -> int | None:
+        """The object's size in bytes, or None if there is no object ``key``."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Every key under ``prefix`` (a key prefix ending in ``/``, or ``""``), sorted."""
+
+    @abc.abstractmethod
+    def delete(self, keys: list[str]) -> None:
+        """Remove these keys; a key already gone is not an error."""
+
+    def read(self, key: str) -> bytes:
+        """A whole (small) object."""
+        size = self.size(key)
+        if size is None:
+            raise StoreError(f"{self.where(key)}: no such object")
+        return self.read_range(key, 0, size)
+
+    def where(self, key: str) -> str:
+        return f"{self.url.rstrip('/')}/{key}"
+
+    def close(self) -> None:
+        """Release connections or handles (the store may not be used afterwards)."""
+
+
+def check_key(key: str) -> str:
+    if not isinstance(key, str) or not key or key.startswith("/") or key.endswith("/"):
+        raise ValueError(f"a store key must be a non-empty relative name, got {key!r}")
+    if any(part in ("", ".", "..") for part in key.split("/")):
+        raise ValueError(f"a store key may not hold empty, '.' or '..' parts: {key!r}")
+    return key
+
+
+def is_object_store_url(url: str | os.PathLike) -> bool:
+    return isinstance(url, str) and url.startswith("s3://")
+
+
+def open_store(url: str | os.PathLike, **options) -> DurableStore:
+    """The store at ``url``: ``s3://bucket/prefix`` (S3-compatible object storage, see
+    :mod:`s3_store` for the endpoint and credentials) or a directory path (a shared file
+    system, :mod:`posix_store`)."""
+    if is_object_store_url(url):
+        from dcp_datastates.tiers.s3_store import S3Store
+
+        return S3Store(url, **options)
+    if isinstance(url, str) and "://" in url:
+        raise ValueError(f"unsupported durable tier URL {url!r}: use a directory path or s3://bucket/prefix")
+    from dcp_datastates.tiers.posix_store import PosixStore
+
+    return PosixStore(os.fspath(url), **options)

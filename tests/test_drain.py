@@ -1,0 +1,151 @@
+"""Draining a committed checkpoint to a durable tier: verified copies, ``.metadata`` last,
+crashes and corruption never committing anything on the durable tier."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import assert_same, load, save
+from dcp_datastates import DataStatesReader, verify
+from dcp_datastates.errors import CorruptCheckpointError
+from dcp_datastates.manager.checkpoint_root import step_of
+from dcp_datastates.tiers import StoreError, open_store
+from dcp_datastates.tiers.drain import (
+    DrainError,
+    clear_incomplete_step,
+    commit_durable,
+    confirmation_key,
+    delete_durable_step,
+    drain_rank,
+    durable_steps,
+    fetch_step,
+)
+
+
+def _state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    state = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(6)}  # 6 MiB: two stripes
+    state.update({"small": torch.arange(10), "step": seed, "name": "run"})
+    return state
+
+
+def _rank_files(path):
+    return DataStatesReader(path).read_metadata().storage_data.ranks
+
+
+def _store(url):
+    return open_store(url, **({"part_bytes": 5 << 20} if url.startswith("s3://") else {}))
+
+
+def _drain(local, step_dir, store, **kw):
+    drains = [drain_rank(str(local), step_dir, files, store, block=1 << 20, **kw) for files in _rank_files(local)]
+    commit_durable(str(local), step_dir, store)
+    return drains
+
+
+def test_a_drained_checkpoint_is_committed_and_loads_from_the_durable_tier(tmp_path, durable_url):
+    local = tmp_path / "step_00000005"
+    state = _state(5)
+    save(state, local, stripes=2, window_bytes=1 << 20)
+    assert len(_rank_files(local)[0].stripes) == 1
+    store = _store(durable_url)
+    seen = []
+    drains = _drain(local, "step_00000005", store, progress=seen.append)
+    assert sum(seen) == sum(d.bytes for d in drains) == sum(os.path.getsize(local / f) for f in os.listdir(local) if f != ".metadata")
+    assert durable_steps(store, step_of) == {5: ("step_00000005", True)}
+    assert not [k for k in store.list() if "/.drain/" in k]  # confirmations removed after the commit
+    assert store.read("step_00000005/.metadata") == (local / ".metadata").read_bytes()
+    if not durable_url.startswith("s3://"):  # a shared file system: the copy is a checkpoint as it is
+        assert verify(os.path.join(durable_url, "step_00000005")).ok
+    fetched = tmp_path / "fetched"
+    fetch_step(store, "step_00000005", str(fetched))
+    assert verify(fetched).ok
+    out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in state.items()}
+    assert_same(load(out, fetched), state)
+
+
+def test_a_damaged_local_copy_is_never_uploaded(tmp_path, durable_url):
+    local = tmp_path / "c"
+    save(_state(1), local, window_bytes=1 << 20)
+    files = _rank_files(local)[0]
+    with open(local / files.data_file, "r+b") as f:  # one bit of a tensor, far into the file
+        f.seek(3 << 20)
+        b = f.read(1)
+        f.seek(3 << 20)
+        f.write(bytes([b[0] ^ 1]))
+    store = _store(durable_url)
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch.*not drained"):
+        drain_rank(str(local), "step_00000001", files, store, block=1 << 20)
+    assert store.size(f"step_00000001/{files.data_file}") is None  # the upload was abandoned
+    assert durable_steps(store, step_of) == {}
+
+
+class _CrashingStore:
+    """Forwards to a store and raises after ``allowed`` objects were written (a crash mid-drain)."""
+
+    def __init__(self, store, allowed):
+        self._store, self.allowed = store, allowed
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def _count(self):
+        if self.allowed == 0:
+            raise StoreError("crash")
+        self.allowed -= 1
+
+    def put_stream(self, *a, **k):
+        self._count()
+        return self._store.put_stream(*a, **k)
+
+    def put_bytes(self, *a, **k):
+        self._count()
+        return self._store.put_bytes(*a, **k)
+
+
+@pytest.mark.parametrize("allowed", [0, 1, 2, 3, 4])  # before any object, mid-files, before the confirmation, before .metadata
+def test_a_crash_mid_drain_leaves_nothing_committed_and_a_new_drain_commits(tmp_path, durable_url, allowed):
+    local = tmp_path / "c"
+    state = _state(2)
+    save(state, local, stripes=2, window_bytes=1 << 20)
+    store = _store(durable_url)
+    crashing = _CrashingStore(store, allowed)
+    with pytest.raises((StoreError, DrainError)):
+        _drain(local, "step_00000002", crashing)
+    assert durable_steps(store, step_of).get(2, ("", False))[1] is False
+    with pytest.raises(DrainError, match="not a committed checkpoint"):
+        fetch_step(store, "step_00000002", str(tmp_path / "f"))
+    if store.list():
+        assert clear_incomplete_step(store, "step_00000002")
+    _drain(local, "step_00000002", store)
+    fetch_step(store, "step_00000002", str(tmp_path / "f2"))
+    assert verify(tmp_path / "f2").ok
+
+
+def test_the_commit_waits_for_every_rank_and_checks_what_it_confirmed(tmp_path, durable_url):
+    local = tmp_path / "c"
+    save(_state(3), local)
+    store = _store(durable_url)
+    with pytest.raises(DrainError, match=r"ranks \[0\] did not confirm"):
+        commit_durable(str(local), "step_00000003", store, timeout_s=0.5)
+    files = _rank_files(local)[0]
+    drain_rank(str(local), "step_00000003", files, store)
+    store.delete([f"step_00000003/{files.index_file}"])
+    with pytest.raises(DrainError, match="None bytes in the store"):
+        commit_durable(str(local), "step_00000003", store)
+    assert store.size("step_00000003/.metadata") is None
+
+
+def test_deleting_a_durable_step_removes_the_commit_first(tmp_path, durable_url):
+    local = tmp_path / "c"
+    save(_state(4), local)
+    store = _store(durable_url)
+    _drain(local, "step_00000004", store)
+    _drain(local, "step_00000008", store)
+    delete_durable_step(store, "step_00000004")
+    assert durable_steps(store, step_of) == {8: ("step_00000008", True)}
+    assert not clear_incomplete_step(store, "step_00000008")  # committed: left alone
+    assert confirmation_key("step_00000008", 3) == "step_00000008/.drain/rank00003.json"

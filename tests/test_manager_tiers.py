@@ -1,0 +1,127 @@
+"""CheckpointManager with a durable tier: background drains, retention per tier, resume
+from the nearest good copy, and recovery of interrupted drains."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+
+import pytest
+
+from conftest import assert_same
+from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning
+from dcp_datastates.manager.checkpoint_root import step_dirs, step_of
+from dcp_datastates.manager.durable_tier import DURABLE, FAILED
+from dcp_datastates.tiers import open_store
+from dcp_datastates.tiers.drain import DrainError, durable_steps
+from manager_workers import run_ranks, state_at, zeros_like_state
+
+MODES = [pytest.param(True, id="async"), pytest.param(False, id="sync")]
+
+
+def _steps(root):
+    return sorted(step_dirs(str(root)))
+
+
+def _durable(url):
+    return {s: c for s, (_n, c) in durable_steps(open_store(url), step_of).items()}
+
+
+@pytest.mark.parametrize("async_save", MODES)
+def test_every_commit_is_drained_and_retention_runs_per_tier(tmp_path, durable_url, async_save):
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=1, durable=durable_url, durable_keep_last=2, durable_keep_every=20,
+                           async_save=async_save) as mgr:
+        for step in (10, 20, 30, 40):
+            mgr.save(step, state_at(step))
+        mgr.wait_durable()
+        status = mgr.durable_status()
+        assert {s: st.state for s, st in status.items()} == {10: DURABLE, 20: DURABLE, 30: DURABLE, 40: DURABLE}
+        assert all(st.bytes_done == st.bytes_total > 4 << 20 for st in status.values())
+        assert mgr.durable_steps() == [20, 30, 40]  # the last 2, and every 20th
+    assert _steps(root) == [40]  # locally the last one: the others were durable before they went
+    assert _durable(durable_url) == {20: True, 30: True, 40: True}
+
+
+def test_a_new_node_resumes_from_the_durable_tier(tmp_path, durable_url):
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=2, durable=durable_url, async_save=False) as mgr:
+        for step in (10, 20):
+            mgr.save(step, state_at(step))
+    shutil.rmtree(root)  # the node is gone; a new one has an empty local disk
+    with CheckpointManager(root, durable=durable_url) as mgr:
+        target = zeros_like_state()
+        assert mgr.load(target) == 20
+        assert_same(target, state_at(20))
+        assert mgr.steps() == [20]  # fetched into the local tier
+        target = zeros_like_state()
+        assert mgr.load(target, 10) == 10  # an explicit step, from the durable tier too
+        assert_same(target, state_at(10))
+
+
+def test_a_bad_local_copy_is_replaced_by_the_durable_one(tmp_path, durable_url):
+    root = tmp_path / "run"
+    with CheckpointManager(root, durable=durable_url, async_save=False) as mgr:
+        mgr.save(10, state_at(10))
+    data = next(f for f in os.listdir(root / "step_00000010") if f.endswith(".data"))
+    with open(root / "step_00000010" / data, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with CheckpointManager(root, durable=durable_url) as mgr:
+        target = zeros_like_state()
+        with pytest.warns(UserWarning, match="local copy of step 10.*is bad"):
+            assert mgr.load(target) == 10
+        assert_same(target, state_at(10))
+
+
+def test_an_unreachable_durable_tier_keeps_local_copies_and_reports(tmp_path, shared_mount):
+    root = tmp_path / "run"
+    durable = os.path.join(shared_mount, "readonly")
+    os.makedirs(durable)
+    os.chmod(durable, 0o500)
+    try:
+        mgr = CheckpointManager(root, keep_last=1, durable=durable, async_save=False)
+        if os.access(durable, os.W_OK):  # root ignores modes: make writes fail another way
+            os.chmod(durable, 0o700)
+            open(os.path.join(durable, "step_00000010"), "w").close()  # a file where the step's directory goes
+            open(os.path.join(durable, "step_00000020"), "w").close()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CheckpointManagerWarning)
+            mgr.save(10, state_at(10))
+            mgr.save(20, state_at(20))
+            with pytest.raises(DrainError, match="step 10"):
+                mgr.wait_durable()
+        assert {s: st.state for s, st in mgr.durable_status().items()} == {10: FAILED, 20: FAILED}
+        assert _steps(root) == [10, 20]  # keep_last=1, but neither is durable: both kept
+        with pytest.raises(DrainError):
+            mgr.close()
+    finally:
+        os.chmod(durable, 0o700)
+
+
+def test_an_interrupted_drain_is_finished_when_the_manager_starts_again(tmp_path, durable_url):
+    root = tmp_path / "run"
+    with CheckpointManager(root, durable=None, async_save=False) as mgr:  # committed locally, never drained
+        mgr.save(10, state_at(10))
+    store = open_store(durable_url)
+    store.put_bytes("step_00000010/rank00000-leftover.data", b"torn")  # what a killed drain left
+    store.put_bytes("step_00000007/rank00000-x.data", b"orphan")  # an incomplete step with no local copy
+    with CheckpointManager(root, durable=durable_url) as mgr:
+        mgr.wait_durable()
+        assert mgr.durable_steps() == [10]
+    keys = open_store(durable_url).list()
+    assert not any("leftover" in k or "step_00000007" in k for k in keys)
+
+
+def test_two_ranks_drain_their_own_files_and_rank0_commits(tmp_path, durable_url):
+    root = tmp_path / "run"
+    run_ranks("manager_durable_saves", 2, tmp_path / "logs", root=str(root), durable=durable_url)
+    assert _durable(durable_url) == {10: True, 20: True}
+    shutil.rmtree(root)
+    with CheckpointManager(root, durable=durable_url) as mgr:  # resharded onto one rank, fetched
+        target = zeros_like_state()
+        assert mgr.load(target) == 20
+        assert_same(target, state_at(20))
