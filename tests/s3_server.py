@@ -57,8 +57,8 @@ class WeedServer:
         if _port_open(self.port):
             raise RuntimeError(f"127.0.0.1:{self.port} is in use already: stop the other S3 server first")
         data = os.path.join(self.dir, "data")
-        os.makedirs(data)
-        log = open(self.log_path, "wb")
+        os.makedirs(data, exist_ok=True)  # a restart keeps what the server stored
+        log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-bucket={self.bucket}",
              f"-s3.port={self.port}", "-master.telemetry=false", "-webdav=false", "-admin.ui=false"],
@@ -92,6 +92,16 @@ class WeedServer:
                 return f.read()[-n:].decode(errors="replace")
         except OSError:
             return ""
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash), keeping its data for :meth:`start` again."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=15)
+        self.proc = None
+        deadline = time.monotonic() + 15
+        while _port_open(self.port) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

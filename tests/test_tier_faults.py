@@ -1,0 +1,136 @@
+"""The durable tier under faults, against a real S3 server of the test's own (port 8334, so
+the session's server is untouched): the server killed mid-upload, a 503 storm, a slow link,
+and a full local tier. Nothing committed is lost; nothing is reported durable before it is."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import pytest
+
+from conftest import assert_same, mounted_tmpfs
+from dcp_datastates import CheckpointError
+from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning
+from dcp_datastates.manager.checkpoint_root import step_of
+from dcp_datastates.manager.durable_tier import DURABLE, FAILED
+from dcp_datastates.tiers import open_store
+from dcp_datastates.tiers.drain import DrainError, durable_steps
+from manager_workers import state_at, zeros_like_state
+
+pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
+
+FAULT_PORT = 8334
+
+
+@pytest.fixture
+def server():
+    from s3_server import WeedServer
+
+    srv = WeedServer(bucket="faults", port=FAULT_PORT)
+    env = {k: os.environ.get(k) for k in srv.env()}
+    os.environ.update(srv.env())
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def proxy(server):
+    from s3_proxy import S3Proxy
+
+    p = S3Proxy(server.port)
+    yield p
+    p.close()
+
+
+def _options(endpoint, **kw):
+    return {"endpoint": endpoint, "part_bytes": 5 << 20, **kw}
+
+
+def _committed(url, endpoint):
+    return {s for s, (_n, c) in durable_steps(open_store(url, endpoint=endpoint), step_of).items() if c}
+
+
+def _wait_for(cond, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+def test_a_slow_link_never_blocks_the_save_and_the_copy_is_durable_only_when_done(tmp_path, server, proxy):
+    url = f"s3://{server.bucket}/slow"
+    proxy.throttle(4e6)  # 4 MB/s: the 4.3 MB step takes a second or more to leave
+    with CheckpointManager(tmp_path / "run", durable=url, async_save=False, durable_options=_options(proxy.endpoint)) as mgr:
+        t0 = time.perf_counter()
+        mgr.save(10, state_at(10))
+        blocked = time.perf_counter() - t0
+        assert mgr.durable_status()[10].state != DURABLE  # the save returned; the copy goes on
+        assert 10 not in _committed(url, server.endpoint)
+        mgr.wait_durable()
+        drained = mgr.durable_status()[10].seconds
+        assert mgr.durable_status()[10].state == DURABLE and 10 in _committed(url, server.endpoint)
+    assert drained > 1.0 and blocked < drained, (blocked, drained)
+
+
+def test_a_503_storm_is_ridden_out_by_retries(tmp_path, server, proxy):
+    url = f"s3://{server.bucket}/storm"
+    with CheckpointManager(tmp_path / "run", durable=url, async_save=False, durable_options=_options(proxy.endpoint)) as mgr:
+        proxy.storm(5)
+        mgr.save(10, state_at(10))
+        mgr.wait_durable()
+        assert mgr.durable_status()[10].state == DURABLE
+    assert proxy.rejected == 5
+    assert _committed(url, server.endpoint) == {10}
+
+
+def test_the_server_killed_mid_upload_commits_nothing_and_the_drain_resumes(tmp_path, server, proxy):
+    url = f"s3://{server.bucket}/killed"
+    root = tmp_path / "run"
+    options = _options(proxy.endpoint, max_retries=2, retry_timeout_s=3, request_timeout_s=3)
+    proxy.throttle(2e6)
+    mgr = CheckpointManager(root, keep_last=1, durable=url, async_save=False, durable_options=options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointManagerWarning)
+        mgr.save(10, state_at(10))
+        _wait_for(lambda: mgr.durable_status()[10].bytes_done > 0)
+        server.kill()
+        with pytest.raises(DrainError, match="step 10"):
+            mgr.wait_durable()
+    assert mgr.durable_status()[10].state == FAILED
+    server.start()  # the same data: whatever the killed upload left
+    proxy.throttle(None)
+    assert 10 not in _committed(url, server.endpoint)  # never reported durable
+    mgr.save(20, state_at(20))  # retries step 10 first
+    mgr.wait_durable()
+    assert {s: st.state for s, st in mgr.durable_status().items()} == {10: DURABLE, 20: DURABLE}
+    assert mgr.steps() == [20]  # step 10's local copy went only once its durable copy committed
+    mgr.close()
+    assert _committed(url, server.endpoint) == {10, 20}
+
+
+def test_a_full_local_tier_fails_the_save_and_loses_nothing(tmp_path, server):
+    url = f"s3://{server.bucket}/full"
+    with mounted_tmpfs(tmp_path / "local", "size=10m") as local:
+        root = local / "run"
+        with CheckpointManager(root, keep_last=3, durable=url, async_save=False,
+                               durable_options=_options(server.endpoint)) as mgr:
+            mgr.save(10, state_at(10))
+            mgr.save(20, state_at(20))
+            with pytest.raises(CheckpointError):
+                mgr.save(30, state_at(30))  # 3 x 4.3 MB do not fit in 10 MiB
+            mgr.wait_durable()
+            assert mgr.durable_steps() == [10, 20]
+            target = zeros_like_state()
+            assert mgr.load(target) == 20
+            assert_same(target, state_at(20))
