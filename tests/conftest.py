@@ -202,21 +202,10 @@ def s3_server():
     """SeaweedFS on the loopback for the session (tests/s3_server.py), with the client's
     endpoint and dummy credentials in the environment; stopped at the end."""
     pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
-    from s3_server import WeedServer
+    from s3_server import WeedServer, running
 
-    server = WeedServer()
-    saved = {k: os.environ.get(k) for k in server.env()}
-    os.environ.update(server.env())
-    try:
-        server.start()
+    with running(WeedServer()) as server:
         yield server
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
 
 
 @pytest.fixture(scope="session")

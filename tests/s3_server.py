@@ -10,6 +10,7 @@ the cloud metadata address, which tests must never reach).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -113,3 +114,21 @@ class WeedServer:
                 self.proc.wait(timeout=15)
         self.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running(server: WeedServer):
+    """Start ``server`` with its endpoint and credentials in the environment; stop it and
+    restore the environment at the end."""
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

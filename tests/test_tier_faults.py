@@ -26,21 +26,10 @@ FAULT_PORT = 8334
 
 @pytest.fixture
 def server():
-    from s3_server import WeedServer
+    from s3_server import WeedServer, running
 
-    srv = WeedServer(bucket="faults", port=FAULT_PORT)
-    env = {k: os.environ.get(k) for k in srv.env()}
-    os.environ.update(srv.env())
-    try:
-        srv.start()
+    with running(WeedServer(bucket="faults", port=FAULT_PORT)) as srv:
         yield srv
-    finally:
-        srv.stop()
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture
