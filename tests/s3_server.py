@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 import time
 
-S3_PORT = 8333
+S3_PORT = int(os.environ.get("DCP_DATASTATES_TEST_S3_PORT", "8333"))  # another port lets two suites run at once
 BUCKET = "dcp-datastates-test"
 READY_TIMEOUT_S = 60.0
 

@@ -94,7 +94,7 @@ def confirmation_key(step_dir: str, rank: int) -> str:
 # -- one rank's files ----------------------------------------------------------------
 
 
-class _SegmentChecker:
+class SegmentChecker:
     """Checks a data file's bytes, fed in order, against the rank index's segments that lie in
     it; every segment must be seen whole and match."""
 
@@ -137,7 +137,7 @@ class _SegmentChecker:
             )
 
 
-def _local_blocks(path: str, checker: _SegmentChecker | None, crc_box: list, block: int) -> Iterator[bytes]:
+def _local_blocks(path: str, checker: SegmentChecker | None, crc_box: list, block: int) -> Iterator[bytes]:
     """The file's bytes in blocks, each checked (``checker``) before it is yielded; the
     whole file's CRC-32C ends in ``crc_box[0]``."""
     crc = 0
@@ -196,7 +196,7 @@ def drain_rank(
     for stripe, name in enumerate((*names, files.index_file)):
         path = os.path.join(local_dir, name)
         key = f"{step_dir}/{name}"
-        checker = _SegmentChecker(index, stripe, path) if stripe < len(names) else None
+        checker = SegmentChecker(index, stripe, path) if stripe < len(names) else None
         crc_box = [0]
         size = os.path.getsize(path)
         store.put_stream(key, _local_blocks(path, checker, crc_box, block), size, progress)

@@ -74,8 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
             help="unpickle saved Python objects without restriction (only for checkpoints you trust)",
         )
 
-    p = add("ls", "list the checkpoints under a directory: steps, sizes, committed or not")
-    p.add_argument("root", metavar="ROOT", help="a directory of checkpoints (e.g. a CheckpointManager root) or one checkpoint")
+    p = add("ls", "list the checkpoints under a directory or a durable tier: steps, sizes, committed or not")
+    p.add_argument("root", metavar="ROOT", help="a directory of checkpoints (e.g. a CheckpointManager root), one "
+                   "checkpoint, or a durable tier (s3://bucket/prefix)")
+    p.add_argument("--durable", metavar="URL", help="also show each step's state on this durable tier (a directory or "
+                   "s3://bucket/prefix): committed, draining, incomplete, or - (not there)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     p = add("inspect", "show every key of a checkpoint: dtype, global shape, chunks, bytes, rank files")
@@ -84,12 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", action="store_true", help="list every saved chunk (box, file, offset, bytes)")
 
     p = add("verify", "check every checksum of checkpoints; exit status 1 on any fault")
-    p.add_argument("ckpts", metavar="CKPT", nargs="+", help="checkpoint directories")
+    p.add_argument("ckpts", metavar="CKPT", nargs="+", help="checkpoint directories, or durable copies: "
+                   "s3://bucket/prefix/step_N (one), s3://bucket/prefix (every committed step)")
     allow_pickle(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = add("du", "disk usage of checkpoints: their files, and stray files safe to delete")
-    p.add_argument("paths", metavar="PATH", nargs="+", help="checkpoint directories or directories of checkpoints")
+    p.add_argument("paths", metavar="PATH", nargs="+", help="checkpoint directories, directories of checkpoints, "
+                   "or durable tiers (s3://bucket/prefix[/step_N])")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     p = add(

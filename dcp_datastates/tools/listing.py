@@ -27,7 +27,7 @@ import sys
 from typing import Any, Callable
 
 from dcp_datastates.errors import CheckpointNotFoundError
-from dcp_datastates.format.file_names import is_metadata_temporary, is_save_file, stray_files
+from dcp_datastates.format.file_names import is_metadata_temporary, is_save_file, layout_files, stray_files
 from dcp_datastates.format.file_names import DATA_FILE_RE, METADATA_FILE
 from dcp_datastates.manager.checkpoint_root import read_latest, step_of
 from dcp_datastates.tools.common import PROG, dtype_name, format_table, human_bytes, one_line
@@ -203,7 +203,12 @@ def list_checkpoints(root: str) -> Listing:
 
 
 def run_ls(args) -> int:
+    from dcp_datastates.tools import durable_view
+
+    if durable_view.is_url(args.root):
+        return _ls_durable(args.root, args.json)
     listing = list_checkpoints(args.root)
+    tiers = _tier_states(listing, args.durable) if getattr(args, "durable", None) else None
     for w in listing.warnings:
         print(f"{PROG} ls: warning: {w}", file=sys.stderr)
     if args.json:
@@ -211,11 +216,14 @@ def run_ls(args) -> int:
             "root": listing.root,
             "latest": listing.latest,
             "checkpoints": [
-                {k: getattr(e, k) for k in ("step", "name", "path", "state", "bytes", "ranks", "keys",
-                                            "modified", "latest", "error")}
+                {**{k: getattr(e, k) for k in ("step", "name", "path", "state", "bytes", "ranks", "keys",
+                                               "modified", "latest", "error")},
+                 **({"durable": tiers.get(e.step, "-")} if tiers is not None else {})}
                 for e in listing.checkpoints
             ],
         }
+        if tiers is not None:
+            doc["durable_only"] = sorted(s for s in tiers if s not in {e.step for e in listing.checkpoints})
         print(json.dumps(doc, indent=2))
         return 0
     if not listing.checkpoints:
@@ -224,15 +232,47 @@ def run_ls(args) -> int:
     rows = [
         ["*" if e.latest else "", "-" if e.step is None else str(e.step), e.name, e.state, human_bytes(e.bytes),
          "-" if e.ranks is None else str(e.ranks), "-" if e.keys is None else str(e.keys),
-         (e.modified or "-").replace("T", " ")]
+         (e.modified or "-").replace("T", " ")] + ([tiers.get(e.step, "-")] if tiers is not None else [])
         for e in listing.checkpoints
     ]
-    for line in format_table(["", "STEP", "NAME", "STATE", "SIZE", "RANKS", "KEYS", "MODIFIED"], rows, {1, 4, 5, 6}):
+    headers = ["", "STEP", "NAME", "STATE", "SIZE", "RANKS", "KEYS", "MODIFIED"] + (["DURABLE"] if tiers is not None else [])
+    if tiers is not None:  # steps only the durable tier holds
+        local_steps = {e.step for e in listing.checkpoints}
+        rows += [["", str(s), "-", "durable only", "-", "-", "-", "-", st] for s, st in sorted(tiers.items()) if s not in local_steps]
+    for line in format_table(headers, rows, {1, 4, 5, 6}):
         print(line)
     for e in listing.checkpoints:
         if e.error:
             print(f"  {e.name}: {e.error}")
     print(_ls_footer(listing))
+    return 0
+
+
+def _tier_states(listing: Listing, url: str) -> dict[int, str]:
+    """``{step: state on the durable tier at url}`` (committed, draining, incomplete)."""
+    from dcp_datastates.tiers import open_store
+    from dcp_datastates.tools import durable_view
+
+    return {s.step: s.state for s in durable_view.list_durable(open_store(url))}
+
+
+def _ls_durable(url: str, as_json: bool) -> int:
+    from dcp_datastates.tiers import open_store
+    from dcp_datastates.tools import durable_view
+
+    steps = durable_view.list_durable(open_store(url))
+    if as_json:
+        print(json.dumps({"root": url, "checkpoints": [dataclasses.asdict(s) for s in steps]}, indent=2))
+        return 0
+    if not steps:
+        print(f"no checkpoints under {url}")
+        return 0
+    rows = [[str(s.step), s.name, s.state, str(s.objects), human_bytes(s.bytes)] for s in steps]
+    for line in format_table(["STEP", "NAME", "STATE", "OBJECTS", "SIZE"], rows, {0, 3, 4}):
+        print(line)
+    committed = sum(s.state == durable_view.COMMITTED for s in steps)
+    print(f"{len(steps)} step{'s' if len(steps) != 1 else ''} on {url} ({committed} committed), "
+          f"{human_bytes(sum(s.bytes for s in steps))}")
     return 0
 
 
@@ -414,13 +454,22 @@ def verify_one(path: str, *, allow_pickle: bool = False, quiet: bool = True) -> 
 
 
 def run_verify(args) -> int:
-    failed = 0
+    from dcp_datastates.tools import durable_view
+
+    failed = n = 0
     for path in args.ckpts:
-        ok, text = verify_one(path, allow_pickle=args.allow_pickle, quiet=args.quiet)
-        print(text, flush=True)
-        failed += not ok
-    if len(args.ckpts) > 1:
-        n = len(args.ckpts)
+        if durable_view.is_url(path):
+            try:
+                results = durable_view.verify_url(path, allow_pickle=args.allow_pickle)
+            except Exception as exc:  # noqa: BLE001 - the store could not be reached: this path fails
+                results = [(False, f"FAILED: {path}: {one_line(exc)}")]
+        else:
+            results = [verify_one(path, allow_pickle=args.allow_pickle, quiet=args.quiet)]
+        for ok, text in results:
+            print(text, flush=True)
+            failed += not ok
+            n += 1
+    if n > 1:
         print(f"{n} checkpoints: {n - failed} OK, {failed} failed")
     return 1 if failed else 0
 
@@ -503,8 +552,41 @@ def disk_usage(paths: list[str], warn: Callable[[str], None] = lambda _msg: None
 _SUMMED = ("files", "apparent_bytes", "allocated_bytes", "checkpoint_bytes", "stray_bytes", "other_bytes")
 
 
+def durable_usage(url: str) -> list[Usage]:
+    """``du`` of the steps on a durable tier: objects a committed step's layout names, and the
+    rest (incomplete and draining copies, leftovers: safe to delete)."""
+    from dcp_datastates.format.metadata_file import decode_metadata
+    from dcp_datastates.tiers import open_store
+    from dcp_datastates.tiers.drain import step_prefix
+    from dcp_datastates.tools import durable_view
+
+    root, only = durable_view.split_step_url(url)
+    store = open_store(root)
+    out = []
+    for s in durable_view.list_durable(store):
+        if only is not None and s.name != only:
+            continue
+        keys = store.list(step_prefix(s.name))
+        sizes = {k[len(step_prefix(s.name)):]: store.size(k) or 0 for k in keys}
+        named: set[str] = set()
+        if s.state == durable_view.COMMITTED:
+            meta = f"{s.name}/{METADATA_FILE}"
+            md, _ = decode_metadata(store.read(meta), store.where(meta))
+            named = {METADATA_FILE, *layout_files(md.storage_data)} if hasattr(md.storage_data, "ranks") else set(sizes)
+        strays = sorted(n for n in sizes if n not in named)
+        total = sum(sizes.values())
+        stray = sum(sizes[n] for n in strays)
+        out.append(Usage(store.where(s.name), s.step, s.state, len(sizes), total, total, total - stray, stray, 0, strays))
+    return out
+
+
 def run_du(args) -> int:
-    usages = disk_usage(args.paths, warn=lambda m: print(f"{PROG} du: warning: {m}", file=sys.stderr))
+    from dcp_datastates.tools import durable_view
+
+    local = [p for p in args.paths if not durable_view.is_url(p)]
+    usages = disk_usage(local, warn=lambda m: print(f"{PROG} du: warning: {m}", file=sys.stderr)) if local else []
+    for url in (p for p in args.paths if durable_view.is_url(p)):
+        usages += durable_usage(url)
     total = {k: sum(getattr(u, k) for u in usages) for k in _SUMMED}
     if args.json:
         print(json.dumps({"checkpoints": [dataclasses.asdict(u) for u in usages], "total": total}, indent=2))

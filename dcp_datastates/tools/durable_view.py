@@ -1,0 +1,154 @@
+"""The CLI's view of a durable tier (``s3://bucket/prefix``, or any store URL): ``ls``,
+``verify`` and ``du`` without copying a checkpoint to the local disk first.
+
+``verify`` reads each object through ranged reads in blocks: ``.metadata``
+(checksum trailer, layout), every rank index (its checksum), then every data
+file block by block against the index's CRC-32C segments, the same checks a
+load makes, in memory bounded by a block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dcp_datastates.errors import CheckpointError
+from dcp_datastates.format.file_names import METADATA_FILE
+from dcp_datastates.format.metadata_file import decode_metadata
+from dcp_datastates.format.rank_index import IndexLimits, decode_index
+from dcp_datastates.manager.checkpoint_root import step_of
+from dcp_datastates.tiers import DurableStore, open_store
+from dcp_datastates.tiers.drain import BLOCK_BYTES, CONFIRM_DIR, SegmentChecker, step_prefix
+
+COMMITTED, INCOMPLETE, DRAINING = "committed", "incomplete", "draining"
+
+
+@dataclasses.dataclass
+class DurableStep:
+    step: int
+    name: str
+    state: str  # committed, incomplete (no .metadata), draining (confirmations present, no .metadata)
+    objects: int
+    bytes: int
+
+
+def split_step_url(url: str) -> tuple[str, str | None]:
+    """``(root URL, step directory or None)``: ``s3://b/run/step_00000010`` -> ``(s3://b/run, step_00000010)``."""
+    head, _, last = url.rstrip("/").rpartition("/")
+    if step_of(last) is not None and "://" in head:
+        return head, last
+    return url.rstrip("/"), None
+
+
+def list_durable(store: DurableStore) -> list[DurableStep]:
+    """Every step under the store's root, with its state and size (one listing, plus sizes)."""
+    steps: dict[str, list[str]] = {}
+    for key in store.list():
+        head, _, rest = key.partition("/")
+        if step_of(head) is not None and rest:
+            steps.setdefault(head, []).append(rest)
+    out = []
+    for name, rests in sorted(steps.items(), key=lambda kv: step_of(kv[0])):
+        if METADATA_FILE in rests:
+            state = COMMITTED
+        elif any(r.startswith(CONFIRM_DIR + "/") for r in rests):
+            state = DRAINING
+        else:
+            state = INCOMPLETE
+        size = sum(store.size(f"{name}/{r}") or 0 for r in rests)
+        out.append(DurableStep(step_of(name), name, state, len(rests), size))
+    return out
+
+
+@dataclasses.dataclass
+class DurableVerifyReport:
+    where: str
+    committed: bool = False
+    ranks: int = 0
+    bytes_checked: int = 0
+    problems: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)  # not faults of the checkpoint
+
+    @property
+    def ok(self) -> bool:
+        return self.committed and not self.problems
+
+    def summary(self) -> str:
+        if self.ok:
+            text = f"OK: {self.where}: {self.ranks} rank(s), {self.bytes_checked} bytes checked against their checksums"
+            return text + "".join(f"\n  note: {n}" for n in self.notes)
+        head = "NOT COMMITTED" if not self.committed else "CORRUPT"
+        return f"{head}: {self.where}: " + "; ".join(self.problems[:5])
+
+
+def verify_durable(store: DurableStore, step_dir: str, *, allow_pickle: bool = False, block: int = BLOCK_BYTES,
+                   progress=None) -> DurableVerifyReport:
+    """Check a durable copy (see the module docstring); never raises for a damaged copy."""
+    where = store.where(step_dir)
+    report = DurableVerifyReport(where)
+    meta_key = f"{step_dir}/{METADATA_FILE}"
+    try:
+        if store.size(meta_key) is None:
+            report.problems.append(f"no {METADATA_FILE}: not a committed checkpoint (an incomplete or draining copy)")
+            return report
+        report.committed = True
+        metadata, _ = decode_metadata(store.read(meta_key), store.where(meta_key), allow_pickle)
+    except CheckpointError as exc:
+        report.problems.append(str(exc))
+        return report
+    layout = metadata.storage_data
+    if not hasattr(layout, "ranks"):
+        report.problems.append("not a dcp_datastates checkpoint (stock DCP has no checksums to verify)")
+        return report
+    report.ranks = len(layout.ranks)
+    named = {METADATA_FILE}
+    for files in layout.ranks:
+        names = files.data_files()
+        named.update((*names, files.index_file))
+        try:
+            sizes = []
+            for n in names:
+                size = store.size(f"{step_dir}/{n}")
+                if size is None:
+                    raise CheckpointError(f"{store.where(step_dir + '/' + n)}: rank {files.rank}'s data file is missing")
+                sizes.append(size)
+            index_key = f"{step_dir}/{files.index_file}"
+            if store.size(index_key) is None:
+                raise CheckpointError(f"{store.where(index_key)}: rank {files.rank}'s index is missing")
+            limits = IndexLimits(store.where(f"{step_dir}/{names[-1]}"), sizes[-1], 1 << 62, files.stripes[-1] if files.stripes else 0)
+            index = decode_index(store.read(index_key), store.where(index_key), limits)
+            index.apply_stripes(names, files.stripes, store.where(index_key))
+            for stripe, (name, size) in enumerate(zip(names, sizes)):
+                key = f"{step_dir}/{name}"
+                checker = SegmentChecker(index, stripe, store.where(key))
+                for at in range(0, size, block):
+                    data = store.read_range(key, at, min(block, size - at))
+                    checker.feed(memoryview(data), at)
+                    report.bytes_checked += len(data)
+                    if progress is not None:
+                        progress(report.bytes_checked)
+                checker.finish(size)
+        except CheckpointError as exc:
+            report.problems.append(str(exc))
+    strays = [k for k in store.list(step_prefix(step_dir)) if k[len(step_prefix(step_dir)):] not in named
+              and f"/{CONFIRM_DIR}/" not in k]
+    if strays:
+        report.notes.append(f"objects the checkpoint does not name (safe to delete): {', '.join(strays[:5])}")
+    return report
+
+
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+def verify_url(url: str, allow_pickle: bool = False) -> list[tuple[bool, str]]:
+    """``(ok, text)`` for a step URL, or for every committed step under a root URL."""
+    root, step_dir = split_step_url(url)
+    store = open_store(root)
+    dirs = [step_dir] if step_dir else [s.name for s in list_durable(store) if s.state == COMMITTED]
+    if not dirs:
+        return [(False, f"NOT FOUND: {url}: no committed checkpoint there")]
+    out = []
+    for d in dirs:
+        report = verify_durable(store, d, allow_pickle=allow_pickle)
+        out.append((report.ok, report.summary()))
+    return out

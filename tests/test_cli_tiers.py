@@ -1,0 +1,80 @@
+"""The CLI on durable tiers: ``ls`` of a tier and of a root with ``--durable``, ``verify`` and
+``du`` of a durable copy, without a local copy."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+
+import pytest
+
+from dcp_datastates.manager.checkpoint_manager import CheckpointManager
+from dcp_datastates.tiers import open_store
+from dcp_datastates.tools.cli import main
+from manager_workers import state_at
+
+
+def cli(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(list(argv))
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def drained(tmp_path, durable_url):
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=1, durable=durable_url, async_save=False) as mgr:
+        for step in (10, 20):
+            mgr.save(step, state_at(step))
+        mgr.wait_durable()
+    store = open_store(durable_url)
+    store.put_bytes("step_00000030/rank00000-x.data", b"a drain that never finished")
+    return root, durable_url, store
+
+
+def test_ls_of_a_durable_tier_and_of_a_root_with_its_tier(drained):
+    root, url, _ = drained
+    rc, out, _ = cli("ls", url, "--json")
+    assert rc == 0
+    steps = {c["step"]: c["state"] for c in json.loads(out)["checkpoints"]}
+    assert steps == {10: "committed", 20: "committed", 30: "incomplete"}
+    rc, out, _ = cli("ls", str(root), "--durable", url)
+    assert rc == 0 and "DURABLE" in out
+    assert any("20" in line and "committed" in line for line in out.splitlines())
+    assert any(line.split()[:1] == ["10"] and "durable only" in line for line in out.splitlines()), out
+    rc, out, _ = cli("ls", str(root), "--durable", url, "--json")
+    doc = json.loads(out)
+    assert doc["checkpoints"][0]["durable"] == "committed" and doc["durable_only"] == [10, 30]
+
+
+def test_verify_and_du_of_durable_copies(drained):
+    _root, url, store = drained
+    if url.startswith("s3://"):
+        rc, out, _ = cli("verify", url)  # every committed step under a tier's URL
+    else:  # a shared file system's copies are checkpoint directories for the local tools
+        rc, out, _ = cli("verify", f"{url}/step_00000010", f"{url}/step_00000020")
+    assert rc == 0 and out.count("OK: ") == 2, out
+    rc, out, _ = cli("verify", f"{url}/step_00000030")
+    assert rc == 1 and "NOT COMMITTED" in out, out
+    rc, out, _ = cli("du", url, "--json")
+    usage = {u["step"]: u for u in json.loads(out)["checkpoints"]}
+    assert usage[10]["stray_bytes"] == 0 and usage[10]["checkpoint_bytes"] > 4 << 20
+    assert usage[30]["stray_bytes"] == usage[30]["apparent_bytes"] > 0
+    # one flipped byte in a durable data object: verify names it
+    key = next(k for k in store.list("step_00000020/") if k.endswith(".data"))
+    data = bytearray(store.read(key))
+    data[1000] ^= 0xFF
+    store.delete([key])
+    store.put_bytes(key, bytes(data))
+    rc, out, _ = cli("verify", f"{url}/step_00000020")
+    assert rc == 1 and "CORRUPT" in out and "checksum mismatch" in out, out
+
+
+def test_a_durable_tier_that_cannot_be_reached_fails_verify_with_its_url():
+    pytest.importorskip("obstore")
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "x")
+    rc, out, _ = cli("verify", "s3://nobucket/p/step_00000001")
+    assert rc == 1 and "s3://nobucket/p" in out
