@@ -125,3 +125,20 @@ def test_two_ranks_drain_their_own_files_and_rank0_commits(tmp_path, durable_url
         target = zeros_like_state()
         assert mgr.load(target) == 20
         assert_same(target, state_at(20))
+
+
+def test_an_overwritten_step_replaces_its_durable_copy(tmp_path, durable_url):
+    root = tmp_path / "run"
+    with CheckpointManager(root, durable=durable_url, async_save=False) as mgr:
+        mgr.save(10, state_at(10))
+        mgr.wait_durable()
+        first = set(open_store(durable_url).list("step_00000010/"))
+        mgr.save(10, state_at(11), overwrite=True)
+        mgr.wait_durable()
+    keys = set(open_store(durable_url).list("step_00000010/"))
+    assert len(keys) == len(first) and keys != first  # the old save's files are gone
+    shutil.rmtree(root)
+    with CheckpointManager(root, durable=durable_url) as mgr:
+        target = zeros_like_state()
+        assert mgr.load(target) == 10
+        assert_same(target, state_at(11))

@@ -262,9 +262,18 @@ def commit_durable(
             size = store.size(f"{step_dir}/{f.name}")
             if size != f.size:
                 raise DrainError(f"{store.where(step_dir + '/' + f.name)}: {size} bytes in the store, {f.size} confirmed")
-    store.put_bytes(f"{step_dir}/{METADATA_FILE}", blob)
+    meta_key = f"{step_dir}/{METADATA_FILE}"
+    if store.size(meta_key) is not None:
+        if store.read(meta_key) == blob:
+            return  # committed already (a drain repeated after its commit)
+        # An earlier save of this step (overwritten locally) is committed there: uncommit it
+        # first; its files that the new checkpoint does not name go below, once it commits.
+        store.delete([meta_key])
+    store.put_bytes(meta_key, blob)
+    named = {METADATA_FILE, *(n for names in expected.values() for n in names)}
+    prefix = step_prefix(step_dir)
     try:
-        store.delete([confirmation_key(step_dir, rank) for rank in confirmed])
+        store.delete([k for k in store.list(prefix) if k[len(prefix):] not in named])  # confirmations, old files
     except StoreError:
         pass  # committed; leftovers are removed with the step
 
