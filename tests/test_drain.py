@@ -21,6 +21,7 @@ from dcp_datastates.tiers.drain import (
     delete_durable_step,
     drain_rank,
     durable_steps,
+    failure_key,
     fetch_step,
 )
 
@@ -137,6 +138,25 @@ def test_the_commit_waits_for_every_rank_and_checks_what_it_confirmed(tmp_path, 
     with pytest.raises(DrainError, match="None bytes in the store"):
         commit_durable(str(local), "step_00000003", store)
     assert store.size("step_00000003/.metadata") is None
+
+
+def test_the_commit_stops_waiting_for_a_rank_that_reported_its_failure(tmp_path, durable_url):
+    import time
+
+    local = tmp_path / "c"
+    save(_state(5), local)
+    store = _store(durable_url)
+    store.put_bytes(failure_key("step_00000005", 0), b"StoreError: the disk is full")
+    t = time.perf_counter()
+    with pytest.raises(DrainError, match="rank 0's drain failed .StoreError: the disk is full"):
+        commit_durable(str(local), "step_00000005", store, timeout_s=60)
+    assert time.perf_counter() - t < 10
+    _drain(local, "step_00000005", store)  # a new drain of the rank clears its failure and commits
+    assert durable_steps(store, step_of) == {5: ("step_00000005", True)}
+    files = _rank_files(local)[0]  # draining it again once committed changes nothing there
+    before = {k: store.size(k) for k in store.list()}
+    drain_rank(str(local), "step_00000005", files, store)
+    assert {k: store.size(k) for k in store.list()} == before
 
 
 def test_deleting_a_durable_step_removes_the_commit_first(tmp_path, durable_url):

@@ -58,6 +58,11 @@ def test_a_new_node_resumes_from_the_durable_tier(tmp_path, durable_url):
         target = zeros_like_state()
         assert mgr.load(target, 10) == 10  # an explicit step, from the durable tier too
         assert_same(target, state_at(10))
+        mgr.save(30, state_at(30))  # numbered after the fetched commits: a restart resumes from it
+    with CheckpointManager(root, durable=durable_url) as mgr:
+        target = zeros_like_state()
+        assert mgr.load(target) == 30
+        assert_same(target, state_at(30))
 
 
 def test_a_bad_local_copy_is_replaced_by_the_durable_one(tmp_path, durable_url):

@@ -46,6 +46,7 @@ import errno
 import os
 import threading
 import warnings
+import weakref
 from concurrent.futures import Future
 from typing import Any
 
@@ -76,6 +77,9 @@ from dcp_datastates.manager.checkpoint_root import (
     step_of,
 )
 from dcp_datastates.manager.durable_tier import DrainStatus, DurableTier
+from dcp_datastates.format.file_names import METADATA_FILE
+from dcp_datastates.format.metadata_file import read_commit_sequence
+from dcp_datastates.tiers.drain import DrainError
 from dcp_datastates.manager.cleanup import (
     LOCK_FILE,
     delete_checkpoint_dir,
@@ -228,6 +232,7 @@ class CheckpointManager:
         self.delete_undrained = delete_undrained
         self._tier: DurableTier | None = None
         self._durable_committed: set[int] = set()
+        self._retention_anchor: int | None = None  # the step of the last commit (retention counts from it)
         if durable is not None:
             self._open_durable_tier(
                 durable, durable_keep_last, durable_keep_every, durable_read_back, durable_options or {}
@@ -279,6 +284,7 @@ class CheckpointManager:
             if any(p.step == step and not p.done.done() for p in self._pending):
                 raise CheckpointExistsError(f"a save of step {step} into {path} is still in flight")
             self._seq += 1
+            self._durable_committed.discard(step)  # its durable copy (if any) is of an earlier save
             writer = DataStatesWriter(path, overwrite=replace, sequence=self._seq, **self._writer_options)
             pending = _PendingSave(step, path, self._seq, writer, ManagedSave(step, path, writer))
             # Registered before the save starts: retention of an earlier save never deletes it.
@@ -498,6 +504,7 @@ class CheckpointManager:
                 if pending.seq > self._pointed_seq:
                     point_latest_at(self.root, pending.step, pending.seq)
                     self._pointed_seq = pending.seq
+                self._retention_anchor = pending.step
                 victims = self._local_victims(pending.step)
             for name in victims:
                 delete_checkpoint_dir(os.path.join(self.root, name))
@@ -515,7 +522,10 @@ class CheckpointManager:
         in_flight = {p.step for p in self._pending if not p.done.done()}
         victims = retention_victims(self.root, committed_step, self.keep_last, self.keep_every, in_flight)
         if self._tier is not None and not self.delete_undrained:
-            victims = [name for name in victims if step_of(name) in self._durable_committed]
+            victims = [
+                name for name in victims
+                if step_of(name) in self._durable_committed or not is_committed(os.path.join(self.root, name))
+            ]  # a failed save's leftovers go as before
         return victims
 
     # -- the durable tier -------------------------------------------------------------
@@ -525,7 +535,7 @@ class CheckpointManager:
         drains left; then every rank drains again the committed local steps not durable yet."""
         self._tier = DurableTier(
             os.fspath(url), rank=self._rank, keep_last=keep_last, keep_every=keep_every, read_back=read_back,
-            store_options=options, on_durable=self._on_durable,
+            store_options=options, on_durable=_weak_call(self, "_on_durable"),
             warn=lambda m: warnings.warn(m, CheckpointManagerWarning, stacklevel=2),
         )
 
@@ -534,7 +544,10 @@ class CheckpointManager:
             if not self.owner:
                 return sorted(durable), []
             self._tier.clear_incomplete()
-            return sorted(durable), [s for s in self.steps() if s not in durable]
+            # Steps a drain never finished: resume candidates newer than the newest durable copy
+            # (older ones may have been removed there by retention; abandoned ones are not wanted).
+            newest = max(durable, default=-1)
+            return sorted(durable), [s for s in resume_order(self.root).candidates if s > newest]
 
         durable, undrained = self._on_rank0(survey, f"listing the durable tier {self._tier.url}")
         self._durable_committed = set(durable)
@@ -554,9 +567,17 @@ class CheckpointManager:
                 self._tier.enqueue(s, self.path_of(s), mine)
 
     def _drain(self, pending: _PendingSave) -> None:
-        """Every rank: queue the copy of its files of the step just committed."""
-        if self._tier is not None:
+        """Every rank: queue the copy of its files of the step just committed (the save stands
+        whatever happens here: a failure is a warning, and the step stays local-only)."""
+        if self._tier is None:
+            return
+        try:
             self._tier.enqueue(pending.step, pending.path, pending.writer.last_save_stats.rank_files)
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(
+                f"step {pending.step} is committed in {pending.path}, but its copy to {self._tier.url} could not "
+                f"be queued: {exc}", CheckpointManagerWarning, stacklevel=2,
+            )
 
     def _on_durable(self, step: int) -> None:
         """Rank 0's drain thread, once ``step`` committed on the durable tier: local retention
@@ -564,9 +585,8 @@ class CheckpointManager:
         try:
             with self._lock:
                 self._durable_committed.add(step)
-                committed = self.steps()
-                newest = max(committed) if committed else step
-                victims = self._local_victims(newest)
+                anchor = self._retention_anchor
+                victims = self._local_victims(anchor) if anchor is not None else []
             for name in victims:
                 delete_checkpoint_dir(os.path.join(self.root, name))
         except Exception as exc:  # noqa: BLE001
@@ -574,18 +594,32 @@ class CheckpointManager:
 
     def _fetch_durable(self, step: int, replace_bad: bool):
         """Copy ``step`` from the durable tier into the local root (rank 0; then any rank that
-        does not see it, such as one with a node-local root); a verdict like ``_check``'s."""
+        does not see it, such as one with a node-local root); a verdict like ``_check``'s.
+
+        Later saves are numbered after the fetched step's commit sequence (a new node starts
+        counting at 0: a restart would otherwise take the fetched step for newer than the saves
+        made after it). Only the root's owner fetches: another manager (an evaluation job)
+        never writes into it."""
         path = self.path_of(step)
+        if not self.owner:
+            return self._agree((f"only on {self._tier.url}, and this manager does not own {self.root}", False))
 
         def fetch():
             if replace_bad:
                 delete_checkpoint_dir(path)
             self._tier.fetch(step, path)
+            return read_commit_sequence(os.path.join(path, METADATA_FILE)) or 0
 
         try:
-            self._on_rank0(fetch, f"fetching step {step} from {self._tier.url}")
+            seq = self._on_rank0(fetch, f"fetching step {step} from {self._tier.url}")
+            with self._lock:
+                self._seq = max(self._seq, seq)
             if self._rank != 0 and not is_committed(path):
-                self._tier.fetch(step, path)
+                try:
+                    self._tier.fetch(step, path)
+                except DrainError:
+                    if not is_committed(path):  # a peer on this node fetched it meanwhile: fine
+                        raise
             verdict = None
         except BaseException as exc:  # noqa: BLE001 - classified like a load's failure
             verdict = (f"fetching it from {self._tier.url} failed: {_describe(exc)}", False)
@@ -723,6 +757,18 @@ def _classify(exc: BaseException) -> tuple:
     if isinstance(exc, _UNREADABLE) or (isinstance(exc, OSError) and exc.errno in _READ_ERRNOS):
         return _describe(exc), False
     return _RAISE, f"{type(exc).__name__}: {_describe(exc)}"
+
+
+def _weak_call(obj, name: str):
+    """``obj.name`` without keeping ``obj`` alive (the drain thread must not pin the manager)."""
+    ref = weakref.ref(obj)
+
+    def call(*args):
+        target = ref()
+        if target is not None:
+            getattr(target, name)(*args)
+
+    return call
 
 
 def _with_durable_only(local: list[int], durable_only: list[int]) -> list[int]:

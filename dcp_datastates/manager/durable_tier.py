@@ -35,6 +35,7 @@ from dcp_datastates.tiers.drain import (
     delete_durable_step,
     drain_rank,
     durable_steps,
+    failure_key,
     fetch_step,
 )
 
@@ -119,6 +120,7 @@ class DurableTier:
         with self._lock:
             if self._closing:
                 raise CheckpointError("the durable tier is closed")
+            self._failed.pop(step, None)  # this save of the step supersedes an earlier one's failed copy
             retry = [self._failed.pop(s) for s in sorted(self._failed)]
             for job in [*retry, _Job(step, local_dir, files)]:
                 self._status[job.step] = DrainStatus(job.step)
@@ -189,6 +191,8 @@ class DurableTier:
             try:
                 self._drain(job, progress)
                 st.state = DURABLE
+                with self._lock:
+                    self._failed.pop(job.step, None)
             except Exception as exc:  # noqa: BLE001 - reported, and retried with the next step
                 st.state, st.error = FAILED, f"{type(exc).__name__}: {exc}"
                 err = DrainError(f"step {job.step}: copying to the durable tier {self.url} failed: {st.error}")
@@ -196,6 +200,10 @@ class DurableTier:
                 with self._lock:
                     self._failed[job.step] = job
                     self._unreported.append(err)
+                try:  # tell rank 0, which waits for this rank's confirmation, not to wait any longer
+                    self.store.put_bytes(failure_key(step_dir_name(job.step), self.rank), st.error.encode()[:4096])
+                except Exception:  # noqa: BLE001 - rank 0 then waits until its timeout
+                    pass
                 self._warn(f"{err}; the local copy is kept and the drain is retried after the next save")
             finally:
                 st.seconds = time.perf_counter() - t0
@@ -238,6 +246,9 @@ class DurableTier:
         """Rank 0, before any drain: remove what interrupted drains left of steps (their
         objects, never a committed step); returns the steps cleared."""
         cleared = []
+        sweep = getattr(self.store, "sweep_partials", None)
+        if sweep is not None:  # a file system's temporaries of copies a crash interrupted
+            sweep()
         for s in sorted(self.incomplete_steps()):
             if clear_incomplete_step(self.store, step_dir_name(s)):
                 cleared.append(s)

@@ -91,6 +91,11 @@ def confirmation_key(step_dir: str, rank: int) -> str:
     return f"{step_dir}/{CONFIRM_DIR}/rank{rank:05d}.json"
 
 
+def failure_key(step_dir: str, rank: int) -> str:
+    """Where a rank whose drain failed says so, so that the coordinator stops waiting for it."""
+    return f"{step_dir}/{CONFIRM_DIR}/rank{rank:05d}.failed"
+
+
 # -- one rank's files ----------------------------------------------------------------
 
 
@@ -191,7 +196,17 @@ def drain_rank(
         raise DrainError(f"{local_dir}: rank {files.rank}'s file {exc.filename} is missing; the step is not drained") from exc
     except OSError as exc:
         raise DrainError(f"{local_dir}: reading rank {files.rank}'s files: {exc}") from exc
-    store.delete([f"{step_dir}/{n}" for n in (*names, files.index_file)] + [confirmation_key(step_dir, files.rank)])
+    keys = [f"{step_dir}/{n}" for n in (*names, files.index_file)]
+    if store.size(f"{step_dir}/{METADATA_FILE}") is not None:
+        sizes_there = [store.size(k) for k in keys]
+        local = [*sizes, os.path.getsize(index_path)]
+        if sizes_there == local:
+            # A drain repeated after the step committed there with these very files (their names
+            # carry the save's id): re-uploading would first delete objects a commit names.
+            result = RankDrain(files.rank, [DrainedFile(n, size, 0) for n, size in zip((*names, files.index_file), local)])
+            result.seconds = time.perf_counter() - t0
+            return result
+    store.delete(keys + [confirmation_key(step_dir, files.rank), failure_key(step_dir, files.rank)])
     drained = []
     for stripe, name in enumerate((*names, files.index_file)):
         path = os.path.join(local_dir, name)
@@ -245,6 +260,9 @@ def commit_durable(
             key = confirmation_key(step_dir, rank)
             if store.size(key) is not None:
                 confirmed[rank] = RankDrain.from_json(store.read(key), store.where(key))
+            elif store.size(failure_key(step_dir, rank)) is not None:
+                why = store.read(failure_key(step_dir, rank)).decode(errors="replace")
+                raise DrainError(f"{store.where(step_dir)}: rank {rank}'s drain failed ({why}); the copy stays uncommitted")
         if len(confirmed) == len(expected):
             break
         if time.monotonic() > deadline or (stop is not None and stop()):

@@ -137,7 +137,10 @@ def verify_durable(store: DurableStore, step_dir: str, *, allow_pickle: bool = F
 
 
 def is_url(path: str) -> bool:
-    return "://" in path
+    """A durable tier's URL (``s3://...``) rather than a local path."""
+    from dcp_datastates.tiers.store import is_object_store_url
+
+    return is_object_store_url(path)
 
 
 def verify_url(url: str, allow_pickle: bool = False) -> list[tuple[bool, str]]:

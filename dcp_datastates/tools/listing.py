@@ -26,7 +26,7 @@ import stat
 import sys
 from typing import Any, Callable
 
-from dcp_datastates.errors import CheckpointNotFoundError
+from dcp_datastates.errors import CheckpointError, CheckpointNotFoundError
 from dcp_datastates.format.file_names import is_metadata_temporary, is_save_file, layout_files, stray_files
 from dcp_datastates.format.file_names import DATA_FILE_RE, METADATA_FILE
 from dcp_datastates.manager.checkpoint_root import read_latest, step_of
@@ -569,14 +569,18 @@ def durable_usage(url: str) -> list[Usage]:
         keys = store.list(step_prefix(s.name))
         sizes = {k[len(step_prefix(s.name)):]: store.size(k) or 0 for k in keys}
         named: set[str] = set()
+        state = s.state
         if s.state == durable_view.COMMITTED:
             meta = f"{s.name}/{METADATA_FILE}"
-            md, _ = decode_metadata(store.read(meta), store.where(meta))
-            named = {METADATA_FILE, *layout_files(md.storage_data)} if hasattr(md.storage_data, "ranks") else set(sizes)
+            try:
+                md, _ = decode_metadata(store.read(meta), store.where(meta))
+                named = {METADATA_FILE, *layout_files(md.storage_data)} if hasattr(md.storage_data, "ranks") else set(sizes)
+            except CheckpointError:  # its metadata cannot say which objects it needs: none counted as stray
+                state, named = CORRUPT, set(sizes)
         strays = sorted(n for n in sizes if n not in named)
         total = sum(sizes.values())
         stray = sum(sizes[n] for n in strays)
-        out.append(Usage(store.where(s.name), s.step, s.state, len(sizes), total, total, total - stray, stray, 0, strays))
+        out.append(Usage(store.where(s.name), s.step, state, len(sizes), total, total, total - stray, stray, 0, strays))
     return out
 
 
