@@ -535,7 +535,7 @@ class CheckpointManager:
         drains left; then every rank drains again the committed local steps not durable yet."""
         self._tier = DurableTier(
             os.fspath(url), rank=self._rank, keep_last=keep_last, keep_every=keep_every, read_back=read_back,
-            store_options=options, on_durable=_weak_call(self, "_on_durable"),
+            store_options=options, on_durable=_weak_call(self, "_on_durable"), busy=_weak_call(self, "_saving"),
             warn=lambda m: warnings.warn(m, CheckpointManagerWarning, stacklevel=2),
         )
 
@@ -565,6 +565,11 @@ class CheckpointManager:
                 continue
             if mine is not None:
                 self._tier.enqueue(s, self.path_of(s), mine)
+
+    def _saving(self) -> bool:
+        """Whether a save of this manager is still writing (the drain waits for it)."""
+        with self._lock:
+            return any(not p.done.done() for p in self._pending)
 
     def _drain(self, pending: _PendingSave) -> None:
         """Every rank: queue the copy of its files of the step just committed (the save stands
@@ -765,8 +770,7 @@ def _weak_call(obj, name: str):
 
     def call(*args):
         target = ref()
-        if target is not None:
-            getattr(target, name)(*args)
+        return getattr(target, name)(*args) if target is not None else None
 
     return call
 

@@ -24,6 +24,7 @@ import time
 import warnings
 from collections.abc import Callable
 
+from dcp_datastates.core.fence import snapshots_in_flight
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_layout import RankFiles
 from dcp_datastates.manager.checkpoint_root import step_dir_name, step_of
@@ -61,6 +62,28 @@ class _Job:
     files: RankFiles
 
 
+def _yield_to(busy: Callable[[], bool] | None) -> Callable[[], None]:
+    """What the drain runs before each block: wait while a snapshot copies training state (the
+    optimizer's fence may be waiting for it) or ``busy()`` says a save is still writing the
+    fast tier (its copies free the host cache the next snapshot needs): the drain must not
+    take the cores, memory bandwidth or disk those need."""
+
+    def pace() -> None:
+        while snapshots_in_flight() or (busy is not None and busy()):
+            time.sleep(0.002)
+
+    return pace
+
+
+def _lower_priority() -> None:
+    """The drain thread runs at the lowest CPU priority (nice 19; Linux applies it to this
+    thread only): the training loop and the save's own threads come first."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (OSError, AttributeError):  # not permitted, or not Linux: the drain still pauses for snapshots
+        pass
+
+
 class DurableTier:
     def __init__(
         self,
@@ -73,6 +96,7 @@ class DurableTier:
         commit_timeout_s: float = 3600.0,
         store_options: dict | None = None,
         on_durable: Callable[[int], None] | None = None,
+        busy: Callable[[], bool] | None = None,
         warn: Callable[[str], None] = lambda m: warnings.warn(m, stacklevel=3),
     ) -> None:
         for name, value in (("durable_keep_last", keep_last), ("durable_keep_every", keep_every)):
@@ -86,6 +110,7 @@ class DurableTier:
         self.read_back = read_back
         self.commit_timeout_s = commit_timeout_s
         self._on_durable = on_durable
+        self._pace = _yield_to(busy)
         self._warn = warn
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -173,6 +198,7 @@ class DurableTier:
             self.store.close()
 
     def _run(self) -> None:
+        _lower_priority()
         while True:
             job = self._jobs.get()
             if job is None:
@@ -213,7 +239,8 @@ class DurableTier:
 
     def _drain(self, job: _Job, progress) -> None:
         step_dir = step_dir_name(job.step)
-        drain_rank(job.local_dir, step_dir, job.files, self.store, read_back=self.read_back, progress=progress)
+        drain_rank(job.local_dir, step_dir, job.files, self.store, read_back=self.read_back, progress=progress,
+                   pace=self._pace)
         if self.rank != 0:
             return
         commit_durable(job.local_dir, step_dir, self.store, timeout_s=self.commit_timeout_s)

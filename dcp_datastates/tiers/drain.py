@@ -43,7 +43,7 @@ from dcp_datastates.format.rank_index import IndexLimits, RankIndex
 from dcp_datastates.native.engine import crc32c
 from dcp_datastates.tiers.store import DurableStore, StoreError
 
-BLOCK_BYTES = 16 << 20  # bytes read, checked and handed to the store at a time
+BLOCK_BYTES = 8 << 20  # bytes read, checked and handed to the store at a time
 CONFIRM_DIR = ".drain"
 
 
@@ -142,13 +142,15 @@ class SegmentChecker:
             )
 
 
-def _local_blocks(path: str, checker: SegmentChecker | None, crc_box: list, block: int) -> Iterator[bytes]:
+def _local_blocks(path: str, checker: SegmentChecker | None, crc_box: list, block: int, pace=None) -> Iterator[bytes]:
     """The file's bytes in blocks, each checked (``checker``) before it is yielded; the
-    whole file's CRC-32C ends in ``crc_box[0]``."""
+    whole file's CRC-32C ends in ``crc_box[0]``. ``pace()`` runs before each block."""
     crc = 0
     at = 0
     with open(path, "rb", buffering=0) as f:
         while True:
+            if pace is not None:
+                pace()
             data = f.read(block)
             if not data:
                 break
@@ -163,9 +165,11 @@ def _local_blocks(path: str, checker: SegmentChecker | None, crc_box: list, bloc
     crc_box[0] = crc
 
 
-def _read_back_crc(store: DurableStore, key: str, size: int, block: int) -> int:
+def _read_back_crc(store: DurableStore, key: str, size: int, block: int, pace=None) -> int:
     crc = 0
     for at in range(0, size, block):
+        if pace is not None:
+            pace()
         crc = crc32c(store.read_range(key, at, min(block, size - at)), crc)
     return crc
 
@@ -179,11 +183,14 @@ def drain_rank(
     read_back: bool = True,
     progress: Callable[[int], None] | None = None,
     block: int = BLOCK_BYTES,
+    pace: Callable[[], None] | None = None,
 ) -> RankDrain:
     """Copy one rank's files of the committed checkpoint in ``local_dir`` to ``step_dir/`` in
     ``store``, verified (see the module docstring); then write the rank's confirmation.
 
-    Files of this rank an interrupted drain left in the store are replaced."""
+    Files of this rank an interrupted drain left in the store are replaced. ``pace()`` runs
+    before every block read (the manager's waits while a snapshot copies the training state,
+    so that the drain never slows the copies the training loop may wait for)."""
     t0 = time.perf_counter()
     names = files.data_files()
     index_path = os.path.join(local_dir, files.index_file)
@@ -214,9 +221,9 @@ def drain_rank(
         checker = SegmentChecker(index, stripe, path) if stripe < len(names) else None
         crc_box = [0]
         size = os.path.getsize(path)
-        store.put_stream(key, _local_blocks(path, checker, crc_box, block), size, progress)
+        store.put_stream(key, _local_blocks(path, checker, crc_box, block, pace), size, progress)
         if read_back:
-            got = _read_back_crc(store, key, size, block)
+            got = _read_back_crc(store, key, size, block, pace)
             if got != crc_box[0]:
                 raise DrainError(
                     f"{store.where(key)}: the copy reads back with CRC-32C {got:08x}, the local file {path} has {crc_box[0]:08x}"

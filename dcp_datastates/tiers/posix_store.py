@@ -103,7 +103,7 @@ class PosixStore(DurableStore):
             raise StoreError(f"writing {self.where(key)}: {exc.strerror or exc}") from exc
         self._publish(tmp, path, key)
 
-    def read_range(self, key: str, offset: int, length: int) -> bytes:
+    def read_range(self, key: str, offset: int, length: int) -> bytearray:
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -112,16 +112,20 @@ class PosixStore(DurableStore):
         except OSError as exc:
             raise StoreError(f"{self.where(key)}: {exc.strerror or exc}") from exc
         try:
-            out = bytearray()
-            while len(out) < length:
-                chunk = os.pread(fd, length - len(out), offset + len(out))
-                if not chunk:
+            out = bytearray(length)  # filled in place by preadv, outside the GIL: no copy under it
+            view = memoryview(out)
+            got = 0
+            while got < length:
+                n = os.preadv(fd, [view[got:]], offset + got)
+                if n == 0:
                     raise StoreError(
-                        f"{self.where(key)}: {length} bytes asked at offset {offset}, the object ends at {offset + len(out)}"
+                        f"{self.where(key)}: {length} bytes asked at offset {offset}, the object ends at {offset + got}"
                     )
-                out += chunk
-            return bytes(out)
+                got += n
+            return out
         except OSError as exc:
+            if isinstance(exc, StoreError):
+                raise
             raise StoreError(f"reading {self.where(key)} at {offset}: {exc.strerror or exc}") from exc
         finally:
             os.close(fd)

@@ -139,12 +139,13 @@ class S3Store(DurableStore):
         except Exception as exc:
             raise self._fail("writing", key, exc) from exc
 
-    def read_range(self, key: str, offset: int, length: int) -> bytes:
+    def read_range(self, key: str, offset: int, length: int) -> memoryview:
         check_key(key)
         if length == 0:
-            return b""
+            return memoryview(b"")
         try:
-            data = bytes(self._obs.get_range(self._store, key, start=offset, length=length))
+            # obstore's buffer as it is: a copy into bytes would hold the GIL for the whole block
+            data = memoryview(self._obs.get_range(self._store, key, start=offset, length=length))
         except FileNotFoundError as exc:
             raise StoreError(f"{self.where(key)}: no such object") from exc
         except Exception as exc:

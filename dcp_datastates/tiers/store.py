@@ -68,8 +68,9 @@ class DurableStore(abc.ABC):
         """Write a small object (visible only once complete)."""
 
     @abc.abstractmethod
-    def read_range(self, key: str, offset: int, length: int) -> bytes:
-        """``length`` bytes of ``key`` from ``offset``; a short object is an error."""
+    def read_range(self, key: str, offset: int, length: int) -> bytes | bytearray | memoryview:
+        """``length`` bytes of ``key`` from ``offset`` (a bytes-like object, not copied again:
+        the drain and ``verify`` read gigabytes through it); a short object is an error."""
 
     @abc.abstractmethod
     def size(self, key: str) -> int | None:
@@ -88,7 +89,7 @@ class DurableStore(abc.ABC):
         size = self.size(key)
         if size is None:
             raise StoreError(f"{self.where(key)}: no such object")
-        return self.read_range(key, 0, size)
+        return bytes(self.read_range(key, 0, size))
 
     def where(self, key: str) -> str:
         return f"{self.url.rstrip('/')}/{key}"
