@@ -225,3 +225,13 @@ def durable_url(request):
     if request.param == "posix":
         return os.path.join(request.getfixturevalue("shared_mount"), f"t{n}")
     return f"s3://{request.getfixturevalue('s3_server').bucket}/t{n}"
+
+
+def assert_resumes(mgr, expected: int, step=None, values_of=None) -> None:
+    """``mgr.load`` (of ``step``, or a resume) loads step ``expected``, holding bit-exactly the
+    state ``manager_workers.state_at(values_of or expected)`` saved."""
+    from manager_workers import load_step, state_at
+
+    got, target = load_step(mgr, step)
+    assert got == expected
+    assert_same(target, state_at(expected if values_of is None else values_of))

@@ -38,6 +38,13 @@ def state_at(step: int) -> dict:
     }
 
 
+def load_step(mgr, step=None, **kw):
+    """``mgr.load`` into a zeroed state of :func:`state_at`'s shapes: ``(step loaded, state)``."""
+    target = zeros_like_state()
+    got = mgr.load(target, step, **kw)
+    return got, target
+
+
 def zeros_like_state() -> dict:
     ref = state_at(0)
     out = {"model": {k: torch.zeros_like(v) for k, v in ref["model"].items()},

@@ -22,7 +22,7 @@ from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_file import read_commit_sequence
 from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning, SkippedCheckpointWarning
 from dcp_datastates.manager.cleanup import LOCK_FILE
-from manager_workers import run_ranks, state_at, zeros_like_state
+from manager_workers import load_step, run_ranks, state_at, zeros_like_state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = [pytest.param(True, id="async"), pytest.param(False, id="sync")]
@@ -42,12 +42,6 @@ def flip_byte(path: str, offset: int = 100) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0xFF]))
-
-
-def load_step(mgr, step=None, **kw):
-    target = zeros_like_state()
-    got = mgr.load(target, step, **kw)
-    return got, target
 
 
 # ---------------------------------------------------------------------------

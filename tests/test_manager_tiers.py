@@ -9,13 +9,14 @@ import warnings
 
 import pytest
 
-from conftest import assert_same
+from conftest import assert_resumes
 from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning
 from dcp_datastates.manager.checkpoint_root import step_dirs, step_of
 from dcp_datastates.manager.durable_tier import DURABLE, FAILED
 from dcp_datastates.tiers import open_store
 from dcp_datastates.tiers.drain import DrainError, durable_steps
-from manager_workers import run_ranks, state_at, zeros_like_state
+from manager_workers import run_ranks, state_at
+from test_manager import data_file, flip_byte
 
 MODES = [pytest.param(True, id="async"), pytest.param(False, id="sync")]
 
@@ -51,35 +52,22 @@ def test_a_new_node_resumes_from_the_durable_tier(tmp_path, durable_url):
             mgr.save(step, state_at(step))
     shutil.rmtree(root)  # the node is gone; a new one has an empty local disk
     with CheckpointManager(root, durable=durable_url) as mgr:
-        target = zeros_like_state()
-        assert mgr.load(target) == 20
-        assert_same(target, state_at(20))
+        assert_resumes(mgr, 20)
         assert mgr.steps() == [20]  # fetched into the local tier
-        target = zeros_like_state()
-        assert mgr.load(target, 10) == 10  # an explicit step, from the durable tier too
-        assert_same(target, state_at(10))
+        assert_resumes(mgr, 10, step=10)  # an explicit step, from the durable tier too
         mgr.save(30, state_at(30))  # numbered after the fetched commits: a restart resumes from it
     with CheckpointManager(root, durable=durable_url) as mgr:
-        target = zeros_like_state()
-        assert mgr.load(target) == 30
-        assert_same(target, state_at(30))
+        assert_resumes(mgr, 30)
 
 
 def test_a_bad_local_copy_is_replaced_by_the_durable_one(tmp_path, durable_url):
     root = tmp_path / "run"
     with CheckpointManager(root, durable=durable_url, async_save=False) as mgr:
         mgr.save(10, state_at(10))
-    data = next(f for f in os.listdir(root / "step_00000010") if f.endswith(".data"))
-    with open(root / "step_00000010" / data, "r+b") as f:
-        f.seek(100)
-        b = f.read(1)
-        f.seek(100)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(data_file(root / "step_00000010"))
     with CheckpointManager(root, durable=durable_url) as mgr:
-        target = zeros_like_state()
         with pytest.warns(UserWarning, match="local copy of step 10.*is bad"):
-            assert mgr.load(target) == 10
-        assert_same(target, state_at(10))
+            assert_resumes(mgr, 10)
 
 
 def test_an_unreachable_durable_tier_keeps_local_copies_and_reports(tmp_path, shared_mount):
@@ -127,9 +115,7 @@ def test_two_ranks_drain_their_own_files_and_rank0_commits(tmp_path, durable_url
     assert _durable(durable_url) == {10: True, 20: True}
     shutil.rmtree(root)
     with CheckpointManager(root, durable=durable_url) as mgr:  # resharded onto one rank, fetched
-        target = zeros_like_state()
-        assert mgr.load(target) == 20
-        assert_same(target, state_at(20))
+        assert_resumes(mgr, 20)
 
 
 def test_an_overwritten_step_replaces_its_durable_copy(tmp_path, durable_url):
@@ -144,6 +130,4 @@ def test_an_overwritten_step_replaces_its_durable_copy(tmp_path, durable_url):
     assert len(keys) == len(first) and keys != first  # the old save's files are gone
     shutil.rmtree(root)
     with CheckpointManager(root, durable=durable_url) as mgr:
-        target = zeros_like_state()
-        assert mgr.load(target) == 10
-        assert_same(target, state_at(11))
+        assert_resumes(mgr, 10, values_of=11)

@@ -135,6 +135,20 @@ def recover_root(root: str, allow_pickle: bool, warn: Callable[[str], None]) -> 
 # -- retention ---------------------------------------------------------------------
 
 
+def retention_keeps(
+    committed: list[int], committed_step: int, keep_last: int | None, keep_every: int | None
+) -> set[int]:
+    """The committed steps (ascending) the policy keeps now that ``committed_step`` committed:
+    it, the ``keep_last`` newest up to it, and every multiple of ``keep_every``. The rule of
+    both tiers (the local root's retention here, the durable tier's in ``durable_tier``)."""
+    upto = [s for s in committed if s <= committed_step]
+    keep = {committed_step}
+    keep.update(upto if keep_last is None else upto[-keep_last:])
+    if keep_every is not None:
+        keep.update(s for s in committed if s % keep_every == 0)
+    return keep
+
+
 def retention_victims(
     root: str,
     committed_step: int,
@@ -153,11 +167,7 @@ def retention_victims(
     """
     dirs = step_dirs(root)
     committed = sorted(s for s, name in dirs.items() if is_committed(os.path.join(root, name)))
-    upto = [s for s in committed if s <= committed_step]
-    keep = {committed_step}
-    keep.update(upto if keep_last is None else upto[-keep_last:])
-    if keep_every is not None:
-        keep.update(s for s in committed if s % keep_every == 0)
+    keep = retention_keeps(committed, committed_step, keep_last, keep_every)
     return [
         name for s, name in sorted(dirs.items())
         if s < committed_step and s not in keep and s not in in_flight and not is_link(root, name)

@@ -28,6 +28,7 @@ from dcp_datastates.core.fence import snapshots_in_flight
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_layout import RankFiles
 from dcp_datastates.manager.checkpoint_root import step_dir_name, step_of
+from dcp_datastates.manager.cleanup import retention_keeps
 from dcp_datastates.tiers import open_store
 from dcp_datastates.tiers.drain import (
     DrainError,
@@ -255,14 +256,7 @@ class DurableTier:
         if self.keep_last is None and self.keep_every is None:
             return
         committed = sorted(self.committed_steps())
-        upto = [s for s in committed if s <= committed_step]
-        keep = {committed_step}
-        if self.keep_last is not None:
-            keep.update(upto[-self.keep_last:])
-        else:
-            keep.update(upto)
-        if self.keep_every is not None:
-            keep.update(s for s in committed if s % self.keep_every == 0)
+        keep = retention_keeps(committed, committed_step, self.keep_last, self.keep_every)
         for s in committed:
             if s < committed_step and s not in keep:
                 delete_durable_step(self.store, step_dir_name(s))

@@ -167,10 +167,12 @@ def _local_blocks(path: str, checker: SegmentChecker | None, crc_box: list, bloc
 
 def _read_back_crc(store: DurableStore, key: str, size: int, block: int, pace=None) -> int:
     crc = 0
-    for at in range(0, size, block):
+    if pace is not None:
+        pace()
+    for _at, data in store.read_blocks(key, size, block):
+        crc = crc32c(data, crc)
         if pace is not None:
             pace()
-        crc = crc32c(store.read_range(key, at, min(block, size - at)), crc)
     return crc
 
 
@@ -306,17 +308,20 @@ def commit_durable(
 # -- the durable tier's steps ------------------------------------------------------------
 
 
-def durable_steps(store: DurableStore, step_of: Callable[[str], int | None]) -> dict[int, tuple[str, bool]]:
-    """``{step: (directory, committed)}`` of every step under the store's root."""
-    out: dict[int, tuple[str, bool]] = {}
+def keys_by_step(store: DurableStore, step_of: Callable[[str], int | None]) -> dict[int, tuple[str, list[str]]]:
+    """``{step: (directory, names under it)}`` of every step under the store's root (one listing)."""
+    out: dict[int, tuple[str, list[str]]] = {}
     for key in store.list():
         head, _, rest = key.partition("/")
         step = step_of(head)
-        if step is None or not rest:
-            continue
-        committed = rest == METADATA_FILE or out.get(step, (head, False))[1]
-        out[step] = (head, committed)
+        if step is not None and rest:
+            out.setdefault(step, (head, []))[1].append(rest)
     return out
+
+
+def durable_steps(store: DurableStore, step_of: Callable[[str], int | None]) -> dict[int, tuple[str, bool]]:
+    """``{step: (directory, committed)}`` of every step under the store's root."""
+    return {step: (name, METADATA_FILE in rests) for step, (name, rests) in keys_by_step(store, step_of).items()}
 
 
 def delete_durable_step(store: DurableStore, step_dir: str) -> None:
@@ -361,8 +366,8 @@ def fetch_step(store: DurableStore, step_dir: str, local_dir: str, *, block: int
         try:
             durable.remove_if_present([tmp])
             with open(tmp, "xb", buffering=0) as f:
-                for at in range(0, size, block):
-                    f.write(store.read_range(key, at, min(block, size - at)))
+                for _at, data in store.read_blocks(key, size, block):
+                    f.write(data)
                 os.fsync(f.fileno())
             durable.rename_into_place(tmp, final, local_dir)
         except BaseException:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from dcp_datastates.errors import CheckpointError
 
@@ -83,6 +83,12 @@ class DurableStore(abc.ABC):
     @abc.abstractmethod
     def delete(self, keys: list[str]) -> None:
         """Remove these keys; a key already gone is not an error."""
+
+    def read_blocks(self, key: str, size: int, block: int) -> Iterator[tuple[int, bytes | bytearray | memoryview]]:
+        """``(offset, bytes)`` of the object's first ``size`` bytes, ``block`` at a time (the
+        read-back, the fetch and ``verify`` stream whole objects through this)."""
+        for at in range(0, size, block):
+            yield at, self.read_range(key, at, min(block, size - at))
 
     def read(self, key: str) -> bytes:
         """A whole (small) object."""

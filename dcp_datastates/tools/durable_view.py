@@ -17,7 +17,7 @@ from dcp_datastates.format.metadata_file import decode_metadata
 from dcp_datastates.format.rank_index import IndexLimits, decode_index
 from dcp_datastates.manager.checkpoint_root import step_of
 from dcp_datastates.tiers import DurableStore, open_store
-from dcp_datastates.tiers.drain import BLOCK_BYTES, CONFIRM_DIR, SegmentChecker, step_prefix
+from dcp_datastates.tiers.drain import BLOCK_BYTES, CONFIRM_DIR, SegmentChecker, keys_by_step, step_prefix
 
 COMMITTED, INCOMPLETE, DRAINING = "committed", "incomplete", "draining"
 
@@ -41,13 +41,8 @@ def split_step_url(url: str) -> tuple[str, str | None]:
 
 def list_durable(store: DurableStore) -> list[DurableStep]:
     """Every step under the store's root, with its state and size (one listing, plus sizes)."""
-    steps: dict[str, list[str]] = {}
-    for key in store.list():
-        head, _, rest = key.partition("/")
-        if step_of(head) is not None and rest:
-            steps.setdefault(head, []).append(rest)
     out = []
-    for name, rests in sorted(steps.items(), key=lambda kv: step_of(kv[0])):
+    for step, (name, rests) in sorted(keys_by_step(store, step_of).items()):
         if METADATA_FILE in rests:
             state = COMMITTED
         elif any(r.startswith(CONFIRM_DIR + "/") for r in rests):
@@ -55,7 +50,7 @@ def list_durable(store: DurableStore) -> list[DurableStep]:
         else:
             state = INCOMPLETE
         size = sum(store.size(f"{name}/{r}") or 0 for r in rests)
-        out.append(DurableStep(step_of(name), name, state, len(rests), size))
+        out.append(DurableStep(step, name, state, len(rests), size))
     return out
 
 
@@ -120,8 +115,7 @@ def verify_durable(store: DurableStore, step_dir: str, *, allow_pickle: bool = F
             for stripe, (name, size) in enumerate(zip(names, sizes)):
                 key = f"{step_dir}/{name}"
                 checker = SegmentChecker(index, stripe, store.where(key))
-                for at in range(0, size, block):
-                    data = store.read_range(key, at, min(block, size - at))
+                for at, data in store.read_blocks(key, size, block):
                     checker.feed(memoryview(data), at)
                     report.bytes_checked += len(data)
                     if progress is not None:
