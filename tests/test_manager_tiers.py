@@ -60,6 +60,27 @@ def test_a_new_node_resumes_from_the_durable_tier(tmp_path, durable_url):
         assert_resumes(mgr, 30)
 
 
+def test_a_new_node_never_resumes_a_trajectory_the_run_gave_up(tmp_path, durable_url):
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=None, durable=durable_url, async_save=False) as mgr:
+        for step in (10, 20, 30):
+            mgr.save(step, state_at(step))
+    with CheckpointManager(root, keep_last=None, durable=durable_url, async_save=False) as mgr:
+        assert_resumes(mgr, 10, step=10)  # a rollback: the run goes on from step 10
+        mgr.save(15, state_at(15))
+    shutil.rmtree(root)  # a new node: only the durable tier, without the local pointer
+    with CheckpointManager(root, durable=durable_url) as mgr:
+        assert mgr.durable_steps() == [10, 15, 20, 30]
+        with pytest.warns(UserWarning, match="durable copy of step 30.*resumed from an older step"):
+            assert_resumes(mgr, 15)  # not 30 or 20: they belong to the trajectory given up
+        mgr.save(20, state_at(20))  # the new trajectory's step 20 replaces the old one's
+        mgr.wait_durable()
+    shutil.rmtree(root)
+    with CheckpointManager(root, durable=durable_url) as mgr:
+        with pytest.warns(UserWarning, match="durable copy of step 30"):
+            assert_resumes(mgr, 20)
+
+
 def test_a_bad_local_copy_is_replaced_by_the_durable_one(tmp_path, durable_url):
     root = tmp_path / "run"
     with CheckpointManager(root, durable=durable_url, async_save=False) as mgr:

@@ -74,6 +74,7 @@ FOOTER_MAGIC = b"DCPDSRC6"
 _FOOTER = struct.Struct("<8sQQ")  # magic, pickle length, record length: the end of a body with a record
 TRAILER_MAGIC_V3 = b"DCPDSMDC"
 _TRAILER_V3 = struct.Struct("<8sQII")  # magic, pickle length, crc32c, reserved
+TRAILER_BYTES = _TRAILER.size  # the tail of a .metadata that holds its commit sequence
 
 # Globals a dcp_datastates .metadata may name, besides torch dtypes and layouts and
 # (formats 1-4) our layout classes, which LEGACY_CLASSES maps to stand-ins.
@@ -297,8 +298,17 @@ def read_commit_sequence(path: str) -> int | None:
         with open_checkpoint_file(path) as f:
             if f.size < _TRAILER.size:
                 return None
-            trailer = parse_trailer(f.pread(_TRAILER.size, f.size - _TRAILER.size), f.size, path)
+            return sequence_in_tail(f.pread(_TRAILER.size, f.size - _TRAILER.size), f.size, path)
     except (FileNotFoundError, NotADirectoryError, CorruptCheckpointError):  # missing, a link, not a file
+        return None
+
+
+def sequence_in_tail(tail: bytes, file_size: int, where: str) -> int | None:
+    """The commit sequence in the last ``TRAILER_BYTES`` of a ``.metadata`` of ``file_size``
+    bytes (unverified; None: no trailer of version 4 on, sequence 0, or a damaged trailer)."""
+    try:
+        trailer = parse_trailer(tail, file_size, where)
+    except CorruptCheckpointError:
         return None
     return trailer.sequence or None if trailer is not None else None
 

@@ -68,6 +68,8 @@ from dcp_datastates.errors import (
 )
 from dcp_datastates.manager.checkpoint_root import (
     LATEST_FILE,
+    abandoned_among,
+    commit_sequence,
     is_committed,
     newest_sequence,
     point_latest_at,
@@ -272,6 +274,8 @@ class CheckpointManager:
                 "this one may load but not save: two managers saving into one root would delete each other's checkpoints"
             )
         self._raise_finished_errors()
+        if self._tier is not None:
+            self._tier.save_started()
         path = self.path_of(step)
         committed = is_committed(path)
         # resume_order lists and stats the root: only asked when the step is committed already
@@ -289,6 +293,7 @@ class CheckpointManager:
             pending = _PendingSave(step, path, self._seq, writer, ManagedSave(step, path, writer))
             # Registered before the save starts: retention of an earlier save never deletes it.
             self._pending.append(pending)
+        self._saves_changed()
         if not self.async_save:
             try:
                 try:
@@ -366,10 +371,18 @@ class CheckpointManager:
         # Rank 0's view of the root, so every rank tries the same candidates in the same order.
         def listing():
             order = resume_order(self.root)
+            local = set(order.candidates) | set(order.abandoned)
             durable = sorted(self._tier.committed_steps()) if self._tier is not None else []
-            return order, sorted(set(step_dirs(self.root)) - set(order.candidates) - set(order.abandoned)), durable
+            durable_only = [s for s in durable if s not in local]
+            given_up = []
+            if durable_only:  # the durable tier has no pointer: its copies' sequences tell
+                sequences = {s: commit_sequence(self.root, step_dir_name(s)) for s in local}
+                sequences.update(self._tier.commit_sequences(durable_only))
+                given_up = abandoned_among(sequences, durable_only)
+            uncommitted = sorted(set(step_dirs(self.root)) - local)
+            return order, uncommitted, durable, given_up
 
-        order, uncommitted, durable = self._on_rank0(listing, "listing the checkpoints")
+        order, uncommitted, durable, durable_abandoned = self._on_rank0(listing, "listing the checkpoints")
         local = set(order.candidates) | set(order.abandoned)
         if step is not None:
             if step not in local and step in durable:
@@ -387,7 +400,14 @@ class CheckpointManager:
             else:
                 candidates = [step]
         else:
-            candidates = _with_durable_only(order.candidates, [s for s in durable if s not in local])
+            candidates = _with_durable_only(
+                order.candidates, [s for s in durable if s not in local and s not in durable_abandoned]
+            )
+            for s in durable_abandoned:
+                _warn(
+                    f"skipping the durable copy of step {s} in {self._tier.url}: a step before it was committed "
+                    f"after it (a run resumed from an older step since); a new save of step {s} replaces it"
+                )
             if order.pointer_error:
                 _warn(f"{order.pointer_error}; resuming from the newest committed checkpoint")
             for s in uncommitted:
@@ -475,6 +495,7 @@ class CheckpointManager:
         with self._lock:
             if pending in self._pending:
                 self._pending.remove(pending)
+        self._saves_changed()
 
     def _on_upload_done(self, pending: _PendingSave) -> None:
         """Runs in DCP's save thread once the checkpoint is committed (or failed)."""
@@ -489,6 +510,7 @@ class CheckpointManager:
             pending.done.set_result(None)
         else:
             pending.done.set_exception(exc)
+        self._saves_changed()
 
     def _after_commit(self, pending: _PendingSave) -> None:
         """Rank 0: make the commit durable, move the pointer, apply retention.
@@ -535,7 +557,7 @@ class CheckpointManager:
         drains left; then every rank drains again the committed local steps not durable yet."""
         self._tier = DurableTier(
             os.fspath(url), rank=self._rank, keep_last=keep_last, keep_every=keep_every, read_back=read_back,
-            store_options=options, on_durable=_weak_call(self, "_on_durable"), busy=_weak_call(self, "_saving"),
+            store_options=options, on_durable=_weak_call(self, "_on_durable"),
             warn=lambda m: warnings.warn(m, CheckpointManagerWarning, stacklevel=2),
         )
 
@@ -566,10 +588,14 @@ class CheckpointManager:
             if mine is not None:
                 self._tier.enqueue(s, self.path_of(s), mine)
 
-    def _saving(self) -> bool:
-        """Whether a save of this manager is still writing (the drain waits for it)."""
-        with self._lock:
-            return any(not p.done.done() for p in self._pending)
+    def _saves_changed(self) -> None:
+        """A save started or ended: the drain pauses while any save of this manager runs (its
+        snapshot copies training state, then it writes the fast tier), so that it never takes
+        the cores, memory bandwidth or disk the save needs."""
+        if self._tier is None:
+            return
+        with self._lock:  # worked out and set under the lock: the last call sets the truth
+            self._tier.set_paused(any(not p.done.done() for p in self._pending))
 
     def _drain(self, pending: _PendingSave) -> None:
         """Every rank: queue the copy of its files of the step just committed (the save stands

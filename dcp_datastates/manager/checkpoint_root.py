@@ -234,6 +234,20 @@ def resume_order(root: str) -> ResumeOrder:
     return ResumeOrder(newer + [pointer] + below, abandoned, pointer, error)
 
 
+def abandoned_among(sequences: dict[int, int | None], steps) -> list[int]:
+    """Those of ``steps`` a run gave up, told by commit sequences alone (``{step: sequence}`` of
+    every commit known, on any tier): a step is abandoned when a commit of a smaller step
+    carries a larger sequence, i.e. the run resumed from an older step and saved after it
+    (the rule :func:`resume_order` applies through the pointer, for a tier without one).
+    A step without a recorded sequence is never judged abandoned."""
+    out = []
+    for s in steps:
+        seq = sequences.get(s)
+        if seq and any(c < s and (q or 0) > seq for c, q in sequences.items()):
+            out.append(s)
+    return sorted(out)
+
+
 def point_latest_at(root: str, step: int, sequence: int | None = None) -> None:
     """Move ``latest`` to the committed checkpoint of ``step`` once nothing can take it back:
     fsync its directory and ``root`` (the step directory's own entry), then :func:`write_latest`.

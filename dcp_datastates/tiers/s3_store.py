@@ -55,6 +55,8 @@ def _parse(url: str) -> tuple[str, str]:
 
 
 class S3Store(DurableStore):
+    read_block = 8 << 20  # a ranged GET each: larger than a file system's, to keep requests few
+
     def __init__(
         self,
         url: str,

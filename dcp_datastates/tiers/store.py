@@ -37,6 +37,7 @@ class DurableStore(abc.ABC):
     """
 
     url: str  # where the root is, as the user named it (a path or s3://bucket/prefix)
+    read_block: int = 1 << 20  # the bytes a streamed read-back asks for at a time (a request each)
 
     @abc.abstractmethod
     def put_stream(self, key: str, blocks: Iterable[bytes], size: int, progress: Progress | None = None) -> None:
