@@ -20,7 +20,9 @@ and backward. CheckpointManager(local root, async_save=True) saves every iterati
 
 Blocked time per checkpoint = the time in manager.save() + the time the next
 iteration waits for the snapshot before its optimizer step (the fence,
-dcp_datastates.core.fence.wait_for_snapshots, timed apart). The optimizer
+dcp_datastates.core.fence.wait_for_snapshots, timed apart). The CPU time of the
+training thread in save() is reported too: what save() does, apart from waiting
+for the cores (a drain's work makes save() itself slower only if it grows). The optimizer
 step's own time and the iteration time are reported too: the drain shares
 the 2 cores and the memory bandwidth with the loop.
 
@@ -30,7 +32,9 @@ into the directory; for S3 the same store's put_file: obstore's multipart upload
 our checks and read-back).
 
 Resume = CheckpointManager(...).load() of the newest step: from the local tier, then from
-the durable tier after the local root is deleted (a new node: fetch, then load).
+the durable tier after the local root is deleted (a new node: fetch, then load). The fetch is
+then timed alone, against reading the same objects into memory with the same ranged reads
+and concurrency: the least a load straight from the durable tier would have to do.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ def run_loop(root: str, durable: str | None, params, args, options: dict) -> dic
     state = {"model": {f"p{i}": p for i, p in enumerate(params)}}
     a = torch.randn(256, 256)
     mgr = CheckpointManager(root, keep_last=2, async_save=True, durable=durable, durable_options=options)
-    blocked, iters, in_save, in_fence, steps = [], [], [], [], []
+    blocked, iters, in_save, in_fence, steps, save_cpu = [], [], [], [], [], []
     pending_save = None
     for i in range(args.saves + 3):  # 3 iterations before the first checkpoint: the step's own time
         t_iter = time.perf_counter()
@@ -98,9 +102,10 @@ def run_loop(root: str, durable: str | None, params, args, options: dict) -> dic
         if i == args.saves + 2:
             iters.append(time.perf_counter() - t_iter)
             break
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         mgr.save(i, state)
         pending_save = time.perf_counter() - t
+        save_cpu.append(time.thread_time() - c)
         iters.append(time.perf_counter() - t_iter)
         if i == args.saves + 1:  # the last checkpoint's values, for the resume's check (untimed)
             wait_for_snapshots()
@@ -119,6 +124,7 @@ def run_loop(root: str, durable: str | None, params, args, options: dict) -> dic
     drain_s = sum(st.seconds for st in status.values())
     return {
         "blocked_s": blocked, "in_save_s": in_save, "in_fence_s": in_fence, "iter_s": iters, "base_step_s": base,
+        "save_cpu_s": save_cpu,
         "step_s": steps[3:], "wait_saves_s": saves_done,
         "wait_durable_s": durable_wait, "drained_bytes": drained, "drain_s": drain_s,
         "drain_gbps": drained / drain_s / 1e9 if drain_s else None,
@@ -151,6 +157,32 @@ def raw_copy_gbps(step_dir: str, durable: str, options: dict) -> float:
     return total / (time.perf_counter() - t) / 1e9
 
 
+def fetch_against_ranged_reads(durable: str, step: int, options: dict, scratch: str) -> dict:
+    """The durable resume's fetch on its own, against reading the same objects into memory with
+    the same ranged reads and concurrency (what a load straight from the tier must read at
+    least: it would skip the local write and re-read, not the reads or the checks)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dcp_datastates.manager.checkpoint_root import step_dir_name
+    from dcp_datastates.tiers.drain import BLOCK_BYTES, FETCH_CONCURRENCY, fetch_step
+
+    store = open_store(durable, **options)
+    step_dir = step_dir_name(step)
+    dest = os.path.join(scratch, f"fetch-{os.getpid()}")
+    t = time.perf_counter()
+    fetch_step(store, step_dir, dest)
+    fetched = time.perf_counter() - t
+    shutil.rmtree(dest)
+    keys = [k for k in store.list(step_dir + "/") if "/.drain/" not in k]
+    ranges = [(k, at, min(BLOCK_BYTES, size - at)) for k in keys for size in [store.size(k)] for at in range(0, size, BLOCK_BYTES)]
+    t = time.perf_counter()
+    with ThreadPoolExecutor(FETCH_CONCURRENCY) as pool:
+        got = sum(len(b) for b in pool.map(lambda r: store.read_range(*r), ranges))
+    ranged = time.perf_counter() - t
+    store.close()
+    return {"fetch_s": fetched, "ranged_read_s": ranged, "fetched_bytes": got}
+
+
 def resume_times(root: str, durable: str | None, params, expected, options: dict) -> dict:
     target = {"model": {f"p{i}": torch.zeros_like(p) for i, p in enumerate(params)}}
     out = {}
@@ -165,6 +197,7 @@ def resume_times(root: str, durable: str | None, params, expected, options: dict
             step2 = mgr.load(target)
         out["durable_s"] = time.perf_counter() - t
         assert step2 == step, (step, step2)
+        out.update(fetch_against_ranged_reads(durable, step, options, os.path.dirname(root)))
     ok = all(torch.equal(target["model"][f"p{i}"], e) for i, e in enumerate(expected))
     out["bit_exact"] = ok
     return out
@@ -242,10 +275,21 @@ def main() -> int:
             print(f"{v:<14}{blocked * 1e3:9.1f} ms {it:9.3f} s "
                   f"{'' if dg is None else f'{dg:11.3f}':>11}  {'' if rg is None else f'{rg:12.3f}':>12}  "
                   f"{'' if not (dg and rg) else f'{dg / rg:8.2f}x':>9}  {rl:10.3f} s  {'' if rd is None else f'{rd:12.3f} s'}")
+        for v in names[1:]:
+            f = median([x["fetch_s"] for x in resumes[v]])
+            r = median([x["ranged_read_s"] for x in resumes[v]])
+            print(f"  {v}: resume from the durable tier {summary[v]['resume_durable_s']:.3f} s; of it the fetch alone "
+                  f"{f:.3f} s, against {r:.3f} s to read the same objects into memory (ranged reads, same concurrency)")
+            summary[v].update({"fetch_s": f, "ranged_read_s": r})
         print("resumes bit-exact (every tier, every rep): " + ", ".join(f"{v}={summary[v]['bit_exact']}" for v in names))
         for v in names[1:]:
             over = summary[v]["blocked_vs_local_only"]
             print(f"  {v}: blocked time {over:.3f}x local-only (target < 1.05x: {'PASS' if over < 1.05 else 'FAIL'})")
+        cpu = {v: median([median(r["save_cpu_s"]) for r in results[v]]) for v in names}
+        print("CPU time of the training thread in save() (its own work, without waits): "
+              + ", ".join(f"{v} {cpu[v] * 1e3:.2f} ms" for v in names))
+        for v in names:
+            summary[v]["save_cpu_s"] = cpu[v]
         if args.json:
             write_json(args.json, {"args": vars(args), "machine": machine_info(lroot), "summary": summary,
                                    "runs": results, "raw": raw, "resumes": resumes})

@@ -62,7 +62,7 @@ def test_a_drained_checkpoint_is_committed_and_loads_from_the_durable_tier(tmp_p
     if not durable_url.startswith("s3://"):  # a shared file system: the copy is a checkpoint as it is
         assert verify(os.path.join(durable_url, "step_00000005")).ok
     fetched = tmp_path / "fetched"
-    fetch_step(store, "step_00000005", str(fetched))
+    fetch_step(store, "step_00000005", str(fetched), block=1 << 20, concurrency=3)  # ranges in flight, written at their offsets
     assert verify(fetched).ok
     out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in state.items()}
     assert_same(load(out, fetched), state)
@@ -124,6 +124,37 @@ def test_a_crash_mid_drain_leaves_nothing_committed_and_a_new_drain_commits(tmp_
     _drain(local, "step_00000002", store)
     fetch_step(store, "step_00000002", str(tmp_path / "f2"))
     assert verify(tmp_path / "f2").ok
+
+
+class _FailingRead:
+    """Forwards to a store; one ranged read in the middle of a data file fails."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def read_range(self, key, offset, length):
+        if key.endswith(".data") and offset == 2 << 20:
+            raise StoreError(f"{key}: connection reset")
+        return self._store.read_range(key, offset, length)
+
+
+def test_a_failed_fetch_leaves_no_checkpoint_and_no_temporaries(tmp_path, durable_url):
+    local = tmp_path / "step_00000003"
+    state = _state(3)
+    save(state, local, window_bytes=1 << 20)
+    store = _store(durable_url)
+    _drain(local, "step_00000003", store)
+    dest = tmp_path / "fetched"
+    with pytest.raises(StoreError, match="connection reset"):
+        fetch_step(_FailingRead(store), "step_00000003", str(dest), block=1 << 20, concurrency=4)
+    assert not (dest / ".metadata").exists()
+    assert not [n for n in os.listdir(dest) if ".fetch-" in n]
+    fetch_step(store, "step_00000003", str(dest), block=1 << 20)  # a retry completes it
+    out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in state.items()}
+    assert_same(load(out, dest), state)
 
 
 def test_the_commit_waits_for_every_rank_and_checks_what_it_confirmed(tmp_path, durable_url):

@@ -562,10 +562,10 @@ class CheckpointManager:
         )
 
         def survey():
-            durable = self._tier.committed_steps()
+            durable, incomplete = self._tier.steps_by_state()  # one listing of the store
             if not self.owner:
                 return sorted(durable), []
-            self._tier.clear_incomplete()
+            self._tier.clear_incomplete(incomplete)
             # Steps a drain never finished: resume candidates newer than the newest durable copy
             # (older ones may have been removed there by retention; abandoned ones are not wanted).
             newest = max(durable, default=-1)
