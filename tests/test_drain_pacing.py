@@ -19,10 +19,25 @@ class FakeClock:
         return self.now
 
 
-def _returns_within(pacer: DrainPacer, seconds: float) -> bool:
+def _saving_every(clock: FakeClock, *intervals: float) -> DrainPacer:
+    """A pacer that saw a save now, then one after each interval (the clock ends at the last)."""
+    pacer = DrainPacer(clock)
+    pacer.save_started()
+    for dt in intervals:
+        clock.now += dt
+        pacer.save_started()
+    return pacer
+
+
+def _waiting(pacer: DrainPacer) -> threading.Event:
+    """A drain thread waiting for a gap; the event is set once it may go on."""
     done = threading.Event()
     threading.Thread(target=lambda: (pacer.wait_for_gap(), done.set()), daemon=True).start()
-    return done.wait(seconds)
+    return done
+
+
+def _returns_within(pacer: DrainPacer, seconds: float) -> bool:
+    return _waiting(pacer).wait(seconds)
 
 
 def test_without_a_cadence_the_drain_only_waits_for_saves():
@@ -32,8 +47,7 @@ def test_without_a_cadence_the_drain_only_waits_for_saves():
     assert _returns_within(pacer, 1.0)
     pacer.save_started()
     pacer.set_saving(True)
-    done = threading.Event()
-    threading.Thread(target=lambda: (pacer.wait_for_gap(), done.set()), daemon=True).start()
+    done = _waiting(pacer)
     assert not done.wait(0.2)  # a save runs: the drain holds
     pacer.set_saving(False)
     assert done.wait(1.0)
@@ -41,18 +55,13 @@ def test_without_a_cadence_the_drain_only_waits_for_saves():
 
 def test_the_guard_before_the_next_expected_save():
     clock = FakeClock()
-    pacer = DrainPacer(clock)
-    for _ in range(4):  # a save every 2 s
-        pacer.save_started()
-        clock.now += 2.0
-    clock.now -= 2.0
+    pacer = _saving_every(clock, 2.0, 2.0, 2.0)  # a save every 2 s
     due, guard = pacer.next_save()
     assert due == pytest.approx(clock.now + 2.0) and guard == pytest.approx(0.1)
     clock.now = due - 0.5  # well before it: go on
     assert _returns_within(pacer, 1.0)
     clock.now = due - 0.05  # within the guard: wait for the save
-    done = threading.Event()
-    threading.Thread(target=lambda: (pacer.wait_for_gap(), done.set()), daemon=True).start()
+    done = _waiting(pacer)
     assert not done.wait(0.05)
     pacer.save_started()  # it came; the next one is due 2 s after it
     assert done.wait(1.0)
@@ -60,10 +69,7 @@ def test_the_guard_before_the_next_expected_save():
 
 def test_a_late_save_stops_holding_the_drain():
     clock = FakeClock()
-    pacer = DrainPacer(clock)
-    pacer.save_started()
-    clock.now += 1.0
-    pacer.save_started()
+    pacer = _saving_every(clock, 1.0)
     due, guard = pacer.next_save()
     assert guard == pytest.approx(max(MIN_GUARD_S, 0.05))
     clock.now = due + guard  # a guard late: the loop's cadence changed
@@ -72,15 +78,11 @@ def test_a_late_save_stops_holding_the_drain():
 
 def test_the_guard_is_bounded():
     clock = FakeClock()
-    pacer = DrainPacer(clock)
-    pacer.save_started()
-    clock.now += 0.01
-    pacer.save_started()
+    pacer = _saving_every(clock, 0.01)
     assert pacer.next_save()[1] == MIN_GUARD_S
-    clock.now += 3600
-    pacer.save_started()
-    clock.now += 3600
-    pacer.save_started()
+    for _ in range(2):
+        clock.now += 3600
+        pacer.save_started()
     assert pacer.next_save()[1] == MAX_GUARD_S
 
 

@@ -69,7 +69,6 @@ from dcp_datastates.errors import (
 from dcp_datastates.manager.checkpoint_root import (
     LATEST_FILE,
     abandoned_among,
-    commit_sequence,
     is_committed,
     newest_sequence,
     point_latest_at,
@@ -376,8 +375,7 @@ class CheckpointManager:
             durable_only = [s for s in durable if s not in local]
             given_up = []
             if durable_only:  # the durable tier has no pointer: its copies' sequences tell
-                sequences = {s: commit_sequence(self.root, step_dir_name(s)) for s in local}
-                sequences.update(self._tier.commit_sequences(durable_only))
+                sequences = {**order.sequences, **self._tier.commit_sequences(durable_only)}
                 given_up = abandoned_among(sequences, durable_only)
             uncommitted = sorted(set(step_dirs(self.root)) - local)
             return order, uncommitted, durable, given_up

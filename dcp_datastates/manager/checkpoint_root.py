@@ -173,6 +173,7 @@ class ResumeOrder:
     abandoned: list[int]
     pointer: int | None
     pointer_error: str | None = None
+    sequences: dict[int, int] = dataclasses.field(default_factory=dict)  # step -> commit sequence (0: none)
 
 
 def resume_order(root: str) -> ResumeOrder:
@@ -212,7 +213,7 @@ def resume_order(root: str) -> ResumeOrder:
     if pointer is None or pointer not in committed:
         # No usable pointer: newest commit first where sequences tell, else the highest step.
         order = sorted(committed, key=lambda s: (sequences[s], s), reverse=True)
-        return ResumeOrder(order, [], pointer, error)
+        return ResumeOrder(order, [], pointer, error, sequences)
 
     if pointer_record.sequence is not None:
         pointed = pointer_record.sequence
@@ -231,7 +232,7 @@ def resume_order(root: str) -> ResumeOrder:
     newer = sorted((s for s in committed if s != pointer and after_pointer(s)), key=newest_first, reverse=True)
     abandoned = [s for s in committed if s > pointer and s not in newer]
     below = [s for s in committed[::-1] if s < pointer and s not in newer]
-    return ResumeOrder(newer + [pointer] + below, abandoned, pointer, error)
+    return ResumeOrder(newer + [pointer] + below, abandoned, pointer, error, sequences)
 
 
 def abandoned_among(sequences: dict[int, int | None], steps) -> list[int]:

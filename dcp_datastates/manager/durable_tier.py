@@ -121,7 +121,7 @@ def _lower_priority() -> None:
     thread only): the training loop and the save's own threads come first."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (OSError, AttributeError):  # not permitted, or not Linux: the drain still pauses for snapshots
+    except (OSError, AttributeError):  # not permitted, or not Linux: the drain still pauses for saves
         pass
 
 

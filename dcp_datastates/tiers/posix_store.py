@@ -15,7 +15,6 @@ import os
 from dcp_datastates.core import durable
 from dcp_datastates.tiers.store import DurableStore, Progress, StoreError, check_key
 
-COPY_BLOCK = 8 << 20  # bytes per read/write step of a copy
 _PART_MARK = ".part-"
 
 
@@ -24,13 +23,16 @@ def _is_partial(name: str) -> bool:
 
 
 class PosixStore(DurableStore):
-    def __init__(self, root: str, *, copy_block: int = COPY_BLOCK) -> None:
+    def __init__(self, root: str) -> None:
         self.url = os.path.abspath(root)
         self.root = self.url
-        self.copy_block = copy_block
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
+
+    def _dir(self, prefix: str) -> str:
+        """The directory a key prefix (``""`` or ending in ``/``) names."""
+        return os.path.join(self.root, *prefix.rstrip("/").split("/")) if prefix else self.root
 
     def _tmp(self, path: str) -> str:
         head, name = os.path.split(path)
@@ -141,7 +143,7 @@ class PosixStore(DurableStore):
     def list(self, prefix: str = "") -> list[str]:
         if prefix and not prefix.endswith("/"):
             raise ValueError(f"a list prefix ends with '/': {prefix!r}")
-        base = os.path.join(self.root, *prefix.rstrip("/").split("/")) if prefix else self.root
+        base = self._dir(prefix)
         keys = []
         try:
             for dirpath, dirnames, filenames in os.walk(base, onerror=_raise):
@@ -175,7 +177,7 @@ class PosixStore(DurableStore):
 
     def sweep_partials(self, prefix: str = "") -> list[str]:
         """Remove the temporary files of copies a crash interrupted; return their paths."""
-        base = os.path.join(self.root, *prefix.rstrip("/").split("/")) if prefix else self.root
+        base = self._dir(prefix)
         removed = []
         for dirpath, _dirs, filenames in os.walk(base):
             for name in filenames:

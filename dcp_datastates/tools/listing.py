@@ -208,7 +208,7 @@ def run_ls(args) -> int:
     if durable_view.is_url(args.root):
         return _ls_durable(args.root, args.json)
     listing = list_checkpoints(args.root)
-    tiers = _tier_states(listing, args.durable) if getattr(args, "durable", None) else None
+    tiers = _tier_states(args.durable) if getattr(args, "durable", None) else None
     for w in listing.warnings:
         print(f"{PROG} ls: warning: {w}", file=sys.stderr)
     if args.json:
@@ -248,7 +248,7 @@ def run_ls(args) -> int:
     return 0
 
 
-def _tier_states(listing: Listing, url: str) -> dict[int, str]:
+def _tier_states(url: str) -> dict[int, str]:
     """``{step: state on the durable tier at url}`` (committed, draining, incomplete)."""
     from dcp_datastates.tiers import open_store
     from dcp_datastates.tools import durable_view
