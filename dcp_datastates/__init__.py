@@ -18,6 +18,9 @@
     mgr = dcp_datastates.CheckpointManager(root, keep_last=3)
     start = mgr.load(state) or 0      # newest good checkpoint (None: fresh start)
     mgr.save(step, state)             # asynchronous; optimizer.step() waits only while copying
+
+    # straight from object storage, with ranged reads (no local copy)
+    dcp.load(state, storage_reader=dcp_datastates.StoreReader("s3://bucket/run/step_00000100"))
 """
 
 try:
@@ -49,6 +52,7 @@ from dcp_datastates.core.planner import DataStatesSavePlanner
 from dcp_datastates.core.reader import DataStatesReader
 from dcp_datastates.core.verify import VerifyReport, verify
 from dcp_datastates.core.writer import DataStatesWriter, SaveStats
+from dcp_datastates.tiers.store_reader import StoreReader
 from dcp_datastates.native.engine import EngineBusyError, release_engines
 
 __version__ = "0.1.0"
@@ -60,6 +64,7 @@ __all__ = [
     "install_global_fence",
     "DataStatesWriter",
     "DataStatesReader",
+    "StoreReader",
     "DataStatesSavePlanner",
     "EngineBusyError",
     "release_engines",

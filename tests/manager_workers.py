@@ -152,6 +152,29 @@ def manager_durable_saves(rank, world_size, root, durable):
 
 
 @case
+def manager_durable_resume(rank, world_size, root, durable, how):
+    """2 new nodes (empty local roots) resume sharded state from the durable tier: each rank
+    loads only its shards, in place ("load") or after rank 0 fetched the step ("fetch")."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dcp_datastates.manager.checkpoint_manager import CheckpointManager
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    mgr = CheckpointManager(root, durable=durable, durable_resume=how, async_save=True)
+    target = _dtensor_state(0, mesh)
+    for v in target["model"].values():
+        v.to_local().zero_()
+    assert mgr.load(target) == 20
+    expect = state_at(20)
+    for k, v in target["model"].items():
+        assert torch.equal(v.full_tensor(), expect["model"][k]), k
+    assert mgr.steps() == ([20] if how == "fetch" else [])
+    mgr.save(30, _dtensor_state(30, mesh))  # numbered after the durable copy's commit
+    mgr.wait_durable()
+    mgr.close()
+
+
+@case
 def manager_resume_skips_corrupt(rank, world_size, root):
     """2 ranks resume from a root whose newest checkpoint is corrupt: both fall back to the same step."""
     import warnings

@@ -10,12 +10,13 @@ import warnings
 import pytest
 
 from conftest import assert_resumes
+from dcp_datastates import CorruptCheckpointError, verify
 from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning
 from dcp_datastates.manager.checkpoint_root import step_dirs, step_of
 from dcp_datastates.manager.durable_tier import DURABLE, FAILED
 from dcp_datastates.tiers import open_store
 from dcp_datastates.tiers.drain import DrainError, durable_steps
-from manager_workers import run_ranks, state_at
+from manager_workers import load_step, run_ranks, state_at
 from test_manager import data_file, flip_byte
 
 MODES = [pytest.param(True, id="async"), pytest.param(False, id="sync")]
@@ -45,19 +46,56 @@ def test_every_commit_is_drained_and_retention_runs_per_tier(tmp_path, durable_u
     assert _durable(durable_url) == {20: True, 30: True, 40: True}
 
 
-def test_a_new_node_resumes_from_the_durable_tier(tmp_path, durable_url):
+@pytest.mark.parametrize("how", ["load", "fetch"])
+def test_a_new_node_resumes_from_the_durable_tier(tmp_path, durable_url, how):
     root = tmp_path / "run"
     with CheckpointManager(root, keep_last=2, durable=durable_url, async_save=False) as mgr:
         for step in (10, 20):
             mgr.save(step, state_at(step))
     shutil.rmtree(root)  # the node is gone; a new one has an empty local disk
-    with CheckpointManager(root, durable=durable_url) as mgr:
+    with CheckpointManager(root, durable=durable_url, durable_resume=how) as mgr:
         assert_resumes(mgr, 20)
-        assert mgr.steps() == [20]  # fetched into the local tier
+        # "load" reads the durable copy in place; "fetch" copies it into the local tier first
+        assert mgr.steps() == ([20] if how == "fetch" else [])
         assert_resumes(mgr, 10, step=10)  # an explicit step, from the durable tier too
-        mgr.save(30, state_at(30))  # numbered after the fetched commits: a restart resumes from it
+        mgr.save(30, state_at(30))  # numbered after the durable commits: a restart resumes from it
     with CheckpointManager(root, durable=durable_url) as mgr:
         assert_resumes(mgr, 30)
+
+
+def test_a_manager_that_does_not_own_the_root_loads_the_durable_tier_in_place(tmp_path, durable_url):
+    root = tmp_path / "run"
+    with CheckpointManager(root, durable=durable_url, async_save=False) as mgr:
+        mgr.save(10, state_at(10))
+    shutil.rmtree(root)
+    with CheckpointManager(root, durable=durable_url) as owner:
+        with CheckpointManager(root, durable=durable_url) as evaluation:  # an evaluation job
+            assert not evaluation.owner
+            assert_resumes(evaluation, 10)  # it writes nothing, so it may
+            assert not os.path.exists(root / "step_00000010")
+        with CheckpointManager(root, durable=durable_url, durable_resume="fetch") as evaluation:
+            with pytest.raises(CorruptCheckpointError, match="does not own"):
+                load_step(evaluation, 10)  # fetching would write into the owner's root
+        assert_resumes(owner, 10)
+
+
+def test_full_verify_checks_every_byte_of_the_durable_copy(tmp_path, durable_url):
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=None, durable=durable_url, async_save=False) as mgr:
+        for step in (10, 20):
+            mgr.save(step, state_at(step))
+    shutil.rmtree(root)
+    store = open_store(durable_url)
+    key = next(k for k in store.list("step_00000020/") if k.endswith(".data"))
+    data = bytearray(store.read(key))
+    data[100] ^= 1
+    store.delete([key])
+    store.put_bytes(key, bytes(data))
+    with CheckpointManager(root, durable=durable_url) as mgr:
+        # verify's words (verify_durable's for S3, verify's for a directory), not a load's
+        with pytest.warns(UserWarning, match="step 20.*(the durable copy is damaged|'model.b': checksum mismatch for)"):
+            got, target = load_step(mgr, None, full_verify=True)
+        assert got == 10
 
 
 def test_a_new_node_never_resumes_a_trajectory_the_run_gave_up(tmp_path, durable_url):
@@ -81,14 +119,17 @@ def test_a_new_node_never_resumes_a_trajectory_the_run_gave_up(tmp_path, durable
             assert_resumes(mgr, 20)
 
 
-def test_a_bad_local_copy_is_replaced_by_the_durable_one(tmp_path, durable_url):
+@pytest.mark.parametrize("how", ["load", "fetch"])
+def test_a_bad_local_copy_falls_back_to_the_durable_one(tmp_path, durable_url, how):
     root = tmp_path / "run"
     with CheckpointManager(root, durable=durable_url, async_save=False) as mgr:
         mgr.save(10, state_at(10))
     flip_byte(data_file(root / "step_00000010"))
-    with CheckpointManager(root, durable=durable_url) as mgr:
+    with CheckpointManager(root, durable=durable_url, durable_resume=how) as mgr:
         with pytest.warns(UserWarning, match="local copy of step 10.*is bad"):
             assert_resumes(mgr, 10)
+    # "fetch" replaced the local copy; "load" left it (the next save of step 10 replaces it)
+    assert verify(str(root / "step_00000010")).ok == (how == "fetch")
 
 
 def test_an_unreachable_durable_tier_keeps_local_copies_and_reports(tmp_path, shared_mount):
@@ -135,8 +176,15 @@ def test_two_ranks_drain_their_own_files_and_rank0_commits(tmp_path, durable_url
     run_ranks("manager_durable_saves", 2, tmp_path / "logs", root=str(root), durable=durable_url)
     assert _durable(durable_url) == {10: True, 20: True}
     shutil.rmtree(root)
-    with CheckpointManager(root, durable=durable_url) as mgr:  # resharded onto one rank, fetched
+    with CheckpointManager(root, durable=durable_url) as mgr:  # resharded onto one rank, from the durable tier
         assert_resumes(mgr, 20)
+
+
+@pytest.mark.parametrize("how", ["load", "fetch"])
+def test_two_new_nodes_resume_sharded_state_from_the_durable_tier(tmp_path, durable_url, how):
+    run_ranks("manager_durable_saves", 2, tmp_path / "logs", root=str(tmp_path / "run"), durable=durable_url)
+    run_ranks("manager_durable_resume", 2, tmp_path / "logs2", root=str(tmp_path / "new"), durable=durable_url, how=how)
+    assert _durable(durable_url) == {10: True, 20: True, 30: True}
 
 
 def test_an_overwritten_step_replaces_its_durable_copy(tmp_path, durable_url):

@@ -37,7 +37,7 @@ from dcp_datastates.errors import (
     UnsupportedFormatError,
 )
 from dcp_datastates.format.file_names import METADATA_FILE, is_save_file
-from dcp_datastates.format.checkpoint_layout import CheckpointLayout, object_entries
+from dcp_datastates.format.checkpoint_layout import CheckpointLayout, RankFiles, object_entries
 from dcp_datastates.format.rank_index import IndexLimits, RankIndex
 from dcp_datastates.format.checkpoint_files import read_rank_index
 from dcp_datastates.format.metadata_file import read_metadata_file
@@ -143,12 +143,9 @@ class DataStatesReader(StorageReader):
         """Decode and check ``.metadata`` (once per file), raising a typed error naming the file:
         :meth:`read_metadata` for callers other than DCP. Sets :attr:`layout`."""
         if self.path is None:
-            raise ValueError("DataStatesReader has no path: pass one or give dcp.load a checkpoint_id")
-        md_path = os.path.join(self.path, METADATA_FILE)
-        try:
-            metadata = self._decode_metadata(md_path)
-        except FileNotFoundError:
-            raise missing_checkpoint_error(self.path) from None
+            raise ValueError(f"{type(self).__name__} has no path: pass one or give dcp.load a checkpoint_id")
+        md_path = self._where(METADATA_FILE)
+        metadata = self._fetch_metadata()
         layout = metadata.storage_data  # validated by the decoding, with the trailer and every item
         if not isinstance(layout, CheckpointLayout):
             raise UnsupportedFormatError(
@@ -160,6 +157,50 @@ class DataStatesReader(StorageReader):
         metadata.storage_meta.load_id = self.load_id
         self._metadata, self._layout = metadata, layout
         return metadata
+
+    # -- where the files are: a directory here, a durable store in tiers.store_reader --------
+
+    def _where(self, name: str) -> str:
+        """The checkpoint file ``name`` as errors name it."""
+        return os.path.join(self.path, name)
+
+    def _fetch_metadata(self) -> Metadata:
+        """The decoded ``.metadata``; a missing one is the checkpoint's absence or incompleteness."""
+        try:
+            return self._decode_metadata(self._where(METADATA_FILE))
+        except FileNotFoundError:
+            raise missing_checkpoint_error(self.path) from None
+
+    def _data_file_sizes(self, files: RankFiles) -> list[int]:
+        """The sizes of the rank's data files (one per stripe); a missing one is an error."""
+        sizes = []
+        for name in files.data_files():
+            data_path = self._where(name)
+            try:
+                st = os.lstat(data_path)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"rank {files.rank}'s data file {data_path} is missing; the checkpoint is damaged"
+                ) from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{data_path} is not a regular file; checkpoint files must be regular files")
+            sizes.append(st.st_size)
+        return sizes
+
+    def _read_index(self, files: RankFiles, limits: IndexLimits) -> RankIndex:
+        """The rank's index, its header and checksum checked against ``limits`` before it is
+        read whole."""
+        index_path = self._where(files.index_file)
+        missing = CorruptCheckpointError(f"rank {files.rank}'s index file {index_path} is missing; the checkpoint is damaged")
+        if not os.path.lexists(index_path):
+            raise missing
+        try:
+            return read_rank_index(index_path, limits)
+        except FileNotFoundError:
+            raise missing from None
+
+    def _new_batch(self) -> _ReadBatch:
+        return _ReadBatch(self)
 
     def _decode_metadata(self, md_path: str) -> Metadata:
         """The decoded ``.metadata`` at ``md_path``: decoded once per file, not once per call.
@@ -187,7 +228,7 @@ class DataStatesReader(StorageReader):
             layout = metadata.storage_data
             if not isinstance(layout, CheckpointLayout):
                 raise UnsupportedFormatError(f"{self.path}: metadata was not written by dcp_datastates")
-            layout.validate(os.path.join(self.path, METADATA_FILE))
+            layout.validate(self._where(METADATA_FILE))
             self._metadata, self._layout = metadata, layout
         self._indexes = {}
         self._chunks = {}
@@ -200,12 +241,12 @@ class DataStatesReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         with _native.gc_paused():
-            batch = _ReadBatch(self)
+            batch = self._new_batch()
             for item in plan.items:
                 batch.add(item, planner)
                 if batch.temp_bytes >= TEMP_BUDGET_BYTES:
                     batch.run()
-                    batch = _ReadBatch(self)
+                    batch = self._new_batch()
             batch.run()
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -227,33 +268,19 @@ class DataStatesReader(StorageReader):
         files = next((r for r in self._layout.ranks if r.data_file == relative_path), None)
         if files is None:
             raise CorruptCheckpointError(f"{self.path}: metadata names data file {relative_path} of no rank")
-        index_path = os.path.join(self.path, files.index_file)
-        missing = CorruptCheckpointError(f"rank {files.rank}'s index file {index_path} is missing; the checkpoint is damaged")
-        if not os.path.lexists(index_path):
-            raise missing
         # Every data file (one per stripe) must be there; the data may reach as far as the
         # last one's start plus its size, and every other stripe's file must hold its share.
         data_names = files.data_files()
         bases = [0, *files.stripes]
-        for k, (name, base) in enumerate(zip(data_names, bases)):
-            data_path = os.path.join(self.path, name)
-            try:
-                st = os.lstat(data_path)
-            except FileNotFoundError:
+        sizes = self._data_file_sizes(files)
+        for k in range(len(bases) - 1):
+            if sizes[k] < bases[k + 1] - bases[k]:
                 raise CorruptCheckpointError(
-                    f"rank {files.rank}'s data file {data_path} is missing; the checkpoint is damaged"
-                ) from None
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptCheckpointError(f"{data_path} is not a regular file; checkpoint files must be regular files")
-            if k + 1 < len(bases) and st.st_size < bases[k + 1] - base:
-                raise CorruptCheckpointError(
-                    f"data file {data_path} is truncated: {st.st_size} bytes, its stripe holds {bases[k + 1] - base}"
+                    f"data file {self._where(data_names[k])} is truncated: {sizes[k]} bytes, its stripe holds {bases[k + 1] - bases[k]}"
                 )
-        try:
-            limits = IndexLimits(data_path, st.st_size, self._object_entries()[files.rank], bases[-1])
-            idx = read_rank_index(index_path, limits)
-        except FileNotFoundError:
-            raise missing from None
+        limits = IndexLimits(self._where(data_names[-1]), sizes[-1], self._object_entries()[files.rank], bases[-1])
+        idx = self._read_index(files, limits)
+        index_path = self._where(files.index_file)
         idx.apply_stripes(data_names, files.stripes, index_path)
         expected_sid = files.files_save_id(self._layout.save_id)
         if idx.save_id != expected_sid or idx.rank != files.rank:
@@ -458,18 +485,21 @@ class _ReadBatch:
         self.after.append(copy_box_out(temp, offset - lo, nbytes, dtype, sizes, item, target, planner))
 
     def run(self) -> None:
-        reader = self.reader
-        if self.requests:
-            job = reader._engine.read(self.paths, self.requests, self.keep)
-            failures = job.wait()
-            if failures:
-                raise _read_error(failures[0], self.keys, len(failures))
+        self._read()
         if self.decode:
             from dcp_datastates.core.compression import decode_threads, run_parallel
 
             run_parallel(self.decode, decode_threads())
         for fn in self.after:
             fn()
+
+    def _read(self) -> None:
+        """Carry out every request (the engine reads the files in parallel and verifies them)."""
+        if self.requests:
+            job = self.reader._engine.read(self.paths, self.requests, self.keep)
+            failures = job.wait()
+            if failures:
+                raise _read_error(failures[0], self.keys, len(failures))
 
 
 def copy_box_out(buffer: torch.Tensor, lead: int, nbytes: int, dtype, sizes, item: ReadItem, target, planner):

@@ -78,6 +78,8 @@ from dcp_datastates.manager.checkpoint_root import (
     step_of,
 )
 from dcp_datastates.manager.durable_tier import DrainStatus, DurableTier
+from dcp_datastates.tiers.store import StoreError
+from dcp_datastates.tiers.store_reader import StoreReader
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_file import read_commit_sequence
 from dcp_datastates.tiers.drain import DrainError
@@ -104,7 +106,7 @@ class SkippedCheckpointWarning(CheckpointManagerWarning):
 _BAD_FILES = (CorruptCheckpointError, IncompleteCheckpointError)
 # Resume skips a checkpoint for these too, but leaves it alone: it may be fine (it vanished
 # while we looked, it is another format, the disk failed to read it this time).
-_UNREADABLE = (CheckpointNotFoundError, UnsupportedFormatError)
+_UNREADABLE = (CheckpointNotFoundError, UnsupportedFormatError, StoreError)
 _READ_ERRNOS = {errno.EIO, errno.ENOENT, errno.ESTALE, errno.ENODATA}
 # Anything else (a state dict that does not match, unsafe objects, EACCES, EMFILE) is
 # raised: falling back to an older checkpoint would hide it.
@@ -168,6 +170,12 @@ class CheckpointManager:
             and compare its CRC-32C (default True).
         durable_options: keyword arguments of the store (``S3Store``: ``endpoint``,
             ``region``, ``part_bytes``, ``upload_concurrency``, ``max_retries``, ...).
+        durable_resume: how a resume loads a step found only on the durable tier (or
+            whose local copy is bad): ``"load"`` (default) loads it in place, with ranged
+            reads from object storage (:class:`StoreReader`) or the local reader on a
+            directory tier; ``"fetch"`` copies it into the local root first, then loads
+            the local copy (which stays, for the node's next restart).
+            ``bench_tiers.py`` measures both (docs/benchmarks.md).
 
     One manager owns a root at a time: rank 0 holds an exclusive lock on
     ``root/.manager.lock`` until :meth:`close`. Another manager opened on the
@@ -196,12 +204,16 @@ class CheckpointManager:
         delete_undrained: bool = False,
         durable_read_back: bool = True,
         durable_options: dict | None = None,
+        durable_resume: str = "load",
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None (keep all), got {keep_last!r}")
         if keep_every is not None and (not isinstance(keep_every, int) or keep_every < 1):
             raise ValueError(f"keep_every must be a positive int or None, got {keep_every!r}")
+        if durable_resume not in ("load", "fetch"):
+            raise ValueError(f"durable_resume must be 'load' or 'fetch', got {durable_resume!r}")
         self.root = os.path.abspath(os.fspath(root))
+        self.durable_resume = durable_resume
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = async_save
@@ -419,19 +431,27 @@ class CheckpointManager:
             if not candidates:
                 return None
         refused: list[str] = []
+        fetch = self.durable_resume == "fetch"
         for s in candidates:
             path = self.path_of(s)
             fetched = False
             if s not in local:  # on the durable tier only (a new node, a lost local disk)
-                verdict = self._fetch_durable(s, replace_bad=False)
-                fetched = verdict is None
+                if fetch:
+                    verdict = self._fetch_durable(s, replace_bad=False)
+                    fetched = verdict is None
+                else:
+                    verdict = self._load_durable(state, s, full_verify)
             else:
                 verdict = self._load_local(state, s, full_verify)
                 if verdict is not None and verdict[1] and s in durable:
-                    # The local copy is bad; the durable one committed: replace it and load that.
+                    # The local copy is bad; the durable one committed: load that (after
+                    # replacing the local copy with it, when fetching).
                     _warn(f"the local copy of step {s} ({path}) is bad ({verdict[0]}); loading its durable copy")
-                    verdict = self._fetch_durable(s, replace_bad=True)
-                    fetched = verdict is None
+                    if fetch:
+                        verdict = self._fetch_durable(s, replace_bad=True)
+                        fetched = verdict is None
+                    else:
+                        verdict = self._load_durable(state, s, full_verify)
             if fetched:
                 verdict = self._load_local(state, s, full_verify)
             if verdict is None:
@@ -654,6 +674,23 @@ class CheckpointManager:
             verdict = (f"fetching it from {self._tier.url} failed: {_describe(exc)}", False)
         return self._agree(verdict)
 
+    def _load_durable(self, state: dict, step: int, full_verify: bool):
+        """Load the durable copy of ``step`` in place (``durable_resume="load"``); a verdict like
+        ``_check``'s. Every rank reads what its shards need; nothing is written locally, so a
+        manager that does not own the root may do it too. Later saves are numbered after the
+        copy's commit sequence (see :meth:`_fetch_durable`)."""
+        reader = self._tier.reader(step, self.allow_pickle)
+        verdict = self._agree(self._check(reader, full_verify))
+        if verdict is None:
+            verdict = self._try_load(state, reader)
+        if verdict is None:
+            seq = getattr(reader, "commit_sequence", None)
+            if not isinstance(reader, StoreReader):
+                seq = read_commit_sequence(os.path.join(reader.path, METADATA_FILE))
+            with self._lock:
+                self._seq = max(self._seq, seq or 0)
+        return verdict
+
     def _load_local(self, state: dict, step: int, full_verify: bool):
         # One reader per candidate: its .metadata is decoded once for the check, the
         # verification and the load.
@@ -691,9 +728,14 @@ class CheckpointManager:
         ``full_verify`` rank 0 reads every byte."""
         try:
             if full_verify and self._rank == 0:
-                from dcp_datastates.core.verify import verify
+                if isinstance(reader, StoreReader):
+                    from dcp_datastates.tools.durable_view import verify_durable
 
-                report = verify(reader.path, reader=reader)
+                    report = verify_durable(reader.store, reader.path, allow_pickle=self.allow_pickle)
+                else:
+                    from dcp_datastates.core.verify import verify
+
+                    report = verify(reader.path, reader=reader)
                 if not report.ok:
                     return "; ".join(report.problems[:3]) or "not committed", True
             reader.load_metadata()

@@ -36,12 +36,15 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from dcp_datastates.core.reader import DataStatesReader
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_layout import RankFiles
 from dcp_datastates.manager.checkpoint_root import step_dir_name, step_of
 from dcp_datastates.manager.cleanup import retention_keeps
 from dcp_datastates.manager.drain_pacing import DrainPacer
 from dcp_datastates.tiers import open_store
+from dcp_datastates.tiers.posix_store import PosixStore
+from dcp_datastates.tiers.store_reader import StoreReader
 from dcp_datastates.tiers.drain import (
     DrainError,
     clear_incomplete_step,
@@ -317,6 +320,13 @@ class DurableTier:
             if clear_incomplete_step(self.store, step_dir_name(s)):
                 cleared.append(s)
         return cleared
+
+    def reader(self, step: int, allow_pickle: bool = False):
+        """A reader that loads the durable copy of ``step`` in place (no local copy): the local
+        reader on its directory for a directory tier, ranged reads otherwise (:class:`StoreReader`)."""
+        if isinstance(self.store, PosixStore):
+            return DataStatesReader(os.path.join(self.store.root, step_dir_name(step)), allow_pickle=allow_pickle)
+        return StoreReader(step_dir_name(step), store=self.store, allow_pickle=allow_pickle)
 
     def fetch(self, step: int, local_dir: str) -> int:
         """Copy the committed durable copy of ``step`` into ``local_dir`` (``.metadata`` last)."""

@@ -33,7 +33,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 
 from dcp_datastates.errors import CheckpointError, CorruptCheckpointError
 from dcp_datastates.format.checkpoint_files import read_rank_index
@@ -42,7 +42,7 @@ from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_file import TRAILER_BYTES, read_metadata_file, sequence_in_tail
 from dcp_datastates.format.rank_index import IndexLimits, RankIndex
 from dcp_datastates.native.engine import crc32c
-from dcp_datastates.tiers.store import DurableStore, StoreError
+from dcp_datastates.tiers.store import DurableStore, StoreError, run_all
 
 BLOCK_BYTES = 8 << 20  # bytes a fetch or verify reads from the store at a time
 # Bytes the drain reads from the local tier, checks and hands to the store at a time: small, so
@@ -109,13 +109,15 @@ class SegmentChecker:
     """Checks a data file's bytes, fed in order, against the rank index's segments that lie in
     it; every segment must be seen whole and match."""
 
-    def __init__(self, index: RankIndex, stripe: int, path: str) -> None:
+    def __init__(self, index: RankIndex, stripe: int, path: str,
+                 consequence: str = "the local copy is damaged and is not drained") -> None:
         rows = index.stripe_segments(stripe)
         base = index.stripe_bounds()[stripe][0]
         self.offsets = [index.seg_offsets[i] - base for i in rows]
         self.lengths = index.seg_lengths[rows.start : rows.stop]
         self.crcs = index.seg_crcs[rows.start : rows.stop]
         self.path = path
+        self.consequence = consequence  # what a mismatch means, for its message
         self.next = 0
         self.partial: int | None = None  # the running CRC of a segment cut by a block's end
 
@@ -136,7 +138,7 @@ class SegmentChecker:
             if crc != self.crcs[i]:
                 raise CorruptCheckpointError(
                     f"{self.path}: checksum mismatch in the segment at offset {offs[i]} ({lens[i]} bytes): "
-                    f"{crc:08x} != {self.crcs[i]:08x}; the local copy is damaged and is not drained"
+                    f"{crc:08x} != {self.crcs[i]:08x}; {self.consequence}"
                 )
             self.next += 1
 
@@ -410,12 +412,4 @@ def _fetch_ranges(store: DurableStore, key: str, size: int, fd: int, block: int,
         while done < len(data):
             done += os.pwrite(fd, data[done:], at + done)
 
-    futures = [pool.submit(one, at) for at in range(0, size, block)]
-    try:
-        for fut in futures:
-            fut.result()
-    except BaseException:
-        for fut in futures:
-            fut.cancel()
-        wait(futures)
-        raise
+    run_all(pool, one, range(0, size, block))

@@ -106,6 +106,11 @@ class PosixStore(DurableStore):
         self._publish(tmp, path, key)
 
     def read_range(self, key: str, offset: int, length: int) -> bytearray:
+        out = bytearray(length)  # filled in place by preadv, outside the GIL: no copy under it
+        self.read_into(key, offset, memoryview(out))
+        return out
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> None:
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -114,17 +119,15 @@ class PosixStore(DurableStore):
         except OSError as exc:
             raise StoreError(f"{self.where(key)}: {exc.strerror or exc}") from exc
         try:
-            out = bytearray(length)  # filled in place by preadv, outside the GIL: no copy under it
-            view = memoryview(out)
+            length = len(out)
             got = 0
             while got < length:
-                n = os.preadv(fd, [view[got:]], offset + got)
+                n = os.preadv(fd, [out[got:]], offset + got)
                 if n == 0:
                     raise StoreError(
                         f"{self.where(key)}: {length} bytes asked at offset {offset}, the object ends at {offset + got}"
                     )
                 got += n
-            return out
         except OSError as exc:
             if isinstance(exc, StoreError):
                 raise

@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import os
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, wait
 
 from dcp_datastates.errors import CheckpointError
 
@@ -73,6 +74,11 @@ class DurableStore(abc.ABC):
         """``length`` bytes of ``key`` from ``offset`` (a bytes-like object, not copied again:
         the drain and ``verify`` read gigabytes through it); a short object is an error."""
 
+    def read_into(self, key: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with ``len(out)`` bytes of ``key`` from ``offset`` (a load straight from the
+        store reads into its destination tensors through this); a short object is an error."""
+        out[:] = self.read_range(key, offset, len(out))
+
     @abc.abstractmethod
     def size(self, key: str) -> int | None:
         """The object's size in bytes, or None if there is no object ``key``."""
@@ -103,6 +109,20 @@ class DurableStore(abc.ABC):
 
     def close(self) -> None:
         """Release connections or handles (the store may not be used afterwards)."""
+
+
+def run_all(pool: Executor, fn: Callable, items: Iterable) -> None:
+    """``fn(item)`` for every item on ``pool`` (ranged reads in flight); the first failure
+    cancels the calls not begun, waits for those running, and is raised."""
+    futures = [pool.submit(fn, item) for item in items]
+    try:
+        for fut in futures:
+            fut.result()
+    except BaseException:
+        for fut in futures:
+            fut.cancel()
+        wait(futures)
+        raise
 
 
 def check_key(key: str) -> str:

@@ -114,7 +114,7 @@ def verify_durable(store: DurableStore, step_dir: str, *, allow_pickle: bool = F
             index.apply_stripes(names, files.stripes, store.where(index_key))
             for stripe, (name, size) in enumerate(zip(names, sizes)):
                 key = f"{step_dir}/{name}"
-                checker = SegmentChecker(index, stripe, store.where(key))
+                checker = SegmentChecker(index, stripe, store.where(key), "the durable copy is damaged")
                 for at, data in store.read_blocks(key, size, block):
                     checker.feed(memoryview(data), at)
                     report.bytes_checked += len(data)

@@ -1,0 +1,203 @@
+"""StoreReader: a checkpoint loaded straight from a durable store (a directory on a second
+filesystem, and a prefix of a real SeaweedFS bucket), with ranged reads, verified."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import assert_same, data_files, raises_from_checkpoint, save
+from dcp_datastates import ChecksumMismatchError, CorruptCheckpointError
+from dcp_datastates.errors import CheckpointNotFoundError, IncompleteCheckpointError
+from dcp_datastates.format.file_names import METADATA_FILE
+from dcp_datastates.tiers import StoreError, open_store
+from dcp_datastates.tiers.store_reader import StoreReader
+from test_reshard_verify import _SliceLoadPlanner
+
+
+@pytest.fixture
+def store(durable_url):
+    st = open_store(durable_url)
+    yield st
+    st.close()
+
+
+def upload(local_dir, store, prefix: str) -> None:
+    """The checkpoint's files into ``prefix/`` of the store, ``.metadata`` last (as a drain commits)."""
+    names = sorted(n for n in os.listdir(local_dir) if n != METADATA_FILE)
+    for name in [*names, METADATA_FILE]:
+        store.put_file(f"{prefix}/{name}", os.path.join(local_dir, name))
+
+
+def _state():
+    g = torch.Generator().manual_seed(7)
+    return {
+        "big": torch.randn(3 << 18, generator=g),  # 3 MiB: split into several ranged reads below
+        "small": {f"p{i}": torch.randn(17, 3, generator=g) for i in range(40)},  # merged into few reads
+        "half": torch.randn(64, 64, generator=g).to(torch.bfloat16),
+        "ints": torch.arange(1000, dtype=torch.int64),
+        "scalar": torch.tensor(3.5),
+        "extra": {"epoch": 4, "name": "run-a", "lr": [0.1, 0.01]},
+    }
+
+
+def _zeros_like(state):
+    if isinstance(state, dict):
+        return {k: _zeros_like(v) for k, v in state.items()}
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    return None
+
+
+def _replace(store, key, data) -> None:
+    """Damage an object in place (a directory store never replaces one: delete it first)."""
+    store.delete([key])
+    store.put_bytes(key, bytes(data))
+
+
+class _Counting:
+    """A store that counts the reads a load asks of it."""
+
+    def __init__(self, store):
+        self.inner, self.ranges = store, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def read_range(self, key, offset, length):
+        self.ranges.append((key, offset, length))
+        return self.inner.read_range(key, offset, length)
+
+    def read_into(self, key, offset, out):
+        self.ranges.append((key, offset, len(out)))
+        return self.inner.read_into(key, offset, out)
+
+
+@pytest.mark.parametrize("writer_kwargs", [{}, {"stripes": 3}, {"compression": "zstd"}], ids=["plain", "stripes", "zstd"])
+def test_loads_bit_exact_from_the_store(tmp_path, store, writer_kwargs):
+    if writer_kwargs.get("compression"):
+        pytest.importorskip("zstandard")
+    state = _state()
+    save(state, tmp_path / "c", window_bytes=256 << 10, host_cache_bytes=1 << 20, **writer_kwargs)
+    upload(tmp_path / "c", store, "step_00000010")
+    counting = _Counting(store)
+    reader = StoreReader("step_00000010", store=counting, range_bytes=1 << 20)
+    out = _zeros_like(state)
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert_same(out, state)
+    data_reads = [r for r in counting.ranges if ".data" in r[0]]
+    assert max(length for _, _, length in data_reads) <= 1 << 20  # split at range_bytes
+    if not writer_kwargs:
+        # 45 items: the big tensor in 3-4 pieces, every small one merged with its neighbours
+        assert len(data_reads) <= 8, data_reads
+
+
+def test_loads_from_its_own_url(tmp_path, durable_url):
+    state = _state()
+    save(state, tmp_path / "c")
+    st = open_store(durable_url)
+    upload(tmp_path / "c", st, "step_00000020")
+    st.close()
+    reader = StoreReader(f"{durable_url}/step_00000020")
+    out = _zeros_like(state)
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert_same(out, state)
+    reader.close()
+    # dcp.load's checkpoint_id names the checkpoint too
+    out = _zeros_like(state)
+    dcp.load(out, storage_reader=StoreReader(), checkpoint_id=f"{durable_url}/step_00000020", no_dist=True)
+    assert_same(out, state)
+
+
+def test_reshards_a_two_rank_checkpoint(sharded_checkpoint, store):
+    upload(sharded_checkpoint.path, store, "sharded")
+    out = {k: torch.zeros_like(v) for k, v in sharded_checkpoint.tensors.items()}
+    dcp.load(out, storage_reader=StoreReader("sharded", store=store), no_dist=True)
+    for key, tensor in sharded_checkpoint.tensors.items():
+        assert torch.equal(out[key], tensor), key
+
+
+def test_a_slice_is_verified_through_its_whole_segments(tmp_path, store):
+    full = torch.randn(4096, 64)
+    save({"w": full}, tmp_path / "c", window_bytes=64 << 10, host_cache_bytes=256 << 10)
+    upload(tmp_path / "c", store, "s")
+    dest = {"w": torch.zeros(100, 64)}
+    dcp.load(dest, storage_reader=StoreReader("s", store=store), planner=_SliceLoadPlanner(1000), no_dist=True)
+    assert torch.equal(dest["w"], full[1000:1100])
+    # A flipped byte outside the rows read, inside a segment they touch: caught.
+    name = data_files(tmp_path / "c")[0]
+    data = bytearray(store.read(f"s/{name}"))
+    pos = ((1000 * 64 * 4) // (64 << 10)) * (64 << 10)
+    data[pos] ^= 1
+    _replace(store, f"s/{name}", bytes(data))
+    with raises_from_checkpoint(ChecksumMismatchError, match=f"{name} while reading 'w': checksum mismatch in the segment at data offset {pos}"):
+        dcp.load({"w": torch.zeros(100, 64)}, storage_reader=StoreReader("s", store=store),
+                 planner=_SliceLoadPlanner(1000), no_dist=True)
+
+
+def test_corrupt_object_is_a_checksum_error_naming_object_and_key(tmp_path, store):
+    state = {"a": torch.randn(1000), "b": torch.randn(1000)}
+    save(state, tmp_path / "c")
+    upload(tmp_path / "c", store, "bad")
+    name = data_files(tmp_path / "c")[0]
+    data = bytearray(store.read(f"bad/{name}"))
+    data[10] ^= 0x40
+    _replace(store, f"bad/{name}", bytes(data))
+    with raises_from_checkpoint(ChecksumMismatchError, match=f"bad/{name} while reading 'a'"):
+        dcp.load(_zeros_like(state), storage_reader=StoreReader("bad", store=store), no_dist=True)
+    out = _zeros_like(state)  # unverified, as asked: the load goes through
+    dcp.load(out, storage_reader=StoreReader("bad", store=store, verify=False), no_dist=True)
+
+
+def test_missing_and_incomplete_checkpoints_are_named(tmp_path, store):
+    state = {"a": torch.randn(100)}
+    save(state, tmp_path / "c")
+    with pytest.raises(CheckpointNotFoundError, match="nothing: .metadata is missing"):
+        StoreReader("nothing", store=store).read_metadata()
+    # Through dcp.load: torch 2.13 wraps the message in an AssertionError (tests/test_errors.py)
+    with raises_from_checkpoint((CheckpointNotFoundError, AssertionError), match="nothing: .metadata is missing"):
+        dcp.load(_zeros_like(state), storage_reader=StoreReader("nothing", store=store), no_dist=True)
+    for name in data_files(tmp_path / "c"):  # a drain interrupted before its .metadata
+        store.put_file(f"partial/{name}", os.path.join(tmp_path / "c", name))
+    with pytest.raises(IncompleteCheckpointError, match="partial is incomplete.*never committed"):
+        StoreReader("partial", store=store).read_metadata()
+    upload(tmp_path / "c", store, "noindex")
+    index = next(k for k in store.list("noindex/") if k.endswith(".index"))
+    store.delete([index])
+    with raises_from_checkpoint(CorruptCheckpointError, match=f"{index} is missing"):
+        dcp.load(_zeros_like(state), storage_reader=StoreReader("noindex", store=store), no_dist=True)
+
+
+def test_a_truncated_object_is_refused_before_reading(tmp_path, store):
+    state = {"a": torch.randn(5000)}
+    save(state, tmp_path / "c")
+    upload(tmp_path / "c", store, "short")
+    name = data_files(tmp_path / "c")[0]
+    _replace(store, f"short/{name}", store.read(f"short/{name}")[:1000])
+    with raises_from_checkpoint(CorruptCheckpointError, match=f"{name} is truncated"):
+        dcp.load(_zeros_like(state), storage_reader=StoreReader("short", store=store), no_dist=True)
+
+
+def test_a_failed_read_names_the_object_and_the_keys(tmp_path, store):
+    state = {"a": torch.randn(100_000)}
+    save(state, tmp_path / "c")
+    upload(tmp_path / "c", store, "flaky")
+
+    class Failing(_Counting):
+        def read_into(self, key, offset, out):
+            if ".data" in key:
+                raise StoreError(f"{self.inner.where(key)}: connection reset")
+            return self.inner.read_into(key, offset, out)
+
+        read_range_ok = _Counting.read_range
+
+        def read_range(self, key, offset, length):
+            if ".data" in key:
+                raise StoreError(f"{self.inner.where(key)}: connection reset")
+            return self.read_range_ok(key, offset, length)
+
+    with raises_from_checkpoint(StoreError, match=".data: connection reset (loading 'a')"):
+        dcp.load(_zeros_like(state), storage_reader=StoreReader("flaky", store=Failing(store)), no_dist=True)
