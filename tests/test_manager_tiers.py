@@ -59,6 +59,8 @@ def test_a_new_node_resumes_from_the_durable_tier(tmp_path, durable_url, how):
         assert mgr.steps() == ([20] if how == "fetch" else [])
         assert_resumes(mgr, 10, step=10)  # an explicit step, from the durable tier too
         mgr.save(30, state_at(30))  # numbered after the durable commits: a restart resumes from it
+        mgr.wait_durable()
+    shutil.rmtree(root)  # the durable tier alone tells 30 is newest: by its commit sequence
     with CheckpointManager(root, durable=durable_url) as mgr:
         assert_resumes(mgr, 30)
 
@@ -92,8 +94,9 @@ def test_full_verify_checks_every_byte_of_the_durable_copy(tmp_path, durable_url
     store.delete([key])
     store.put_bytes(key, bytes(data))
     with CheckpointManager(root, durable=durable_url) as mgr:
-        # verify's words (verify_durable's for S3, verify's for a directory), not a load's
-        with pytest.warns(UserWarning, match="step 20.*(the durable copy is damaged|'model.b': checksum mismatch for)"):
+        # verify's words (verify_durable's for S3, verify's for a directory: "in 'key'"), not a
+        # load's ("while reading 'key'")
+        with pytest.warns(UserWarning, match="step 20.*(the durable copy is damaged|in 'model.b': checksum mismatch for)"):
             got, target = load_step(mgr, None, full_verify=True)
         assert got == 10
 
@@ -128,8 +131,11 @@ def test_a_bad_local_copy_falls_back_to_the_durable_one(tmp_path, durable_url, h
     with CheckpointManager(root, durable=durable_url, durable_resume=how) as mgr:
         with pytest.warns(UserWarning, match="local copy of step 10.*is bad"):
             assert_resumes(mgr, 10)
-    # "fetch" replaced the local copy; "load" left it (the next save of step 10 replaces it)
-    assert verify(str(root / "step_00000010")).ok == (how == "fetch")
+        # "fetch" replaced the local copy; "load" left it, and a save of step 10 replaces it
+        assert verify(str(root / "step_00000010")).ok == (how == "fetch")
+        mgr.save(10, state_at(11), overwrite=how == "fetch")
+        mgr.wait()
+        assert verify(str(root / "step_00000010")).ok
 
 
 def test_an_unreachable_durable_tier_keeps_local_copies_and_reports(tmp_path, shared_mount):
@@ -185,6 +191,9 @@ def test_two_new_nodes_resume_sharded_state_from_the_durable_tier(tmp_path, dura
     run_ranks("manager_durable_saves", 2, tmp_path / "logs", root=str(tmp_path / "run"), durable=durable_url)
     run_ranks("manager_durable_resume", 2, tmp_path / "logs2", root=str(tmp_path / "new"), durable=durable_url, how=how)
     assert _durable(durable_url) == {10: True, 20: True, 30: True}
+    shutil.rmtree(tmp_path / "new")  # 30 was numbered after 20's commit on both ranks: it resumes
+    with CheckpointManager(tmp_path / "newer", durable=durable_url) as mgr:
+        assert_resumes(mgr, 30)
 
 
 def test_an_overwritten_step_replaces_its_durable_copy(tmp_path, durable_url):

@@ -152,6 +152,34 @@ def test_corrupt_object_is_a_checksum_error_naming_object_and_key(tmp_path, stor
     dcp.load(out, storage_reader=StoreReader("bad", store=store, verify=False), no_dist=True)
 
 
+@pytest.mark.parametrize("target", ["big:first", "big:last", "small.p30", "extra.name", "zstd:big"])
+def test_every_kind_of_read_is_verified(tmp_path, store, target):
+    """A flipped byte is caught in the first and the last piece of a split read, in a later part
+    of a merged range, in an object, and in a compressed chunk's frames."""
+    compressed = target.startswith("zstd:")
+    if compressed:
+        pytest.importorskip("zstandard")
+    state = _state()
+    save(state, tmp_path / "c", window_bytes=256 << 10, host_cache_bytes=1 << 20,
+         **({"compression": "zstd"} if compressed else {}))
+    upload(tmp_path / "c", store, "x")
+    key, _, where = target.removeprefix("zstd:").partition(":")
+    reader = StoreReader("x", store=store)
+    layout = reader.load_metadata().storage_data
+    loc = next(loc for index, loc in layout.locations.items() if index.fqn == key)
+    if loc.is_object:
+        offset, length = reader.rank_index(loc.relative_path).objects[loc.object_ordinal]
+    else:
+        offset, length = loc.offset, loc.length
+    pos = offset + (length - 7 if where == "last" else length // 2)
+    name = data_files(tmp_path / "c")[0]
+    data = bytearray(store.read(f"x/{name}"))
+    data[pos] ^= 0x10
+    _replace(store, f"x/{name}", data)
+    with raises_from_checkpoint((ChecksumMismatchError, CorruptCheckpointError), match=f"'{key}'"):
+        dcp.load(_zeros_like(state), storage_reader=StoreReader("x", store=store, range_bytes=1 << 20), no_dist=True)
+
+
 def test_missing_and_incomplete_checkpoints_are_named(tmp_path, store):
     state = {"a": torch.randn(100)}
     save(state, tmp_path / "c")

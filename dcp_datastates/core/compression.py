@@ -447,7 +447,7 @@ def add_compressed_read(batch, item, planner, loc, idx, dtype, sizes, target, st
     layout = reader.layout
     block = layout.compression[1]
     key = item.storage_index.fqn
-    where = os.path.join(reader.path, loc.relative_path)
+    where = reader._where(loc.relative_path)
     itemsize = dtype.itemsize
     nbytes = loc.length
     nblocks = compressed_blocks(nbytes, block)

@@ -164,6 +164,11 @@ class DataStatesReader(StorageReader):
         """The checkpoint file ``name`` as errors name it."""
         return os.path.join(self.path, name)
 
+    @property
+    def location(self) -> str:
+        """The checkpoint as errors name it (its directory; a store reader's URL)."""
+        return self.path
+
     def _fetch_metadata(self) -> Metadata:
         """The decoded ``.metadata``; a missing one is the checkpoint's absence or incompleteness."""
         try:
@@ -227,7 +232,7 @@ class DataStatesReader(StorageReader):
         if metadata is not self._metadata:
             layout = metadata.storage_data
             if not isinstance(layout, CheckpointLayout):
-                raise UnsupportedFormatError(f"{self.path}: metadata was not written by dcp_datastates")
+                raise UnsupportedFormatError(f"{self.location}: metadata was not written by dcp_datastates")
             layout.validate(self._where(METADATA_FILE))
             self._metadata, self._layout = metadata, layout
         self._indexes = {}
@@ -267,7 +272,7 @@ class DataStatesReader(StorageReader):
             return idx
         files = next((r for r in self._layout.ranks if r.data_file == relative_path), None)
         if files is None:
-            raise CorruptCheckpointError(f"{self.path}: metadata names data file {relative_path} of no rank")
+            raise CorruptCheckpointError(f"{self.location}: metadata names data file {relative_path} of no rank")
         # Every data file (one per stripe) must be there; the data may reach as far as the
         # last one's start plus its size, and every other stripe's file must hold its share.
         data_names = files.data_files()
@@ -302,14 +307,14 @@ class DataStatesReader(StorageReader):
     def chunk_sizes(self, index: MetadataIndex) -> tuple[torch.dtype, tuple[int, ...]]:
         md = self._metadata.state_dict_metadata.get(index.fqn)
         if not isinstance(md, TensorStorageMetadata):
-            raise CorruptCheckpointError(f"{self.path}: {index.fqn!r} is not a tensor in the metadata")
+            raise CorruptCheckpointError(f"{self.location}: {index.fqn!r} is not a tensor in the metadata")
         table = self._chunks.get(index.fqn)
         if table is None:
             table = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
             self._chunks[index.fqn] = table
         sizes = table.get(tuple(index.offset or ()))
         if sizes is None:
-            raise CorruptCheckpointError(f"{self.path}: no saved chunk of {index.fqn!r} at offset {tuple(index.offset)}")
+            raise CorruptCheckpointError(f"{self.location}: no saved chunk of {index.fqn!r} at offset {tuple(index.offset)}")
         return md.properties.dtype, sizes
 
 
@@ -415,14 +420,14 @@ class _ReadBatch:
         loc = reader._layout.location(item.storage_index)
         if loc is None:
             raise CorruptCheckpointError(
-                f"{reader.path}: metadata has no stored location for {item.storage_index.fqn!r}"
+                f"{reader.location}: metadata has no stored location for {item.storage_index.fqn!r}"
             )
         idx = reader.rank_index(loc.relative_path)
         key = item.storage_index.fqn
         if item.type == LoadItemType.BYTE_IO:
             if not 0 <= loc.object_ordinal < len(idx.objects):
                 raise CorruptCheckpointError(
-                    f"{reader.path}: object {key!r} refers to entry {loc.object_ordinal} of an "
+                    f"{reader.location}: object {key!r} refers to entry {loc.object_ordinal} of an "
                     f"index with {len(idx.objects)} objects"
                 )
             offset, nbytes = idx.objects[loc.object_ordinal]
@@ -431,7 +436,7 @@ class _ReadBatch:
                 self._request(key, loc.relative_path, offset, nbytes, _native.bytearray_address(buf), idx)
                 self.keep.append(buf)
             allow = reader.allow_pickle
-            where = os.path.join(reader.path, loc.relative_path)
+            where = reader._where(loc.relative_path)
 
             def load_object() -> None:
                 # Safe mode: DCP unpickles our own pickle of the checked values, never the saved bytes.
@@ -445,7 +450,7 @@ class _ReadBatch:
         itemsize = dtype.itemsize
         if loc.length != math.prod(sizes) * itemsize:
             raise CorruptCheckpointError(
-                f"{reader.path}: {key!r} has {loc.length} stored bytes for a {dtype} chunk of shape {sizes}"
+                f"{reader.location}: {key!r} has {loc.length} stored bytes for a {dtype} chunk of shape {sizes}"
             )
         start, count, exact = _contiguous_range(sizes, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()

@@ -78,7 +78,6 @@ from dcp_datastates.manager.checkpoint_root import (
     step_of,
 )
 from dcp_datastates.manager.durable_tier import DrainStatus, DurableTier
-from dcp_datastates.tiers.store import StoreError
 from dcp_datastates.tiers.store_reader import StoreReader
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_file import read_commit_sequence
@@ -106,10 +105,12 @@ class SkippedCheckpointWarning(CheckpointManagerWarning):
 _BAD_FILES = (CorruptCheckpointError, IncompleteCheckpointError)
 # Resume skips a checkpoint for these too, but leaves it alone: it may be fine (it vanished
 # while we looked, it is another format, the disk failed to read it this time).
-_UNREADABLE = (CheckpointNotFoundError, UnsupportedFormatError, StoreError)
+_UNREADABLE = (CheckpointNotFoundError, UnsupportedFormatError)
 _READ_ERRNOS = {errno.EIO, errno.ENOENT, errno.ESTALE, errno.ENODATA}
-# Anything else (a state dict that does not match, unsafe objects, EACCES, EMFILE) is
-# raised: falling back to an older checkpoint would hide it.
+# Anything else (a state dict that does not match, unsafe objects, EACCES, EMFILE, a durable
+# store that does not answer: StoreError, after the client's own retries) is raised: falling
+# back to an older checkpoint would hide it (and a save after it would make the newer step
+# look abandoned).
 
 
 class ManagedSave(Future):
@@ -452,6 +453,7 @@ class CheckpointManager:
                         fetched = verdict is None
                     else:
                         verdict = self._load_durable(state, s, full_verify)
+                        self._replaceable.add(s)  # a save of this step replaces the bad local copy
             if fetched:
                 verdict = self._load_local(state, s, full_verify)
             if verdict is None:

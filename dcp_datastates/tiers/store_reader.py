@@ -113,6 +113,12 @@ class StoreReader(DataStatesReader):
     def _where(self, name: str) -> str:
         return self.store.where(self.key(name))
 
+    @property
+    def location(self) -> str:
+        if self._given_store is None:
+            return self.store.url
+        return self.store.where(self.path.strip("/"))
+
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
         self.commit_sequence = None
@@ -308,6 +314,12 @@ class _StoreReadBatch(_ReadBatch):
                 )
 
 
+_memory_view = ctypes.pythonapi.PyMemoryView_FromMemory  # the stable C API: no ctypes type per length
+_memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_memory_view.restype = ctypes.py_object
+_PYBUF_WRITE = 0x200
+
+
 def _memory(address: int, nbytes: int) -> memoryview:
     """A writable view of ``nbytes`` at ``address`` (a destination tensor or buffer the batch keeps alive)."""
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
+    return _memory_view(address, nbytes, _PYBUF_WRITE)

@@ -16,7 +16,7 @@ from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_file import decode_metadata
 from dcp_datastates.format.rank_index import IndexLimits, decode_index
 from dcp_datastates.manager.checkpoint_root import step_of
-from dcp_datastates.tiers import DurableStore, open_store
+from dcp_datastates.tiers import DurableStore, StoreError, open_store
 from dcp_datastates.tiers.drain import BLOCK_BYTES, CONFIRM_DIR, SegmentChecker, keys_by_step, step_prefix
 
 COMMITTED, INCOMPLETE, DRAINING = "committed", "incomplete", "draining"
@@ -77,7 +77,8 @@ class DurableVerifyReport:
 
 def verify_durable(store: DurableStore, step_dir: str, *, allow_pickle: bool = False, block: int = BLOCK_BYTES,
                    progress=None) -> DurableVerifyReport:
-    """Check a durable copy (see the module docstring); never raises for a damaged copy."""
+    """Check a durable copy (see the module docstring); never raises for a damaged copy. A
+    :class:`StoreError` (the store did not answer) is raised: it says nothing about the copy."""
     where = store.where(step_dir)
     report = DurableVerifyReport(where)
     meta_key = f"{step_dir}/{METADATA_FILE}"
@@ -87,6 +88,8 @@ def verify_durable(store: DurableStore, step_dir: str, *, allow_pickle: bool = F
             return report
         report.committed = True
         metadata, _ = decode_metadata(store.read(meta_key), store.where(meta_key), allow_pickle)
+    except StoreError:
+        raise  # the store failed to answer: nothing is known about the copy
     except CheckpointError as exc:
         report.problems.append(str(exc))
         return report
@@ -121,6 +124,8 @@ def verify_durable(store: DurableStore, step_dir: str, *, allow_pickle: bool = F
                     if progress is not None:
                         progress(report.bytes_checked)
                 checker.finish(size)
+        except StoreError:
+            raise
         except CheckpointError as exc:
             report.problems.append(str(exc))
     strays = [k for k in store.list(step_prefix(step_dir)) if k[len(step_prefix(step_dir)):] not in named
