@@ -3,7 +3,7 @@
 loop, how fast it runs against a raw copy to the same place, and how long a resume takes
 from each tier.
 
-    python benchmarks/bench_tiers.py [--quick] [--local-dir DIR] [--dir DURABLE_DIR] [--s3]
+    python benchmarks/bench_tiers.py [--quick] [--local-dir DIR] [--dir DURABLE_DIR] [--s3] [--pin]
                                      [--state-mib N] [--saves N] [--reps N] [--json OUT]
 
 A toy training loop: --state-mib MiB of float32 parameters in 4 MiB tensors, SGD with
@@ -26,6 +26,10 @@ for the cores (a drain's work makes save() itself slower only if it grows). The 
 step's own time and the iteration time are reported too: the drain shares
 the 2 cores and the memory bandwidth with the loop.
 
+--pin puts the training thread on CPU 0 and every other thread (the drain, the engine's I/O
+threads, the S3 server's) on CPU 1, re-pinned every iteration: a stand-in for a machine whose
+checkpoint I/O has cores of its own (the kernel's writeback and interrupts stay unpinned).
+
 Drain throughput = bytes drained / seconds the drains ran (DrainStatus), against a raw
 copy of the same checkpoint's files to the same destination (a read + write + fsync loop
 into the directory; for S3 the same store's put_file: obstore's multipart upload, without
@@ -46,6 +50,7 @@ import os
 import shutil
 import statistics
 import sys
+import threading
 import time
 import warnings
 
@@ -79,14 +84,37 @@ def compute(ms: float, a: torch.Tensor) -> None:
         a @ a
 
 
-def run_loop(root: str, durable: str | None, params, args, options: dict) -> dict:
+def pin_others(main_tid: int, cpus, pids=()) -> None:
+    """Move every thread of this process but the training thread, and every thread of
+    ``pids`` (the S3 server), onto ``cpus`` (``--pin``: a machine whose checkpoint I/O has a
+    core of its own). New threads inherit their creator's CPUs, so this runs every iteration."""
+    for pid in (os.getpid(), *pids):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            continue
+        for tid in map(int, tids):
+            if tid != main_tid:
+                try:
+                    os.sched_setaffinity(tid, cpus)
+                except (ProcessLookupError, PermissionError):
+                    pass  # a thread that just ended
+
+
+def run_loop(root: str, durable: str | None, params, args, options: dict, server_pid: int | None = None) -> dict:
     opt = torch.optim.SGD(params, lr=1e-3)
     state = {"model": {f"p{i}": p for i, p in enumerate(params)}}
     a = torch.randn(256, 256)
     mgr = CheckpointManager(root, keep_last=2, async_save=True, durable=durable, durable_options=options)
     blocked, iters, in_save, in_fence, steps, save_cpu = [], [], [], [], [], []
     pending_save = None
+    main_tid = threading.get_native_id()
+    allowed = os.sched_getaffinity(0)
+    if args.pin:
+        os.sched_setaffinity(0, {0})
     for i in range(args.saves + 3):  # 3 iterations before the first checkpoint: the step's own time
+        if args.pin:
+            pin_others(main_tid, {1}, [server_pid] if server_pid else [])
         t_iter = time.perf_counter()
         compute(args.compute_ms, a)
         t = time.perf_counter()
@@ -122,6 +150,9 @@ def run_loop(root: str, durable: str | None, params, args, options: dict) -> dic
     durable_wait = time.perf_counter() - t
     status = mgr.durable_status()
     mgr.close()
+    if args.pin:  # the resumes run unpinned
+        os.sched_setaffinity(0, allowed)
+        pin_others(main_tid, allowed, [server_pid] if server_pid else [])
     drained = sum(st.bytes_done for st in status.values())
     drain_s = sum(st.seconds for st in status.values())
     return {
@@ -216,6 +247,8 @@ def main() -> int:
     add_common_args(ap, "64 MiB state, 3 saves, 1 rep")
     ap.add_argument("--local-dir", default="/dev/shm", help="the fast local tier (default /dev/shm)")
     ap.add_argument("--s3", action="store_true", help="also the S3 variant, on a SeaweedFS server started here")
+    ap.add_argument("--pin", action="store_true",
+                    help="training thread on CPU 0, every other thread (drain, engine, S3 server) on CPU 1")
     ap.add_argument("--s3-nice", type=int, default=19, help="the server's nice value (default 19; 0: compete with training)")
     ap.add_argument("--state-mib", type=int, default=None, help="parameters in MiB (default 512, --quick 64)")
     ap.add_argument("--saves", type=int, default=None, help="checkpoints per run, one per iteration (default 10)")
@@ -255,7 +288,7 @@ def main() -> int:
                 durable = variants[v]
                 if durable is not None:
                     durable = f"{durable}/{v}-{rep}" if durable.startswith("s3://") else os.path.join(durable, f"{v}-{rep}")
-                r = run_loop(root, durable, params, args, options[v])
+                r = run_loop(root, durable, params, args, options[v], server.proc.pid if server and v == "durable_s3" else None)
                 results[v].append(r)
                 if durable is not None:
                     steps = sorted(n for n in os.listdir(root) if n.startswith("step_"))
