@@ -221,8 +221,13 @@ _tier_counter = iter(range(1_000_000))
 @pytest.fixture(params=["posix", "s3"])
 def durable_url(request):
     """A fresh durable destination: a directory on the shared mount, or a prefix in the S3 bucket."""
+    return new_durable_url(request, request.param)
+
+
+def new_durable_url(request, kind: str) -> str:
+    """A fresh durable destination of ``kind`` ("posix" or "s3"), for tests that pick their own."""
     n = next(_tier_counter)
-    if request.param == "posix":
+    if kind == "posix":
         return os.path.join(request.getfixturevalue("shared_mount"), f"t{n}")
     return f"s3://{request.getfixturevalue('s3_server').bucket}/t{n}"
 

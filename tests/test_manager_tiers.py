@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from conftest import assert_resumes
+from conftest import assert_resumes, new_durable_url
 from dcp_datastates import CorruptCheckpointError, verify
 from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning
 from dcp_datastates.manager.checkpoint_root import step_dirs, step_of
@@ -177,21 +177,15 @@ def test_an_interrupted_drain_is_finished_when_the_manager_starts_again(tmp_path
     assert not any("leftover" in k or "step_00000007" in k for k in keys)
 
 
-def test_two_ranks_drain_their_own_files_and_rank0_commits(tmp_path, durable_url):
-    root = tmp_path / "run"
-    run_ranks("manager_durable_saves", 2, tmp_path / "logs", root=str(root), durable=durable_url)
-    assert _durable(durable_url) == {10: True, 20: True}
-    shutil.rmtree(root)
-    with CheckpointManager(root, durable=durable_url) as mgr:  # resharded onto one rank, from the durable tier
-        assert_resumes(mgr, 20)
-
-
-@pytest.mark.parametrize("how", ["load", "fetch"])
-def test_two_new_nodes_resume_sharded_state_from_the_durable_tier(tmp_path, durable_url, how):
+# The fetch is the same code for both stores (test_drain.py fetches from both): run once.
+@pytest.mark.parametrize("tier,how", [("posix", "load"), ("s3", "load"), ("posix", "fetch")])
+def test_two_ranks_drain_their_own_files_and_two_new_nodes_resume_from_them(tmp_path, request, tier, how):
+    durable_url = new_durable_url(request, tier)
     run_ranks("manager_durable_saves", 2, tmp_path / "logs", root=str(tmp_path / "run"), durable=durable_url)
+    assert _durable(durable_url) == {10: True, 20: True}  # each rank drained its files; rank 0 committed
     run_ranks("manager_durable_resume", 2, tmp_path / "logs2", root=str(tmp_path / "new"), durable=durable_url, how=how)
     assert _durable(durable_url) == {10: True, 20: True, 30: True}
-    shutil.rmtree(tmp_path / "new")  # 30 was numbered after 20's commit on both ranks: it resumes
+    # On one rank, resharded, with no local copy: 30 was numbered after 20's commit on both ranks.
     with CheckpointManager(tmp_path / "newer", durable=durable_url) as mgr:
         assert_resumes(mgr, 30)
 
