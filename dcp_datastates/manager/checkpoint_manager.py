@@ -78,6 +78,7 @@ from dcp_datastates.manager.checkpoint_root import (
     step_of,
 )
 from dcp_datastates.manager.durable_tier import DrainStatus, DurableTier
+from dcp_datastates.tiers.store import StoreError
 from dcp_datastates.tiers.store_reader import StoreReader
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_file import read_commit_sequence
@@ -658,11 +659,20 @@ class CheckpointManager:
         def fetch():
             if replace_bad:
                 delete_checkpoint_dir(path)
-            self._tier.fetch(step, path)
-            return read_commit_sequence(os.path.join(path, METADATA_FILE)) or 0
+            try:
+                self._tier.fetch(step, path)
+            except StoreError as exc:  # the store did not answer: every rank raises it (below)
+                return None, _describe(exc)
+            return read_commit_sequence(os.path.join(path, METADATA_FILE)) or 0, None
 
         try:
-            seq = self._on_rank0(fetch, f"fetching step {step} from {self._tier.url}")
+            seq, unanswered = self._on_rank0(fetch, f"fetching step {step} from {self._tier.url}")
+        except BaseException as exc:  # noqa: BLE001 - classified like a load's failure
+            return self._agree((f"fetching it from {self._tier.url} failed: {_describe(exc)}", False))
+        if unanswered is not None:
+            # Raised, as for a load in place: falling back to an older step would hide it.
+            return self._agree((_RAISE, f"fetching step {step} from {self._tier.url}: {unanswered}"))
+        try:
             with self._lock:
                 self._seq = max(self._seq, seq)
             if self._rank != 0 and not is_committed(path):
@@ -673,7 +683,10 @@ class CheckpointManager:
                         raise
             verdict = None
         except BaseException as exc:  # noqa: BLE001 - classified like a load's failure
-            verdict = (f"fetching it from {self._tier.url} failed: {_describe(exc)}", False)
+            if isinstance(exc, StoreError):  # another rank's own fetch: the store did not answer
+                verdict = (_RAISE, f"fetching step {step} from {self._tier.url}: {_describe(exc)}")
+            else:
+                verdict = (f"fetching it from {self._tier.url} failed: {_describe(exc)}", False)
         return self._agree(verdict)
 
     def _load_durable(self, state: dict, step: int, full_verify: bool):
