@@ -95,7 +95,9 @@ def same(a, b) -> bool:
 
 def variants():
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._extension import ZStandard
+    from dcp_datastates._dcp_compat import zstandard_extension_class
+
+    ZStandard = zstandard_extension_class()  # DCP's experimental extension, private in DCP
 
     from dcp_datastates import DataStatesReader, DataStatesWriter
 

@@ -47,9 +47,9 @@ class SavedRun:
 
 def flatten(d):
     """Keys as DCP flattens them ("model.w", "optim.param_groups.0.lr")."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from dcp_datastates._dcp_compat import flatten_state_dict
 
-    return flatten_state_dict(d)[0]
+    return flatten_state_dict(d)
 
 
 def _split(flat):

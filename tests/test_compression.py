@@ -32,7 +32,9 @@ from dcp_datastates.tools.checkpoint_view import CheckpointView
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 
 zstandard = pytest.importorskip("zstandard")
-from torch.distributed.checkpoint._extension import StreamTransformExtension, ZStandard  # noqa: E402
+from dcp_private import stream_extensions  # noqa: E402
+
+StreamTransformExtension, ZStandard = stream_extensions()
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

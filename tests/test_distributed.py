@@ -103,19 +103,9 @@ def test_save_2ranks_load_1proc_without_process_group(dtensor_ckpts):
 
 def test_save_2ranks_load_1proc_without_targets(dtensor_ckpts):
     """What dcp_to_torch_save does: load everything into an empty state dict."""
-    # Private DCP API (as used by torch.distributed.checkpoint.format_utils.dcp_to_torch_save).
-    try:
-        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-    except ImportError:
-        pytest.skip("this torch lacks the private API dcp_to_torch_save uses")
-    state = {}
-    _load_state_dict(
-        state,
-        storage_reader=DataStatesReader(dtensor_ckpts.default),
-        planner=_EmptyStateDictLoadPlanner(),
-        no_dist=True,
-    )
+    from dcp_private import load_into_empty_state_dict
+
+    state = load_into_empty_state_dict(DataStatesReader(dtensor_ckpts.default))
     dh.assert_equal_exact(state, dh.reference_state())
 
 

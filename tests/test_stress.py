@@ -406,7 +406,8 @@ CONSUMER_SCRIPT = textwrap.dedent(
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed.checkpoint as dcp
-    import torch.distributed.checkpoint._async_thread_executor as executor
+    from dcp_private import async_thread_executor  # the script runs in tests/
+    executor = async_thread_executor()
     from dcp_datastates import DataStatesWriter
     from dcp_datastates.core import staging
 
