@@ -138,9 +138,10 @@ class StoreReader(DataStatesReader):
     def _fetch_metadata(self) -> Metadata:
         key = self.key(METADATA_FILE)
         store = self.store
-        if store.size(key) is None:
+        size = store.size(key)
+        if size is None:
             raise self._missing_checkpoint_error()
-        blob = bytes(store.read(key))
+        blob = bytes(store.read_range(key, 0, size))
         where = store.where(key)
         cached = self._decoded_blob
         if cached is not None and cached[0] == blob and cached[1] == self.allow_pickle:
