@@ -176,7 +176,7 @@ class DataStatesReader(StorageReader):
         except FileNotFoundError:
             raise missing_checkpoint_error(self.path) from None
 
-    def _data_file_sizes(self, files: RankFiles) -> list[int]:
+    def data_file_sizes(self, files: RankFiles) -> list[int]:
         """The sizes of the rank's data files (one per stripe); a missing one is an error."""
         sizes = []
         for name in files.data_files():
@@ -277,7 +277,7 @@ class DataStatesReader(StorageReader):
         # last one's start plus its size, and every other stripe's file must hold its share.
         data_names = files.data_files()
         bases = [0, *files.stripes]
-        sizes = self._data_file_sizes(files)
+        sizes = self.data_file_sizes(files)
         for k in range(len(bases) - 1):
             if sizes[k] < bases[k + 1] - bases[k]:
                 raise CorruptCheckpointError(

@@ -699,9 +699,8 @@ class CheckpointManager:
         if verdict is None:
             verdict = self._try_load(state, reader)
         if verdict is None:
-            seq = getattr(reader, "commit_sequence", None)
-            if not isinstance(reader, StoreReader):
-                seq = read_commit_sequence(os.path.join(reader.path, METADATA_FILE))
+            seq = (reader.commit_sequence if isinstance(reader, StoreReader)  # read with .metadata
+                   else read_commit_sequence(os.path.join(reader.path, METADATA_FILE)))
             with self._lock:
                 self._seq = max(self._seq, seq or 0)
         return verdict

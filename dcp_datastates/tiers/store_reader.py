@@ -166,7 +166,7 @@ class StoreReader(DataStatesReader):
             )
         return CheckpointNotFoundError(f"no checkpoint at {where}: {METADATA_FILE} is missing")
 
-    def _data_file_sizes(self, files: RankFiles) -> list[int]:
+    def data_file_sizes(self, files: RankFiles) -> list[int]:
         sizes = []
         for name in files.data_files():
             size = self.store.size(self.key(name))

@@ -13,11 +13,10 @@ import dataclasses
 
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.file_names import METADATA_FILE
-from dcp_datastates.format.metadata_file import decode_metadata
-from dcp_datastates.format.rank_index import IndexLimits, decode_index
 from dcp_datastates.manager.checkpoint_root import step_of
 from dcp_datastates.tiers import DurableStore, StoreError, open_store
 from dcp_datastates.tiers.drain import BLOCK_BYTES, CONFIRM_DIR, SegmentChecker, keys_by_step, step_prefix
+from dcp_datastates.tiers.store_reader import StoreReader
 
 COMMITTED, INCOMPLETE, DRAINING = "committed", "incomplete", "draining"
 
@@ -82,20 +81,18 @@ def verify_durable(store: DurableStore, step_dir: str, *, allow_pickle: bool = F
     where = store.where(step_dir)
     report = DurableVerifyReport(where)
     meta_key = f"{step_dir}/{METADATA_FILE}"
+    # .metadata and the rank indexes get the checks a load makes (the reader's own code)
+    reader = StoreReader(step_dir, store=store, allow_pickle=allow_pickle)
     try:
         if store.size(meta_key) is None:
             report.problems.append(f"no {METADATA_FILE}: not a committed checkpoint (an incomplete or draining copy)")
             return report
         report.committed = True
-        metadata, _ = decode_metadata(store.read(meta_key), store.where(meta_key), allow_pickle)
+        layout = reader.load_metadata().storage_data
     except StoreError:
         raise  # the store failed to answer: nothing is known about the copy
-    except CheckpointError as exc:
+    except CheckpointError as exc:  # stock DCP's metadata too: it has no checksums to verify
         report.problems.append(str(exc))
-        return report
-    layout = metadata.storage_data
-    if not hasattr(layout, "ranks"):
-        report.problems.append("not a dcp_datastates checkpoint (stock DCP has no checksums to verify)")
         return report
     report.ranks = len(layout.ranks)
     named = {METADATA_FILE}
@@ -103,19 +100,8 @@ def verify_durable(store: DurableStore, step_dir: str, *, allow_pickle: bool = F
         names = files.data_files()
         named.update((*names, files.index_file))
         try:
-            sizes = []
-            for n in names:
-                size = store.size(f"{step_dir}/{n}")
-                if size is None:
-                    raise CheckpointError(f"{store.where(step_dir + '/' + n)}: rank {files.rank}'s data file is missing")
-                sizes.append(size)
-            index_key = f"{step_dir}/{files.index_file}"
-            if store.size(index_key) is None:
-                raise CheckpointError(f"{store.where(index_key)}: rank {files.rank}'s index is missing")
-            limits = IndexLimits(store.where(f"{step_dir}/{names[-1]}"), sizes[-1], 1 << 62, files.stripes[-1] if files.stripes else 0)
-            index = decode_index(store.read(index_key), store.where(index_key), limits)
-            index.apply_stripes(names, files.stripes, store.where(index_key))
-            for stripe, (name, size) in enumerate(zip(names, sizes)):
+            index = reader.rank_index(files.data_file)
+            for stripe, (name, size) in enumerate(zip(names, reader.data_file_sizes(files))):
                 key = f"{step_dir}/{name}"
                 checker = SegmentChecker(index, stripe, store.where(key), "the durable copy is damaged")
                 for at, data in store.read_blocks(key, size, block):
