@@ -54,6 +54,16 @@ def load(state, path, **reader_kwargs):
     return state
 
 
+def zeros_like_state(state):
+    """A load target shaped like ``state``: its tensors zeroed, its dicts copied, every other
+    value None (DCP's load replaces objects whatever the target holds)."""
+    if isinstance(state, dict):
+        return {k: zeros_like_state(v) for k, v in state.items()}
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    return None
+
+
 def unwrap(exc: BaseException) -> BaseException:
     """The error a rank raised, whether or not DCP wrapped it in a CheckpointException."""
     if isinstance(exc, CheckpointException):
@@ -222,6 +232,32 @@ _tier_counter = iter(range(1_000_000))
 def durable_url(request):
     """A fresh durable destination: a directory on the shared mount, or a prefix in the S3 bucket."""
     return new_durable_url(request, request.param)
+
+
+class FailingReads:
+    """A durable store whose reads fail where ``fails(key, offset)`` says, as a server that
+    stopped answering would (a :class:`StoreError` naming the object's URL and ``why``);
+    everything else is forwarded."""
+
+    def __init__(self, store, fails, why: str = "connection reset"):
+        self._store, self._fails, self._why = store, fails, why
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def _check(self, key: str, offset: int) -> None:
+        if self._fails(key, offset):
+            from dcp_datastates.tiers import StoreError
+
+            raise StoreError(f"{self._store.where(key)}: {self._why}")
+
+    def read_range(self, key, offset, length):
+        self._check(key, offset)
+        return self._store.read_range(key, offset, length)
+
+    def read_into(self, key, offset, out):
+        self._check(key, offset)
+        return self._store.read_into(key, offset, out)
 
 
 def new_durable_url(request, kind: str) -> str:

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 import dist_helpers as dh
 import parity_workers as pw
-from conftest import assert_same, load, raises_from_checkpoint, save
+from conftest import assert_same, load, raises_from_checkpoint, save, zeros_like_state
 from dcp_datastates import (
     CheckpointExistsError,
     DataStatesReader,
@@ -72,14 +72,6 @@ def state_at(i: int) -> dict:
         "epoch": i,
         "cfg": {"name": f"run{i}", "lr": 0.5 / (i + 1)},
     }
-
-
-def zeros_like_state(state):
-    if isinstance(state, dict):
-        return {k: zeros_like_state(v) for k, v in state.items()}
-    if isinstance(state, torch.Tensor):
-        return torch.zeros_like(state)
-    return None
 
 
 def our_files(path) -> set[str]:

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from conftest import assert_same, load, save
+from conftest import FailingReads, assert_same, load, save
 from dcp_datastates import DataStatesReader, verify
 from dcp_datastates.errors import CorruptCheckpointError
 from dcp_datastates.manager.checkpoint_root import step_of
@@ -126,21 +126,6 @@ def test_a_crash_mid_drain_leaves_nothing_committed_and_a_new_drain_commits(tmp_
     assert verify(tmp_path / "f2").ok
 
 
-class _FailingRead:
-    """Forwards to a store; one ranged read in the middle of a data file fails."""
-
-    def __init__(self, store):
-        self._store = store
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-    def read_range(self, key, offset, length):
-        if key.endswith(".data") and offset == 2 << 20:
-            raise StoreError(f"{key}: connection reset")
-        return self._store.read_range(key, offset, length)
-
-
 def test_a_failed_fetch_leaves_no_checkpoint_and_no_temporaries(tmp_path, durable_url):
     local = tmp_path / "step_00000003"
     state = _state(3)
@@ -149,7 +134,9 @@ def test_a_failed_fetch_leaves_no_checkpoint_and_no_temporaries(tmp_path, durabl
     _drain(local, "step_00000003", store)
     dest = tmp_path / "fetched"
     with pytest.raises(StoreError, match="connection reset"):
-        fetch_step(_FailingRead(store), "step_00000003", str(dest), block=1 << 20, concurrency=4)
+        # one ranged read in the middle of a data file fails
+        failing = FailingReads(store, lambda key, offset: key.endswith(".data") and offset == 2 << 20)
+        fetch_step(failing, "step_00000003", str(dest), block=1 << 20, concurrency=4)
     assert not (dest / ".metadata").exists()
     assert not [n for n in os.listdir(dest) if ".fetch-" in n]
     fetch_step(store, "step_00000003", str(dest), block=1 << 20)  # a retry completes it

@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 import dcp_datastates
 from dcp_datastates.core.save_state import BACKGROUND_ERRORS
-from conftest import assert_same, data_files, load, mounted_tmpfs, raises_from_checkpoint, save
+from conftest import assert_same, data_files, load, mounted_tmpfs, raises_from_checkpoint, save, zeros_like_state
 from dcp_datastates import DataStatesReader, DataStatesWriter, verify
 from dcp_datastates.native.faults import clear, fired, inject_fault
 
@@ -44,14 +44,6 @@ def make_state(seed=0):
         "step": 5 + seed,
         "meta": {"name": "run", "lrs": [0.1, 0.01]},
     }
-
-
-def zeros_like(state):
-    if isinstance(state, torch.Tensor):
-        return torch.zeros_like(state)
-    if isinstance(state, dict):
-        return {k: zeros_like(v) for k, v in state.items()}
-    return None
 
 
 def async_save(state, writer):
@@ -99,7 +91,7 @@ def test_sync_write_fault_names_file_and_commits_nothing(tmp_path, part, offset,
     assert_clean_failure(path)
     # the next save into the same directory succeeds and round-trips
     save(state, path, **SMALL)
-    assert_same(load(zeros_like(state), path), state)
+    assert_same(load(zeros_like_state(state), path), state)
     assert verify(path).ok
 
 
@@ -152,14 +144,14 @@ def test_failed_overwrite_keeps_the_committed_checkpoint_intact(tmp_path):
                 save(make_state(1), path, overwrite=True, **SMALL)
         assert sorted(os.listdir(path)) == committed  # only the old checkpoint's files
         assert verify(path).ok
-        assert_same(load(zeros_like(old), path), old)
+        assert_same(load(zeros_like_state(old), path), old)
     with inject_fault("rename", path=".metadata", errno=errno.EIO):
         with raises_from_checkpoint(OSError):
             save(make_state(1), path, overwrite=True, **SMALL)
     assert sorted(os.listdir(path)) == committed
     new = make_state(1)
     save(new, path, overwrite=True, **SMALL)
-    assert_same(load(zeros_like(new), path), new)
+    assert_same(load(zeros_like_state(new), path), new)
 
 
 @pytest.mark.parametrize("part,offset", [(".data", 0), (".data", MiB + 4096), (".metadata", 0)])
@@ -179,7 +171,7 @@ def test_async_write_fault_reaches_the_future_and_the_next_save(tmp_path, part, 
     with pytest.raises(dcp_datastates.CheckpointError, match="No space left"):
         async_save(state, DataStatesWriter(tmp_path / "d", **SMALL))
     async_save(state, DataStatesWriter(tmp_path / "d", **SMALL)).upload_completion.result(timeout=60)
-    assert_same(load(zeros_like(state), tmp_path / "d"), state)
+    assert_same(load(zeros_like_state(state), tmp_path / "d"), state)
     assert verify(committed).ok
 
 
@@ -203,7 +195,7 @@ def test_short_writes_everywhere_still_produce_an_exact_checkpoint(tmp_path, dir
         assert all(fired(i) > 0 for i in ids), [fired(i) for i in ids]
     finally:
         clear()
-    assert_same(load(zeros_like(state), path), state)
+    assert_same(load(zeros_like_state(state), path), state)
     assert verify(path).ok
 
 
@@ -211,7 +203,7 @@ def test_short_reads_are_retried(tmp_path):
     state = make_state()
     save(state, tmp_path / "c", **SMALL)
     with inject_fault("read", path=".data", action="short", times=-1) as rule:
-        out = load(zeros_like(state), tmp_path / "c")
+        out = load(zeros_like_state(state), tmp_path / "c")
         assert fired(rule) > 0
     assert_same(out, state)
 
@@ -221,7 +213,7 @@ def test_read_error_names_file_and_key(tmp_path):
     save(state, tmp_path / "c", **SMALL)
     with inject_fault("read", path=".data", offset=MiB, errno=errno.EIO, times=-1):
         with raises_from_checkpoint(OSError, match="Input/output error") as info:
-            load(zeros_like(state), tmp_path / "c")
+            load(zeros_like_state(state), tmp_path / "c")
     assert ".data" in info.value.filename and "'big'" in str(info.value)
 
 
@@ -274,7 +266,7 @@ def test_fifty_failing_saves_leak_no_thread_fd_or_memory(tmp_path):
     # and the engine still works
     state = make_state(3)
     save(state, tmp_path / "ok", **SMALL)
-    assert_same(load(zeros_like(state), tmp_path / "ok"), state)
+    assert_same(load(zeros_like_state(state), tmp_path / "ok"), state)
 
 
 # -- a real full disk ------------------------------------------------------------------------
@@ -340,7 +332,7 @@ def test_error_after_the_rename_keeps_the_committed_checkpoint(tmp_path, monkeyp
     assert "power loss" in str(info.value)
     monkeypatch.undo()
     assert verify(path).ok
-    assert_same(load(zeros_like(new), path), new)
+    assert_same(load(zeros_like_state(new), path), new)
 
 
 def test_failing_sync_saves_give_their_descriptors_back(tmp_path):

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from conftest import assert_resumes, new_durable_url
+from conftest import FailingReads, assert_resumes, new_durable_url
 from dcp_datastates import CheckpointError, CorruptCheckpointError, verify
 from dcp_datastates.tiers import StoreError
 from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning
@@ -102,29 +102,6 @@ def test_full_verify_checks_every_byte_of_the_durable_copy(tmp_path, durable_url
         assert got == 10
 
 
-class _Unanswering:
-    """A durable store whose reads of step 20's data objects fail as an unreachable server's
-    would (after the client's retries): listing, small objects and step 10 still answer."""
-
-    def __init__(self, store):
-        self._store = store
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-    def _fail(self, key):
-        if key.startswith("step_00000020/") and key.endswith(".data"):
-            raise StoreError(f"{self._store.where(key)}: connection refused")
-
-    def read_range(self, key, offset, length):
-        self._fail(key)
-        return self._store.read_range(key, offset, length)
-
-    def read_into(self, key, offset, out):
-        self._fail(key)
-        return self._store.read_into(key, offset, out)
-
-
 # The in place load of a directory tier reads files, not the store: S3 for "load".
 @pytest.mark.parametrize("tier,how", [("s3", "load"), ("posix", "fetch")])
 def test_a_durable_tier_that_does_not_answer_stops_the_resume(tmp_path, request, tier, how):
@@ -135,7 +112,12 @@ def test_a_durable_tier_that_does_not_answer_stops_the_resume(tmp_path, request,
             mgr.save(step, state_at(step))
     shutil.rmtree(root)
     with CheckpointManager(root, durable=durable_url, durable_resume=how) as mgr:
-        mgr._tier.store = _Unanswering(mgr._tier.store)
+        # step 20's data objects unreadable, as an unreachable server's would be (after the
+        # client's retries); listing, small objects and step 10 still answer
+        mgr._tier.store = FailingReads(
+            mgr._tier.store, lambda key, _offset: key.startswith("step_00000020/") and key.endswith(".data"),
+            "connection refused",
+        )
         # Not a fallback to step 10 (which reads fine): that would hide the outage, and the
         # next save would make step 20 look abandoned.
         with pytest.raises((StoreError, CheckpointError), match="connection refused"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import assert_same, data_files, raises_from_checkpoint, save
+from conftest import FailingReads, assert_same, data_files, raises_from_checkpoint, save, zeros_like_state
 from dcp_datastates import ChecksumMismatchError, CorruptCheckpointError
 from dcp_datastates.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from dcp_datastates.format.file_names import METADATA_FILE
@@ -42,14 +42,6 @@ def _state():
         "scalar": torch.tensor(3.5),
         "extra": {"epoch": 4, "name": "run-a", "lr": [0.1, 0.01]},
     }
-
-
-def _zeros_like(state):
-    if isinstance(state, dict):
-        return {k: _zeros_like(v) for k, v in state.items()}
-    if isinstance(state, torch.Tensor):
-        return torch.zeros_like(state)
-    return None
 
 
 def _replace(store, key, data) -> None:
@@ -85,7 +77,7 @@ def test_loads_bit_exact_from_the_store(tmp_path, store, writer_kwargs):
     upload(tmp_path / "c", store, "step_00000010")
     counting = _Counting(store)
     reader = StoreReader("step_00000010", store=counting, range_bytes=1 << 20)
-    out = _zeros_like(state)
+    out = zeros_like_state(state)
     dcp.load(out, storage_reader=reader, no_dist=True)
     assert_same(out, state)
     data_reads = [r for r in counting.ranges if ".data" in r[0]]
@@ -102,12 +94,12 @@ def test_loads_from_its_own_url(tmp_path, durable_url):
     upload(tmp_path / "c", st, "step_00000020")
     st.close()
     reader = StoreReader(f"{durable_url}/step_00000020")
-    out = _zeros_like(state)
+    out = zeros_like_state(state)
     dcp.load(out, storage_reader=reader, no_dist=True)
     assert_same(out, state)
     reader.close()
     # dcp.load's checkpoint_id names the checkpoint too
-    out = _zeros_like(state)
+    out = zeros_like_state(state)
     dcp.load(out, storage_reader=StoreReader(), checkpoint_id=f"{durable_url}/step_00000020", no_dist=True)
     assert_same(out, state)
 
@@ -147,8 +139,8 @@ def test_corrupt_object_is_a_checksum_error_naming_object_and_key(tmp_path, stor
     data[10] ^= 0x40
     _replace(store, f"bad/{name}", bytes(data))
     with raises_from_checkpoint(ChecksumMismatchError, match=f"bad/{name} while reading 'a'"):
-        dcp.load(_zeros_like(state), storage_reader=StoreReader("bad", store=store), no_dist=True)
-    out = _zeros_like(state)  # unverified, as asked: the load goes through
+        dcp.load(zeros_like_state(state), storage_reader=StoreReader("bad", store=store), no_dist=True)
+    out = zeros_like_state(state)  # unverified, as asked: the load goes through
     dcp.load(out, storage_reader=StoreReader("bad", store=store, verify=False), no_dist=True)
 
 
@@ -177,7 +169,7 @@ def test_every_kind_of_read_is_verified(tmp_path, store, target):
     data[pos] ^= 0x10
     _replace(store, f"x/{name}", data)
     with raises_from_checkpoint((ChecksumMismatchError, CorruptCheckpointError), match=f"'{key}'"):
-        dcp.load(_zeros_like(state), storage_reader=StoreReader("x", store=store, range_bytes=1 << 20), no_dist=True)
+        dcp.load(zeros_like_state(state), storage_reader=StoreReader("x", store=store, range_bytes=1 << 20), no_dist=True)
 
 
 def test_missing_and_incomplete_checkpoints_are_named(tmp_path, store):
@@ -187,7 +179,7 @@ def test_missing_and_incomplete_checkpoints_are_named(tmp_path, store):
         StoreReader("nothing", store=store).read_metadata()
     # Through dcp.load: torch 2.13 wraps the message in an AssertionError (tests/test_errors.py)
     with raises_from_checkpoint((CheckpointNotFoundError, AssertionError), match="nothing: .metadata is missing"):
-        dcp.load(_zeros_like(state), storage_reader=StoreReader("nothing", store=store), no_dist=True)
+        dcp.load(zeros_like_state(state), storage_reader=StoreReader("nothing", store=store), no_dist=True)
     for name in data_files(tmp_path / "c"):  # a drain interrupted before its .metadata
         store.put_file(f"partial/{name}", os.path.join(tmp_path / "c", name))
     with pytest.raises(IncompleteCheckpointError, match="partial is incomplete.*never committed"):
@@ -196,7 +188,7 @@ def test_missing_and_incomplete_checkpoints_are_named(tmp_path, store):
     index = next(k for k in store.list("noindex/") if k.endswith(".index"))
     store.delete([index])
     with raises_from_checkpoint(CorruptCheckpointError, match=f"{index} is missing"):
-        dcp.load(_zeros_like(state), storage_reader=StoreReader("noindex", store=store), no_dist=True)
+        dcp.load(zeros_like_state(state), storage_reader=StoreReader("noindex", store=store), no_dist=True)
 
 
 def test_a_truncated_object_is_refused_before_reading(tmp_path, store):
@@ -206,7 +198,7 @@ def test_a_truncated_object_is_refused_before_reading(tmp_path, store):
     name = data_files(tmp_path / "c")[0]
     _replace(store, f"short/{name}", store.read(f"short/{name}")[:1000])
     with raises_from_checkpoint(CorruptCheckpointError, match=f"{name} is truncated"):
-        dcp.load(_zeros_like(state), storage_reader=StoreReader("short", store=store), no_dist=True)
+        dcp.load(zeros_like_state(state), storage_reader=StoreReader("short", store=store), no_dist=True)
 
 
 def test_a_failed_read_names_the_object_and_the_keys(tmp_path, store):
@@ -214,18 +206,6 @@ def test_a_failed_read_names_the_object_and_the_keys(tmp_path, store):
     save(state, tmp_path / "c")
     upload(tmp_path / "c", store, "flaky")
 
-    class Failing(_Counting):
-        def read_into(self, key, offset, out):
-            if ".data" in key:
-                raise StoreError(f"{self.inner.where(key)}: connection reset")
-            return self.inner.read_into(key, offset, out)
-
-        read_range_ok = _Counting.read_range
-
-        def read_range(self, key, offset, length):
-            if ".data" in key:
-                raise StoreError(f"{self.inner.where(key)}: connection reset")
-            return self.read_range_ok(key, offset, length)
-
+    failing = FailingReads(store, lambda key, _offset: ".data" in key)
     with raises_from_checkpoint(StoreError, match=".data: connection reset (loading 'a')"):
-        dcp.load(_zeros_like(state), storage_reader=StoreReader("flaky", store=Failing(store)), no_dist=True)
+        dcp.load(zeros_like_state(state), storage_reader=StoreReader("flaky", store=failing), no_dist=True)
