@@ -384,7 +384,7 @@ class _ReadBatch:
         i = self.files.get(relative_path)
         if i is None:
             i = self.files[relative_path] = len(self.paths)
-            self.paths.append(os.path.join(self.reader.path, relative_path))
+            self.paths.append(self.reader._where(relative_path))
         return i
 
     def _request(self, key: str, relative_path: str, offset: int, nbytes: int, pointer: int, idx: RankIndex) -> None:
@@ -395,7 +395,7 @@ class _ReadBatch:
             relative_path = idx.stripe_files[stripe]
         if end is not None and offset + nbytes > end:
             raise CorruptCheckpointError(
-                f"{os.path.join(self.reader.path, relative_path)}: {key!r} (bytes {offset}..{offset + nbytes}) "
+                f"{self.reader._where(relative_path)}: {key!r} (bytes {offset}..{offset + nbytes}) "
                 f"crosses the end of its stripe at {end} (the metadata is damaged)"
             )
         file = self._file(relative_path)
