@@ -267,17 +267,78 @@ def quiet_discarded_dcp_debug_records() -> bool:
     """
     import logging
 
-    try:
-        from torch.distributed.checkpoint.logger import _dcp_logger as dcp_logger
-    except ImportError:  # pragma: no cover - a torch without it has nothing to quiet
+    logger = dcp_logger()
+    if not isinstance(logger, logging.Logger):  # None: a torch without it has nothing to quiet
         return False
-    if not isinstance(dcp_logger, logging.Logger):
-        return False
-    if dcp_logger.getEffectiveLevel() > logging.DEBUG:
+    if logger.getEffectiveLevel() > logging.DEBUG:
         return True  # quiet already
-    if dcp_logger.propagate or not dcp_logger.handlers:
+    if logger.propagate or not logger.handlers:
         return False
-    if not all(type(h) is logging.NullHandler for h in dcp_logger.handlers):
+    if not all(type(h) is logging.NullHandler for h in logger.handlers):
         return False
-    dcp_logger.setLevel(logging.INFO)
+    logger.setLevel(logging.INFO)
     return True
+
+
+# -- private names the tests reach for (here, so that this module stays the only one) -------
+
+
+def unflatten_state_dict(flat: dict, mappings: dict) -> dict:
+    """DCP's ``_nested_dict.unflatten_state_dict``: flat planner keys back into the nesting
+    (tests rebuild the nested state a checkpoint's ``planner_data`` describes)."""
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict as unflatten
+
+    return unflatten(flat, mappings)
+
+
+def async_thread_executor_module():
+    """DCP's ``_async_thread_executor`` module (``dcp.async_save``'s default executor and its
+    ``save_wrapper``), for tests that make it refuse or delay work."""
+    import torch.distributed.checkpoint._async_thread_executor as executor
+
+    return executor
+
+
+def stream_transform_extension_class():
+    """DCP's experimental ``_extension.StreamTransformExtension`` (tests write their own transform)."""
+    from torch.distributed.checkpoint._extension import StreamTransformExtension
+
+    return StreamTransformExtension
+
+
+def load_into_empty_state_dict(storage_reader) -> dict:
+    """What ``format_utils.dcp_to_torch_save`` does: every saved item into an empty state dict,
+    through DCP's ``_load_state_dict`` and ``_EmptyStateDictLoadPlanner``."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(state, storage_reader=storage_reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state
+
+
+def dcp_logger():
+    """DCP's own logger (``logger._dcp_logger``), or None where this torch has none."""
+    try:
+        from torch.distributed.checkpoint.logger import _dcp_logger
+    except ImportError:  # pragma: no cover
+        return None
+    return _dcp_logger
+
+
+def cuda_sleep(cycles: int) -> None:
+    """``torch.cuda._sleep``: a kernel that spins for ``cycles`` on the current stream (tests of
+    ordering against work still running on the device)."""
+    import torch
+
+    torch.cuda._sleep(cycles)
+
+
+def allowed_private_globals() -> tuple:
+    """``(metadata._MEM_FORMAT_ENCODING, serialization._get_layout)``: private globals the safe
+    unpickler of ``.metadata`` admits (DCP's pickles name them), which the safe-mode tests check
+    a hostile pickle cannot change."""
+    import torch.serialization
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    return _MEM_FORMAT_ENCODING, torch.serialization._get_layout

@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 import dcp_datastates
-from dcp_datastates import CheckpointError, CheckpointExistsError, DataStatesWriter, SnapshotMutatedError
+from dcp_datastates import CheckpointError, CheckpointExistsError, DataStatesWriter, SnapshotMutatedError, _dcp_compat
 
 from conftest import assert_same, data_files, load, raises_from_checkpoint
 
@@ -322,7 +322,7 @@ def test_cuda_state_async_round_trip_and_event_ordering(tmp_path):
         "s": torch.tensor(1.0, device=dev),
     }
     # A kernel still writing "m" when stage() runs must finish before the copy reads it.
-    torch.cuda._sleep(200_000_000)
+    _dcp_compat.cuda_sleep(200_000_000)
     state["m"].fill_(42.0)
     expected = {k: v.detach().cpu().clone() for k, v in state.items()}
     writer = DataStatesWriter(tmp_path / "c")

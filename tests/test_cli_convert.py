@@ -92,7 +92,7 @@ def zeros_like_bits(t: torch.Tensor) -> torch.Tensor:
 
 def nested_expected(saved: cli_checkpoints.SavedCheckpoint) -> dict:
     """The nested state as saved, rebuilt from the fixture's flat keys with DCP's own unflattening."""
-    from dcp_private import unflatten_state_dict
+    from dcp_datastates._dcp_compat import unflatten_state_dict
 
     mappings = CheckpointView(saved.path).metadata.planner_data
     return unflatten_state_dict({**saved.tensors, **saved.objects}, mappings)

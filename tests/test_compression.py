@@ -32,9 +32,9 @@ from dcp_datastates.tools.checkpoint_view import CheckpointView
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 
 zstandard = pytest.importorskip("zstandard")
-from dcp_private import stream_extensions  # noqa: E402
+from dcp_datastates._dcp_compat import stream_transform_extension_class, zstandard_extension_class  # noqa: E402
 
-StreamTransformExtension, ZStandard = stream_extensions()
+StreamTransformExtension, ZStandard = stream_transform_extension_class(), zstandard_extension_class()
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

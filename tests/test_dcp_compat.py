@@ -164,11 +164,11 @@ def test_cuda_event_handle_is_the_events_cuda_event():
 _LOGGER_SCRIPT = textwrap.dedent(
     """
     import logging
-    from torch.distributed.checkpoint.logger import _dcp_logger
     from dcp_datastates import _dcp_compat
-    assert _dcp_logger.getEffectiveLevel() == logging.DEBUG, _dcp_logger.getEffectiveLevel()
+    dcp_logger = _dcp_compat.dcp_logger()
+    assert dcp_logger.getEffectiveLevel() == logging.DEBUG, dcp_logger.getEffectiveLevel()
     {setup}
-    print(_dcp_compat.quiet_discarded_dcp_debug_records(), _dcp_logger.getEffectiveLevel())
+    print(_dcp_compat.quiet_discarded_dcp_debug_records(), dcp_logger.getEffectiveLevel())
     """
 )
 
@@ -177,8 +177,8 @@ _LOGGER_SCRIPT = textwrap.dedent(
     "setup,expected",
     [
         ("", "True 20"),  # only DCP's NullHandler: its DEBUG records reach nobody, so they stop
-        ("_dcp_logger.addHandler(logging.StreamHandler())", "False 10"),  # somebody listens: untouched
-        ("_dcp_logger.propagate = True", "False 10"),
+        ("dcp_logger.addHandler(logging.StreamHandler())", "False 10"),  # somebody listens: untouched
+        ("dcp_logger.propagate = True", "False 10"),
     ],
 )
 def test_dcps_discarded_debug_records_are_quieted_only_where_nobody_can_see_them(setup, expected):

@@ -38,6 +38,7 @@ from dcp_datastates import (
     DataStatesReader,
     DataStatesWriter,
     UnsafeCheckpointError,
+    _dcp_compat,
     verify,
 )
 from dcp_datastates.format.file_names import METADATA_FILE
@@ -269,7 +270,8 @@ def test_metadata_without_storage_meta_gets_load_id(tmp_path):
 
 
 def _with_legacy_properties(md: Metadata) -> Metadata:
-    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as LegacyProperties
+    LegacyProperties = _dcp_compat.legacy_tensor_properties_class()
+    assert LegacyProperties is not None, "this torch has no legacy TensorProperties class to write"
 
     for item in md.state_dict_metadata.values():
         if isinstance(item, TensorStorageMetadata):

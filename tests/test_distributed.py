@@ -103,7 +103,7 @@ def test_save_2ranks_load_1proc_without_process_group(dtensor_ckpts):
 
 def test_save_2ranks_load_1proc_without_targets(dtensor_ckpts):
     """What dcp_to_torch_save does: load everything into an empty state dict."""
-    from dcp_private import load_into_empty_state_dict
+    from dcp_datastates._dcp_compat import load_into_empty_state_dict
 
     state = load_into_empty_state_dict(DataStatesReader(dtensor_ckpts.default))
     dh.assert_equal_exact(state, dh.reference_state())

@@ -606,9 +606,9 @@ def test_an_async_save_that_fails_after_staging_neither_hangs_nor_blocks_the_nex
     save that will never run, and the next save is not held back by it."""
     import threading
 
-    from dcp_private import async_thread_executor
+    from dcp_datastates._dcp_compat import async_thread_executor_module
 
-    _async_thread_executor = async_thread_executor()
+    _async_thread_executor = async_thread_executor_module()
 
     def refuse(self, *args, **kwargs):
         raise RuntimeError("cannot schedule new futures after interpreter shutdown")

@@ -142,7 +142,9 @@ def _checksummed(pickled: bytes, ckpt):
 def test_build_on_an_allowed_global_is_refused(tmp_path):
     # GLOBAL _MEM_FORMAT_ENCODING; REDUCE(0) -> the enum member; BUILD {'_value_': 99}
     # would change the member for the whole process (every later save unreadable).
-    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+    from dcp_datastates._dcp_compat import allowed_private_globals
+
+    mem_format_encoding, get_layout = allowed_private_globals()
 
     ckpt = tmp_path / "c"
     save({"w": torch.arange(3.0)}, ckpt)
@@ -153,12 +155,12 @@ def test_build_on_an_allowed_global_is_refused(tmp_path):
     _checksummed(payload, ckpt)
     with pytest.raises(UnsafeCheckpointError, match="sets the state"):
         DataStatesReader(ckpt).read_metadata()
-    assert _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT.value == 0
+    assert mem_format_encoding.TORCH_CONTIGUOUS_FORMAT.value == 0
     # a function's __dict__ is refused the same way
     _checksummed(b"\x80\x04ctorch.serialization\n_get_layout\n}\x8c\x01xK\x01sb.", ckpt)
     with pytest.raises(UnsafeCheckpointError, match="function"):
         DataStatesReader(ckpt).read_metadata()
-    assert "x" not in torch.serialization._get_layout.__dict__
+    assert "x" not in get_layout.__dict__
 
 
 def test_huge_memo_index_does_not_allocate(tmp_path):

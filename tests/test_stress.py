@@ -406,8 +406,8 @@ CONSUMER_SCRIPT = textwrap.dedent(
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed.checkpoint as dcp
-    from dcp_private import async_thread_executor  # the script runs in tests/
-    executor = async_thread_executor()
+    from dcp_datastates._dcp_compat import async_thread_executor_module
+    executor = async_thread_executor_module()
     from dcp_datastates import DataStatesWriter
     from dcp_datastates.core import staging
 
