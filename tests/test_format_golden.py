@@ -52,7 +52,7 @@ INDEX_ARGS = dict(
 )
 INDEX_GOLDEN = bytes.fromhex(
     "4443504453494458"  # magic b"DCPDSIDX"
-    "07000000"  # format version 7 (u32)
+    "08000000"  # format version 8 (u32)
     "03000000"  # rank 3 (u32)
     "30313233343536373839616200000000"  # save id, ASCII, zero-padded to 16
     "0020000000000000"  # data size 8192 (u64)
@@ -62,12 +62,12 @@ INDEX_GOLDEN = bytes.fromhex(
     "8000000000000000" "a00f000000000000" "efcdab89" "00000000"  # segment: offset 128, 4000 bytes, crc, 0
     "4010000000000000" "2500000000000000"  # object: offset 4160, 37 bytes
     "8010000000000000" "0000000000000000"  # object: offset 4224, 0 bytes
-    "286ebff0"  # CRC-32C of every byte before it
+    "b49f0dab"  # CRC-32C of every byte before it
 )
 
 
 def test_rank_index_bytes():
-    assert FORMAT_VERSION == 7
+    assert FORMAT_VERSION == 8
     blob = encode_index(**INDEX_ARGS)
     assert blob.hex() == INDEX_GOLDEN.hex()
     assert len(blob) == 56 + 2 * 24 + 2 * 16 + 4
@@ -93,7 +93,7 @@ def test_a_rank_index_of_a_newer_version_is_refused_by_name():
     from dcp_datastates.errors import UnsupportedFormatError
 
     body = INDEX_GOLDEN[:8] + struct.pack("<I", FORMAT_VERSION + 1) + INDEX_GOLDEN[12:-4]
-    with pytest.raises(UnsupportedFormatError, match=r"new\.index has format version 8"):
+    with pytest.raises(UnsupportedFormatError, match=r"new\.index has format version 9"):
         decode_index(body + struct.pack("<I", _crc32c(body)), "new.index")
 
 
@@ -168,30 +168,40 @@ LAYOUT = CheckpointLayout(
     [
         RankFiles(0, "rank00000-0123456789ab.data", "rank00000-0123456789ab.index", "", (8192,)),  # two stripes
         RankFiles(1, "rank00001-cafef00d0042.data", "rank00001-cafef00d0042.index", "cafef00d0042"),
+        # slot 2: rank 0 of the base checkpoint step_10, a sibling directory (format 8)
+        RankFiles(0, "rank00000-00000000beef.data", "rank00000-00000000beef.index", "00000000beef", (), "step_10"),
     ],
     [
         ("model.w", (0, 0), 0, 0, 4096, -1),  # a raw tensor chunk
         ("model.w", (4, 0), 1, 4096, 4096, -1),
         ("big", (0,), 1, -1, 262144, 1),  # a compressed chunk: raw length, blocks from ordinal 1
         ("step", None, 0, -1, -1, 0),  # an object: its ordinal in rank 0's object table
+        ("frozen", (0,), 2, 8192, 65536, -1),  # bytes of step_10's rank 0 (slot 2), referred to
     ],
     ("zstd", 4 << 20),
+    {("model.w", (0, 0)): "00112233445566778899aabbccddeeff", ("frozen", (0,)): "0f1e2d3c4b5a69788796a5b4c3d2e1f0"},
 )
 PLAIN_GOLDEN = {
     "format": "dcp_datastates",
-    "version": 7,
+    "version": 8,
     "save_id": "0123456789ab",
     "ranks": [
-        (0, "rank00000-0123456789ab.data", "rank00000-0123456789ab.index", "", (8192,)),
-        (1, "rank00001-cafef00d0042.data", "rank00001-cafef00d0042.index", "cafef00d0042", ()),
+        (0, "rank00000-0123456789ab.data", "rank00000-0123456789ab.index", "", (8192,), ""),
+        (1, "rank00001-cafef00d0042.data", "rank00001-cafef00d0042.index", "cafef00d0042", (), ""),
+        (0, "rank00000-00000000beef.data", "rank00000-00000000beef.index", "00000000beef", (), "step_10"),
     ],
     "entries": [
         ("model.w", (0, 0), 0, 0, 4096, -1),
         ("model.w", (4, 0), 1, 4096, 4096, -1),
         ("big", (0,), 1, -1, 262144, 1),
         ("step", None, 0, -1, -1, 0),
+        ("frozen", (0,), 2, 8192, 65536, -1),
     ],
     "compression": ("zstd", 4194304),
+    "digests": [
+        ("model.w", (0, 0), "00112233445566778899aabbccddeeff"),
+        ("frozen", (0,), "0f1e2d3c4b5a69788796a5b4c3d2e1f0"),
+    ],
 }
 
 
@@ -210,11 +220,16 @@ def test_plain_storage_data_decodes_to_the_layout():
     )
     assert layout.location(MetadataIndex("step")).is_object
     assert layout.ranks[1].files_save_id(layout.save_id) == "cafef00d0042"
+    # a reference: the base's file, relative to the checkpoint directory
+    assert layout.location(MetadataIndex("frozen", torch.Size([0]))) == ItemLocation(
+        "../step_10/rank00000-00000000beef.data", 8192, 65536, -1
+    )
+    assert layout.bases == ["step_10"] and [r.rank for r in layout.own_ranks] == [0, 1]
 
 
 def test_layouts_read_from_older_versions_are_written_as_the_current_version():
     """They differ from it only in how the layout and the .metadata around it were stored."""
-    old = CheckpointLayout("dcp_datastates", 3, "0123456789ab", LAYOUT.ranks, LAYOUT.entries[:2])
+    old = CheckpointLayout("dcp_datastates", 3, "0123456789ab", LAYOUT.ranks[:2], LAYOUT.entries[:2])
     assert layout_to_plain(old)["version"] == FORMAT_VERSION and layout_to_plain(old)["compression"] is None
 
 
@@ -243,6 +258,10 @@ def test_a_metadata_file_decodes_its_plain_layout():
                 [ChunkStorageMetadata(torch.Size([0]), torch.Size([65536]))],
             ),
             "step": BytesStorageMetadata(),
+            "frozen": TensorStorageMetadata(
+                TensorProperties(dtype=torch.float32), torch.Size([16384]),
+                [ChunkStorageMetadata(torch.Size([0]), torch.Size([16384]))],
+            ),
         },
         storage_data=PLAIN_GOLDEN,
     )

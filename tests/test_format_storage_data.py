@@ -84,7 +84,7 @@ def test_a_saved_metadata_names_no_class_of_ours(tmp_path, kind):
     assert names and not [n for n in names if "dcp_datastates" in n], names
     assert all(n.startswith(("torch.", "collections.", "pathlib.")) for n in names), names
     storage = pickle.loads(pickled).storage_data  # DCP's plain pickle.load stops before the trailer
-    assert list(storage) == list(PLAIN_KEYS) and storage["version"] == 7
+    assert list(storage) == list(PLAIN_KEYS) and storage["version"] == 8
     assert plain_types(storage) <= {dict, list, tuple, str, int, type(None)}
     assert (storage["compression"] is not None) == (kind == "zstd")
     assert_same(load(target(), tmp_path / "c"), make_state())
@@ -139,7 +139,7 @@ PLAIN_CASES = {
     "a non-string key": (lambda p: {**p, 3: 4}, CorruptCheckpointError, "[3]"),
     "a key missing": (lambda p: {k: v for k, v in p.items() if k != "compression"}, CorruptCheckpointError, "compression"),
     "version 4 as plain data": (lambda p: {**p, "version": 4}, CorruptCheckpointError, "pickled as a class"),
-    "a newer version": (lambda p: {**p, "version": 8, "new": 1}, UnsupportedFormatError, "version 8"),
+    "a newer version": (lambda p: {**p, "version": 9, "new": 1}, UnsupportedFormatError, "version 9"),
     "a bool version": (lambda p: {**p, "version": True}, UnsupportedFormatError, "version True"),
     "another format": (lambda p: {**p, "format": "zarr"}, UnsupportedFormatError, "'zarr'"),
     "no format": (lambda p: {**p, "format": None}, UnsupportedFormatError, "None"),
@@ -154,7 +154,29 @@ PLAIN_CASES = {
     "a file outside": (lambda p: _rank(p, 0, "../x.data", *p["ranks"][0][2:]), CorruptCheckpointError, "not a rank file name"),
     "a malformed save id": (lambda p: {**p, "save_id": "../../x"}, UnsupportedFormatError, "malformed save id"),
     "an entry of five fields": (lambda p: {**p, "entries": [e[:5] for e in p["entries"]]}, CorruptCheckpointError, "item entry"),
+    # format 8: base checkpoints and content digests
+    "a base outside the parent": (lambda p: _base(p, "../x"), CorruptCheckpointError, "not a sibling directory's name"),
+    "a base with a slash": (lambda p: _base(p, "a/b"), CorruptCheckpointError, "not a sibling directory's name"),
+    "a base named ..": (lambda p: _base(p, ".."), CorruptCheckpointError, "not a sibling directory's name"),
+    "a base without save id": (lambda p: _base(p, "step_1", sid=""), CorruptCheckpointError, "records no save id"),
+    "a base before own ranks": (lambda p: {**_base(p, "step_1"), "ranks": _base(p, "step_1")["ranks"][::-1]},
+                                CorruptCheckpointError, "own ranks come first"),
+    "a base's object": (lambda p: _base(p, "step_1", entry=("o", None, 1, -1, -1, 0)), CorruptCheckpointError,
+                        "refers to an object of base checkpoint"),
+    "a base in version 7": (lambda p: {**_base(p, "step_1"), "version": 7}, CorruptCheckpointError, "keys"),
+    "a digest too short": (lambda p: {**p, "digests": [("w", (0, 0), "ab")]}, CorruptCheckpointError, "content digest"),
+    "a digest in capitals": (lambda p: {**p, "digests": [("w", (0, 0), "AB" * 16)]}, CorruptCheckpointError, "content digest"),
+    "a digest of no chunk": (lambda p: {**p, "digests": [("nope", (0,), "ab" * 16)]}, CorruptCheckpointError, "no raw tensor chunk"),
+    "a digest of an object": (lambda p: {**p, "digests": [("step", None, "ab" * 16)]}, CorruptCheckpointError, "no raw tensor chunk"),
+    "a digest twice": (lambda p: {**p, "digests": [("w", (0, 0), "ab" * 16)] * 2}, CorruptCheckpointError, "two content digests"),
+    "a digest as a dict": (lambda p: {**p, "digests": {}}, CorruptCheckpointError, "digests is a dict"),
 }
+
+
+def _base(plain, base, sid="00000000beef", entry=("frozen", (0,), 1, 0, 65536, -1)):
+    """``plain`` with a base rank in slot 1 (rank 0 of ``base``) and ``entry`` referring to it."""
+    rank = (0, "rank00000-00000000beef.data", "rank00000-00000000beef.index", sid, (), base)
+    return {**plain, "ranks": [*plain["ranks"], rank], "entries": [*plain["entries"], entry]}
 
 
 @pytest.mark.parametrize("case", sorted(PLAIN_CASES))
@@ -184,7 +206,7 @@ def test_a_plain_layout_in_a_file_is_refused_by_the_files_name(ckpt):
 
 def _legacy(layout: CheckpointLayout, module: str, version: int = 4, **overrides):
     """The layout as a format ``version`` writer pickled it under ``module`` (version 1: locations)."""
-    dropped = {"save_id", "stripes"} if version == 1 else {"stripes"}  # version 1 had no per-rank save id; stripes came with 7
+    dropped = ({"save_id"} if version == 1 else set()) | {"stripes", "base"}  # version 1 had no per-rank save id; stripes came with 7, base with 8
     ranks = [crafted("RankFiles", {k: v for k, v in r.__dict__.items() if k not in dropped}, module) for r in layout.ranks]
     state = {"format": layout.format, "version": version, "save_id": layout.save_id, "ranks": ranks}
     if version == 1:

@@ -72,9 +72,10 @@ RECORD_GOLDEN = {
     "version": "1.0.0",
     "storage_data": {
         "format": "dcp_datastates", "version": FORMAT_VERSION, "save_id": "0123456789ab",
-        "ranks": [[0, "rank00000-0123456789ab.data", "rank00000-0123456789ab.index", "", [4096]]],
+        "ranks": [[0, "rank00000-0123456789ab.data", "rank00000-0123456789ab.index", "", [4096], ""]],
         "entries": [["w", [0, 0], 0, 0, 32, -1], ["h", [0], 0, 64, 6, -1], ["step", None, 0, -1, -1, 0]],
         "compression": None,
+        "digests": [],
     },
 }
 

@@ -85,7 +85,7 @@ def test_a_striped_save_round_trips_bit_exact_and_verifies(tmp_path):
     writer = save(state, path, stripes=3)
     layout = _layout(path)
     (rank,) = layout.ranks
-    assert len(rank.stripes) == 2 and layout.version == 7
+    assert len(rank.stripes) == 2 and layout.version == 8
     names = sorted(os.listdir(path))
     assert set(rank.data_files()) | {rank.index_file, ".metadata"} == set(names)
     assert rank.data_files()[1:] == [stripe_file_name(rank.data_file, 1), stripe_file_name(rank.data_file, 2)]

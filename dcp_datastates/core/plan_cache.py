@@ -50,6 +50,15 @@ class RankReport:
     save_id: str
     compression: tuple | None = None
     stripes: tuple = ()  # RankFiles.stripes
+    # An incremental save (format 8): the base ranks its results refer to (RankFiles with
+    # ``base`` set) and the content digests of its large chunks, ``(fqn, chunk offsets, digest)``.
+    bases: tuple = ()
+    digests: tuple = ()
+
+
+def has_increments(reports: list) -> bool:
+    """Whether a rank's results refer to a base or carry digests: the layout is built from them."""
+    return any(r is not None and (getattr(r, "bases", ()) or getattr(r, "digests", ())) for r in reports)
 
 
 def is_stale(info) -> bool:
@@ -126,28 +135,41 @@ def reports_match(layout: CheckpointLayout, reports: list[RankReport | None]) ->
 def layout_from_results(
     results: list[list[WriteResult]], reports: list[RankReport | None], save_id: str, metadata: Metadata, where: str
 ) -> CheckpointLayout:
-    """The checkpoint's layout from what the ranks wrote: their files and every item's location."""
-    ranks, entries, compressions = [], [], set()
+    """The checkpoint's layout from what the ranks wrote: their files and every item's location
+    (with references to base ranks, slots after the own ranks, for an incremental save)."""
+    ranks, entries, compressions, digests = [], [], set(), {}
+    base_slots: dict = {}  # a base rank's data path -> its slot
+    bases: list = []
+    for report in reports:
+        for files in getattr(report, "bases", ()) if report is not None else ():
+            if files.data_path not in base_slots:
+                base_slots[files.data_path] = len(results) + len(bases)
+                bases.append(files)
     for rank, (rank_results, report) in enumerate(zip(results, reports)):
         if report is None:
             raise CheckpointError(f"rank {rank} did not report its files (is every rank's writer a DataStatesWriter?)")
         ranks.append(RankFiles(rank, report.data_file, report.index_file, report.save_id, getattr(report, "stripes", ())))
         compressions.add(report.compression)
+        for fqn, off, digest in getattr(report, "digests", ()):
+            digests[(fqn, off)] = digest
         for wr in rank_results:
             loc = wr.storage_data
-            if not isinstance(loc, ItemLocation) or loc.relative_path != report.data_file:
+            path = getattr(loc, "relative_path", loc)
+            slot = rank if path == report.data_file else base_slots.get(path)
+            if not isinstance(loc, ItemLocation) or slot is None:
                 raise CheckpointError(
-                    f"rank {rank}'s write result for {wr.index.fqn!r} names {getattr(loc, 'relative_path', loc)!r}, "
-                    f"not the data file it reported ({report.data_file})"
+                    f"rank {rank}'s write result for {wr.index.fqn!r} names {path!r}, "
+                    f"not the data file it reported ({report.data_file}) nor a base it refers to"
                 )
-            entries.append((*location_key(wr.index.fqn, wr.index.offset), rank, loc.offset, loc.length, loc.object_ordinal))
+            entries.append((*location_key(wr.index.fqn, wr.index.offset), slot, loc.offset, loc.length, loc.object_ordinal))
+    ranks += bases
     if len(compressions) > 1:
         raise CheckpointError(
             f"ranks wrote with different compression settings ({sorted(map(str, compressions))}); "
             "every rank's DataStatesWriter must use the same compression"
         )
     compression = compressions.pop() if compressions else None
-    layout = CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, save_id, ranks, entries, compression)
+    layout = CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, save_id, ranks, entries, compression, digests)
     layout.validate(where)
     layout.check_covers(metadata, where)
     return layout

@@ -161,7 +161,11 @@ class DataStatesReader(StorageReader):
     # -- where the files are: a directory here, a durable store in tiers.store_reader --------
 
     def _where(self, name: str) -> str:
-        """The checkpoint file ``name`` as errors name it."""
+        """The checkpoint file ``name`` as errors name it (and as it is opened). A base
+        checkpoint's file (``../<base>/<name>``, format 8) is resolved lexically against the
+        checkpoint's path, never through a symbolic link's target."""
+        if name.startswith("../"):
+            return os.path.normpath(os.path.join(os.path.abspath(self.path), name))
         return os.path.join(self.path, name)
 
     @property
@@ -179,14 +183,12 @@ class DataStatesReader(StorageReader):
     def data_file_sizes(self, files: RankFiles) -> list[int]:
         """The sizes of the rank's data files (one per stripe); a missing one is an error."""
         sizes = []
-        for name in files.data_files():
+        for name in files.data_paths():
             data_path = self._where(name)
             try:
                 st = os.lstat(data_path)
             except FileNotFoundError:
-                raise CorruptCheckpointError(
-                    f"rank {files.rank}'s data file {data_path} is missing; the checkpoint is damaged"
-                ) from None
+                raise missing_rank_file(self.location, files, "data", data_path) from None
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptCheckpointError(f"{data_path} is not a regular file; checkpoint files must be regular files")
             sizes.append(st.st_size)
@@ -195,8 +197,8 @@ class DataStatesReader(StorageReader):
     def _read_index(self, files: RankFiles, limits: IndexLimits) -> RankIndex:
         """The rank's index, its header and checksum checked against ``limits`` before it is
         read whole."""
-        index_path = self._where(files.index_file)
-        missing = CorruptCheckpointError(f"rank {files.rank}'s index file {index_path} is missing; the checkpoint is damaged")
+        index_path = self._where(files.index_path)
+        missing = missing_rank_file(self.location, files, "index", index_path)
         if not os.path.lexists(index_path):
             raise missing
         try:
@@ -270,12 +272,12 @@ class DataStatesReader(StorageReader):
         idx = self._indexes.get(relative_path)
         if idx is not None:
             return idx
-        files = next((r for r in self._layout.ranks if r.data_file == relative_path), None)
+        files = self._layout.files_of(relative_path)
         if files is None:
             raise CorruptCheckpointError(f"{self.location}: metadata names data file {relative_path} of no rank")
         # Every data file (one per stripe) must be there; the data may reach as far as the
         # last one's start plus its size, and every other stripe's file must hold its share.
-        data_names = files.data_files()
+        data_names = files.data_paths()
         bases = [0, *files.stripes]
         sizes = self.data_file_sizes(files)
         for k in range(len(bases) - 1):
@@ -283,12 +285,21 @@ class DataStatesReader(StorageReader):
                 raise CorruptCheckpointError(
                     f"data file {self._where(data_names[k])} is truncated: {sizes[k]} bytes, its stripe holds {bases[k + 1] - bases[k]}"
                 )
-        limits = IndexLimits(self._where(data_names[-1]), sizes[-1], self._object_entries()[files.rank], bases[-1])
+        # A base rank's objects are its own checkpoint's: none are referred to, and its index may
+        # list any number of them (each at least a byte of its data).
+        objects = sum(sizes) if files.base else self._object_entries()[files.rank]
+        limits = IndexLimits(self._where(data_names[-1]), sizes[-1], objects, bases[-1])
         idx = self._read_index(files, limits)
-        index_path = self._where(files.index_file)
+        index_path = self._where(files.index_path)
         idx.apply_stripes(data_names, files.stripes, index_path)
         expected_sid = files.files_save_id(self._layout.save_id)
         if idx.save_id != expected_sid or idx.rank != files.rank:
+            if files.base:
+                raise CorruptCheckpointError(
+                    f"{self.location} refers to rank {files.rank} of save {expected_sid} in base checkpoint "
+                    f"{files.base!r}, but {index_path} belongs to rank {idx.rank} of save {idx.save_id}: the base "
+                    "was saved again or replaced since, so the bytes referred to are gone"
+                )
             raise CorruptCheckpointError(
                 f"{index_path} belongs to rank {idx.rank} of save {idx.save_id}, expected rank "
                 f"{files.rank} of save {expected_sid} (files from different checkpoints mixed?)"
@@ -324,6 +335,17 @@ _log = logging.getLogger("dcp_datastates")
 def log_unreported_error(exc: BaseException) -> None:
     """Log an error DCP is known to swallow (it stays attached to the record as ``error``)."""
     _log.error("dcp_datastates: %s: %s", type(exc).__name__, exc, extra={"error": exc})
+
+
+def missing_rank_file(location: str, files: RankFiles, kind: str, path: str) -> CorruptCheckpointError:
+    """The error for a rank file that is not there: the checkpoint is damaged, or (a base rank's
+    file, format 8) the base checkpoint it refers to was deleted."""
+    if files.base:
+        return CorruptCheckpointError(
+            f"{location} refers to base checkpoint {files.base!r}, but rank {files.rank}'s {kind} file "
+            f"{path} is missing (was the base deleted?); the checkpoint cannot be loaded without it"
+        )
+    return CorruptCheckpointError(f"rank {files.rank}'s {kind} file {path} is missing; the checkpoint is damaged")
 
 
 def missing_checkpoint_error(path: str) -> Exception:

@@ -44,6 +44,11 @@ class SaveStats:
     index_s: float = 0.0
     commit_s: float = 0.0  # coordinator: finish()
     plan_from_cache: bool = False  # DCP's plan cache (enable_plan_caching) supplied this rank's plan
+    # Incremental saves (a base, or digests recorded): bytes of large chunks hashed, bytes
+    # referred to in the base instead of written, and the time the hashing took.
+    hashed_bytes: int = 0
+    referenced_bytes: int = 0
+    hash_s: float = 0.0
     # This rank's files (a checkpoint_layout.RankFiles) once written: what a durable tier copies.
     rank_files: Any = None
 

@@ -57,6 +57,7 @@ class VerifyReport:
     problems: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     ranks: int = 0
+    bases: list = dataclasses.field(default_factory=list)  # base checkpoints referred to (format 8)
     items: int = 0
     segments_checked: int = 0
     bytes_checked: int = 0
@@ -78,8 +79,9 @@ class VerifyReport:
 
     def summary(self) -> str:
         head = "OK" if self.ok else ("NOT COMMITTED" if not self.committed else "CORRUPT")
+        refers = f", bytes referred to in {', '.join(self.bases)}" if self.bases else ""
         lines = [
-            f"{head}: {self.path}: {self.ranks} rank file(s), {self.items} item(s), "
+            f"{head}: {self.path}: {self.ranks} rank file(s), {self.items} item(s){refers}, "
             f"{self.segments_checked} checksum segment(s) over {self.bytes_checked} bytes checked"
         ]
         lines += [f"  problem: {p}" for p in self.problems]
@@ -125,24 +127,33 @@ def verify(
     layout = reader.layout
     _check_items(reader, metadata, report)
 
-    # Each rank's index, then every segment of its data file.
+    # Each rank's index, then every segment of its data file. A base checkpoint's rank (format 8)
+    # is checked where this checkpoint refers to it: the segments under its references (the rest
+    # of its file is the base's own, which verify of the base checks).
     indexes: dict[str, RankIndex] = {}
+    base_paths = {r.data_path for r in layout.ranks if r.base}
     for files in layout.ranks:
         try:
-            indexes[files.data_file] = reader.rank_index(files.data_file)
+            indexes[files.data_path] = reader.rank_index(files.data_path)
         except (CheckpointError, OSError, MemoryError) as exc:
-            report.problems.append(str(exc) if isinstance(exc, CheckpointError) else f"{files.index_file}: {exc}")
-    report.ranks = len(layout.ranks)
+            report.problems.append(str(exc) if isinstance(exc, CheckpointError) else f"{files.index_path}: {exc}")
+    report.ranks = len(layout.own_ranks)
+    report.bases = layout.bases
     _check_object_entries(path, layout, indexes, report)
     spans = _spans_by_file(layout, indexes)
     for rel, idx in indexes.items():
         _check_tiling(path, rel, idx, spans.get(rel, []), report)
-    total = sum(sum(idx.seg_lengths) for idx in indexes.values())
+    rows = {rel: _referred_segments(idx, spans.get(rel, [])) if rel in base_paths else None for rel, idx in indexes.items()}
+    total = sum(
+        sum(idx.seg_lengths) if rows[rel] is None else sum(idx.seg_lengths[i] for i in rows[rel])
+        for rel, idx in indexes.items()
+    )
     done = 0
     for rel, idx in indexes.items():
         for stripe in range(len(idx.stripes) + 1):
-            done = _check_segments(reader, rel, idx, stripe, spans.get(rel, []), report, done, total, progress)
-            _check_padding(reader, rel, idx, stripe, spans.get(rel, []), report)
+            done = _check_segments(reader, rel, idx, stripe, spans.get(rel, []), report, done, total, progress, rows[rel])
+            if rows[rel] is None:
+                _check_padding(reader, rel, idx, stripe, spans.get(rel, []), report)
     if layout.compression is not None and not report.problems:
         _check_frames_decompress(path, layout, indexes, report)
     if not allow_pickle and not report.problems:
@@ -151,9 +162,32 @@ def verify(
     return report
 
 
+def _referred_segments(idx: RankIndex, spans) -> set[int]:
+    """The segments of a base rank that overlap the spans referred to."""
+    out: set[int] = set()
+    for start, end, _key in spans:
+        i = max(0, bisect.bisect_right(idx.seg_offsets, start) - 1)
+        while i < len(idx.seg_offsets) and idx.seg_offsets[i] < end:
+            if idx.seg_offsets[i] + idx.seg_lengths[i] > start:
+                out.add(i)
+            i += 1
+    return out
+
+
+def _slot_paths(layout) -> dict[int, str]:
+    """``{slot: data path relative to the checkpoint}``: what entries name and indexes are keyed by."""
+    return {slot: r.data_path for slot, r in layout.slots().items()}
+
+
+def _resolve(path: str, rel: str) -> str:
+    """A file of the checkpoint at ``path`` (``../<base>/<name>``: a base's, resolved lexically)."""
+    joined = os.path.join(path, rel)
+    return os.path.normpath(os.path.abspath(joined)) if rel.startswith("../") else joined
+
+
 def _check_objects_are_plain(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
     """Safe mode: the objects a load would refuse (they need arbitrary unpickling) are problems."""
-    files = {r.rank: r.data_file for r in layout.ranks}
+    files = _slot_paths(layout)
     for fqn, _off, rank, _offset, length, ordinal in layout.entries:
         if ordinal < 0 or length >= 0:  # raw tensors, compressed tensors
             continue
@@ -169,9 +203,9 @@ def _check_objects_are_plain(path: str, layout, indexes: dict[str, RankIndex], r
 def _in_stripe(path: str, idx: RankIndex, rel: str, offset: int) -> tuple[str, int]:
     """The file holding data offset ``offset`` of the rank whose data file is ``rel``, and the offset in it."""
     if not idx.stripes:
-        return os.path.join(path, rel), offset
+        return _resolve(path, rel), offset
     stripe, base, _ = idx.stripe_of(offset)
-    return os.path.join(path, idx.stripe_files[stripe]), offset - base
+    return _resolve(path, idx.stripe_files[stripe]), offset - base
 
 
 def _read_range(data_path: str, offset: int, length: int) -> bytes:
@@ -197,7 +231,7 @@ def _check_frames_decompress(path: str, layout, indexes: dict[str, RankIndex], r
         report.notes.append(f"compressed frames were checksummed but not decompressed: {exc}")
         return
     block = layout.compression[1]
-    files = {r.rank: r.data_file for r in layout.ranks}
+    files = _slot_paths(layout)
     frames = []  # (data path, offset, length, raw bytes, what)
     for fqn, _off, rank, _offset, length, ordinal in layout.entries:
         if ordinal < 0 or length < 0:
@@ -242,11 +276,11 @@ def _check_items(reader: DataStatesReader, metadata, report: VerifyReport) -> No
 
 
 def _check_object_entries(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
-    files = {r.rank: r for r in layout.ranks}
+    files = layout.slots()
     for fqn, _off, rank, _offset, length, ordinal in layout.entries:
         if ordinal < 0 or rank not in files:
             continue
-        idx = indexes.get(files[rank].data_file)
+        idx = indexes.get(files[rank].data_path)
         if length >= 0:  # a compressed chunk: its blocks are consecutive entries
             last = ordinal + compressed_blocks(length, layout.compression[1]) - 1
             if idx is not None and last >= len(idx.objects):
@@ -264,7 +298,7 @@ def _check_object_entries(path: str, layout, indexes: dict[str, RankIndex], repo
 
 def _spans_by_file(layout, indexes: dict[str, RankIndex]) -> dict[str, list[tuple[int, int, str]]]:
     """(start, end, key) of every stored item, per data file, sorted: maps offsets to keys."""
-    files = {r.rank: r.data_file for r in layout.ranks}
+    files = _slot_paths(layout)
     out: dict[str, list[tuple[int, int, str]]] = {}
     for fqn, _off, rank, offset, length, ordinal in layout.entries:
         rel = files.get(rank)
@@ -288,7 +322,7 @@ def _spans_by_file(layout, indexes: dict[str, RankIndex]) -> dict[str, list[tupl
 
 
 def _check_tiling(path: str, rel: str, idx: RankIndex, spans, report: VerifyReport) -> None:
-    where = os.path.join(path, rel)
+    where = _resolve(path, rel)
     for start, end, key in spans:
         try:
             idx.check_tiled(start, end - start, where, key)
@@ -329,15 +363,16 @@ def _stripe_file(reader, rel: str, idx: RankIndex, stripe: int) -> tuple[str, in
     the data offsets it holds (the whole data without stripes)."""
     start, end = idx.stripe_bounds()[stripe]
     name = idx.stripe_files[stripe] if idx.stripes else rel
-    return os.path.join(reader.path, name), start, end
+    return reader._where(name), start, end
 
 
-def _check_segments(reader, rel, idx: RankIndex, stripe: int, spans, report, done, total, progress) -> int:
-    """Read every segment of one data file (a stripe) through a bounded buffer and verify its CRC."""
+def _check_segments(reader, rel, idx: RankIndex, stripe: int, spans, report, done, total, progress, only=None) -> int:
+    """Read every segment of one data file (a stripe) through a bounded buffer and verify its CRC
+    (``only``: just these segments, by index)."""
     path, base, _end = _stripe_file(reader, rel, idx, stripe)
-    rows = idx.stripe_segments(stripe)
+    rows = [i for i in idx.stripe_segments(stripe) if only is None or i in only]
     offsets = [idx.seg_offsets[i] - base for i in rows]
-    lengths = idx.seg_lengths[rows.start : rows.stop]
+    lengths = [idx.seg_lengths[i] for i in rows]
     table = idx.segment_table(stripe)  # a run of adjacent segments is tiled by them: its checks come from here
     largest = max(lengths, default=0)
     buf = torch.empty(max(min(VERIFY_BUFFER_BYTES, sum(lengths)), largest), dtype=torch.uint8)

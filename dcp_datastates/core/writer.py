@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_datastates import _dcp_compat
-from dcp_datastates.core import commit, durable, plan_cache, rank_file
+from dcp_datastates.core import commit, durable, incremental, plan_cache, rank_file
 from dcp_datastates.core.compression import descriptor_of, resolve_compression
 from dcp_datastates.core.layout import (
     AUTO_STRIPE_MIN_BYTES,
@@ -58,6 +58,7 @@ from dcp_datastates.core.layout import (
     assign_staged_layout,
     has_staged_layout,
     new_save_id,
+    plan_rank_layout,
     rank_layout_of,
 )
 from dcp_datastates.core.save_order import ORDER
@@ -110,6 +111,20 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         _extensions: DCP's ``FileSystemWriter`` argument, accepted so that
             switching is one argument: ``[ZStandard()]`` means ``compression="zstd"``;
             any other extension is refused.
+        base: a committed checkpoint in a sibling directory to save incrementally
+            against (format 8, docs/incremental.md): each tensor chunk of 64 KiB
+            or more whose bytes equal the base's chunk at the same key, offsets,
+            dtype and shape (XXH3-128 digests, computed now and recorded by the
+            base's save) is not written; the new checkpoint refers to the base's
+            file, offset and checksums. The base must then be kept as long as
+            the new checkpoint is (``CheckpointManager`` does this itself).
+            ``None`` (default): a full save. Not with ``compression``.
+        record_digests: record content digests of the large chunks (so that a
+            later save can use this checkpoint as its base). On when ``base``
+            is given; off by default otherwise (it costs a hash of every byte).
+        change_tracker: an :class:`incremental.ChangeTracker` kept across saves:
+            chunks whose tensors changed since its last save are written
+            without hashing (``CheckpointManager`` passes its own).
 
     A planner may set a truthy attribute ``resolve_creates_tensors`` when its
     ``resolve_data`` materialises a new tensor on every call (as the
@@ -136,11 +151,23 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         compression_level: int | None = None,
         stripes: int | None = None,
         _extensions: Sequence[Any] | None = None,
+        base: str | os.PathLike | None = None,
+        record_digests: bool = False,
+        change_tracker: incremental.ChangeTracker | None = None,
     ) -> None:
         super().__init__()
         if direct_io not in _native.DIRECT_IO_MODES:
             raise ValueError(f"direct_io must be one of {_native.DIRECT_IO_MODES}, got {direct_io!r}")
         self.compression = resolve_compression(compression, compression_level, _extensions)
+        incremental.check_options(base, self.compression)
+        if record_digests and self.compression is not None:
+            raise ValueError("record_digests=True needs raw chunks: it cannot be combined with compression")
+        self.base = os.fspath(base) if base is not None else None
+        if self.base is not None and path is not None:
+            incremental.check_sibling(path, self.base)
+        self.record_digests = bool(record_digests) or base is not None
+        self.change_tracker = change_tracker
+        self._io_threads = io_threads
         self.path = os.fspath(path) if path is not None else None
         self.overwrite = overwrite
         self.direct_io = direct_io
@@ -369,7 +396,23 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 results = rank_file.write_snapshot(save, plan, planner, self._settings(), metadata_early)
             else:
                 layout = self._rank_layout(save, plan)
+                increment = self._increment(save, plan, planner)
+                if increment is not None:
+                    # The written items are placed again without the referred ones; the layout
+                    # is then built from every rank's results, so not serialized early.
+                    plan = incremental.without_references(plan, increment)
+                    layout = plan_rank_layout(plan.items, layout.rank, layout.save_id, layout.compression, layout.striping)
+                    metadata_early = _nothing
                 results = rank_file.write_planned(save, plan, planner, layout, self._settings(), metadata_early)
+                if increment is not None:
+                    results += [
+                        WriteResult(index=index, size_in_bytes=chunk.length, storage_data=increment.reference_location(chunk))
+                        for index, chunk in increment.references.items()
+                    ]
+                    save.report = dataclasses.replace(
+                        save.report, bases=increment.base_files(),
+                        digests=tuple((fqn, off, d) for (fqn, off), d in increment.digests.items()),
+                    )
             results.append(plan_cache.report_result(save.report))
             r = save.report
             save.stats.rank_files = RankFiles(save.rank, r.data_file, r.index_file, r.save_id, tuple(r.stripes))
@@ -386,7 +429,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         with self._failing(save), self._gc_paused(save):
             results, reports = plan_cache.split_reports(results)
             layout = save.layout or metadata.storage_data
-            if (save.plan_cached and save.layout is None) or (
+            if (save.plan_cached and save.layout is None) or plan_cache.has_increments(reports) or (
                 isinstance(layout, CheckpointLayout) and not plan_cache.reports_match(layout, reports)
             ):
                 # Plans from DCP's cache named an earlier save's files: what the ranks wrote decides.
@@ -527,6 +570,22 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             raise CheckpointError("save plan carries no dcp_datastates layout; was prepare_global_plan skipped?")
         plan_cache.mark_written(plan.storage_data)
         return rank_layout_of(plan, info, save.rank_layouts.get(info.rank))
+
+    def _increment(self, save: RankSave, plan: SavePlan, planner: SavePlanner) -> incremental.RankIncrement | None:
+        """This rank's incremental decisions for a synchronous plan (None: a full save without
+        digests). Hashes the large chunks the base may hold, and those whose digests are recorded."""
+        if not self.record_digests or getattr(planner, "resolve_creates_tensors", False):
+            return None
+        base = None
+        if self.base is not None:
+            base = incremental.BaseCheckpoint(self.base)
+            base.check_sibling_of(save.path)
+        increment = incremental.decide(plan, planner.resolve_data, base, self.change_tracker, self._io_threads)
+        stats = save.stats
+        stats.hashed_bytes, stats.referenced_bytes, stats.hash_s = (
+            increment.hashed_bytes, increment.referenced_bytes, increment.hash_s,
+        )
+        return increment
 
     def _write_metadata_tmp(self, save: RankSave, metadata: Metadata, layout: CheckpointLayout) -> None:
         metadata.storage_data = layout

@@ -21,7 +21,7 @@ from typing import NamedTuple
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_datastates.errors import CorruptCheckpointError, UnsupportedFormatError
-from dcp_datastates.format.file_names import DATA_FILE_RE, MAX_STRIPES, SAVE_ID_RE, stripe_file_name
+from dcp_datastates.format.file_names import BASE_NAME_RE, DATA_FILE_RE, MAX_STRIPES, SAVE_ID_RE, base_file_path, stripe_file_name
 
 FORMAT_NAME = "dcp_datastates"
 # 2: RankFiles may carry their own save id (files named by an asynchronous snapshot).
@@ -31,8 +31,12 @@ FORMAT_NAME = "dcp_datastates"
 # 6: .metadata carries a plain JSON record of the Metadata after the pickle, which our reader
 #    decodes instead of unpickling (metadata_record.py); its trailer counts the record.
 # 7: a rank's data may be striped over several files (RankFiles.stripes), written in parallel.
-FORMAT_VERSION = 7
+# 8: incremental checkpoints: ``ranks`` may list ranks of base checkpoints (RankFiles.base, sibling
+#    directories) whose bytes items refer to; entries name a rank by its slot in ``ranks``; the
+#    layout records content digests of large chunks (``digests``).
+FORMAT_VERSION = 8
 STRIPES_SINCE = 7  # the first version whose ranks record stripes
+BASES_SINCE = 8  # the first version whose layouts may refer to base checkpoints
 
 
 def show(value, limit: int = 100) -> str:
@@ -103,6 +107,12 @@ class RankFiles:
     the last stripe running to the end of the data. Writing each stripe from
     its own thread is what lets buffered writes to fast storage run in
     parallel (one file's writes serialize on its inode lock). Empty: one file.
+
+    ``base`` (format 8): empty for the checkpoint's own ranks; for a rank of a
+    base checkpoint that items refer to (an incremental save), the name of
+    that checkpoint's directory, a sibling of this one. Its files are read as
+    ``../<base>/<name>`` and checked against their own index, whose save id
+    (``save_id``, always recorded for a base rank) must match.
     """
 
     rank: int
@@ -110,6 +120,7 @@ class RankFiles:
     index_file: str
     save_id: str = ""
     stripes: tuple = ()
+    base: str = ""
 
     def __setstate__(self, state):  # in-process copies only: on disk a rank is a plain tuple
         _set_fields_strictly(self, state, RANK_FILES_FIELDS)
@@ -118,8 +129,27 @@ class RankFiles:
         return getattr(self, "save_id", "") or checkpoint_save_id
 
     def data_files(self) -> list[str]:
-        """The rank's data files, stripe by stripe."""
+        """The rank's data files, stripe by stripe (names in their own directory)."""
         return [stripe_file_name(self.data_file, k) for k in range(len(self.stripes) + 1)]
+
+    def path_of(self, name: str) -> str:
+        """File ``name`` of this rank relative to the checkpoint that lists it: the name itself
+        for its own ranks, ``../<base>/<name>`` for a base checkpoint's rank."""
+        return base_file_path(self.base, name)
+
+    def data_paths(self) -> list[str]:
+        """:meth:`data_files` relative to the checkpoint that lists the rank."""
+        return [self.path_of(n) for n in self.data_files()]
+
+    @property
+    def data_path(self) -> str:
+        """The first data file relative to the checkpoint that lists the rank: what its
+        items' ``ItemLocation.relative_path`` is."""
+        return self.path_of(self.data_file)
+
+    @property
+    def index_path(self) -> str:
+        return self.path_of(self.index_file)
 
     def stripe_of(self, offset: int) -> tuple[int, int, int | None]:
         """``(stripe, its first offset, its end or None)`` of the stripe holding data offset ``offset``."""
@@ -134,10 +164,12 @@ def stripe_span(starts: tuple, offset: int, end: int | None = None) -> tuple[int
     return k, (starts[k - 1] if k else 0), (starts[k] if k < len(starts) else end)
 
 
-RANK_FILES_FIELDS = {"rank": int, "data_file": str, "index_file": str, "save_id": str, "stripes": tuple}
+RANK_FILES_FIELDS = {"rank": int, "data_file": str, "index_file": str, "save_id": str, "stripes": tuple, "base": str}
 LAYOUT_FIELDS = {
     "format": str, "version": int, "save_id": str, "ranks": list, "entries": list, "compression": (tuple, type(None)),
+    "digests": dict,
 }
+DIGEST_HEX_CHARS = 32  # a content digest is XXH3-128, as 32 lowercase hex digits
 
 
 def strict_fields(name: str, state, kinds: dict, defaults: dict) -> dict:
@@ -231,7 +263,10 @@ class CheckpointLayout:
     """``Metadata.storage_data`` of a dcp_datastates checkpoint, in memory.
 
     ``entries`` holds one plain tuple per saved item,
-    ``(fqn, chunk_offsets or None, rank, offset, length, object_ordinal)``:
+    ``(fqn, chunk_offsets or None, slot, offset, length, object_ordinal)``,
+    where ``slot`` is the item's rank files' position in ``ranks`` from format 8
+    on (the checkpoint's own ranks come first, rank r in slot r, so for them
+    slot and rank agree; base ranks follow) and the rank number before:
     plain tuples pickle several times faster than one object per item,
     which matters for states of tens of thousands of tensors. Lookups by
     ``MetadataIndex`` go through a dict built on first use.
@@ -250,6 +285,9 @@ class CheckpointLayout:
     # None, or (codec, block_bytes) when large tensor chunks are stored compressed
     # (see compression.py); layouts pickled by versions 1-3 get None.
     compression: tuple | None = None
+    # Format 8: {location_key: XXH3-128 hex digest} of the large raw tensor chunks whose
+    # content was hashed when saved (incremental checkpoints compare them; see incremental.py).
+    digests: dict = dataclasses.field(default_factory=dict)
 
     def __getstate__(self):
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -259,10 +297,27 @@ class CheckpointLayout:
         # a method). Fields added later (with a default, e.g. compression) get the default.
         _set_fields_strictly(self, state, LAYOUT_FIELDS)
 
+    def slots(self) -> dict[int, RankFiles]:
+        """``{slot: RankFiles}``: what the third field of an entry names (a position in ``ranks``
+        from format 8 on, a rank number before)."""
+        if self.version >= BASES_SINCE:
+            return dict(enumerate(self.ranks))
+        return {r.rank: r for r in self.ranks}
+
+    @property
+    def own_ranks(self) -> list[RankFiles]:
+        """The ranks whose files are this checkpoint's own (not a base checkpoint's)."""
+        return [r for r in self.ranks if not r.base]
+
+    @property
+    def bases(self) -> list[str]:
+        """The base checkpoints (sibling directory names) this one refers to, sorted."""
+        return sorted({r.base for r in self.ranks if r.base})
+
     def _lookup(self) -> dict:
         table = self.__dict__.get("_table")
         if table is None:
-            files = {r.rank: r.data_file for r in self.ranks}
+            files = {slot: r.data_path for slot, r in self.slots().items()}
             table = {}
             for fqn, off, rank, offset, length, ordinal in self.entries:
                 if rank not in files:
@@ -270,6 +325,13 @@ class CheckpointLayout:
                 table[(fqn, off)] = ItemLocation(files[rank], offset, length, ordinal)
             self.__dict__["_table"] = table
         return table
+
+    def files_of(self, relative_path: str) -> RankFiles | None:
+        """The rank files whose first data file is ``relative_path`` (an ``ItemLocation``'s)."""
+        by_path = self.__dict__.get("_by_path")
+        if by_path is None:
+            by_path = self.__dict__["_by_path"] = {r.data_path: r for r in self.ranks}
+        return by_path.get(relative_path)
 
     def check_covers(self, metadata, where: str) -> None:
         """Every item the metadata lists has a stored location (of the right kind)."""
@@ -314,13 +376,25 @@ class CheckpointLayout:
         if not isinstance(self.ranks, list) or not isinstance(self.entries, list):
             raise bad("its rank list or item list is not a list")
         ranks = set()
-        for r in self.ranks:
+        own = True  # format 8: own ranks first, rank r in slot r; base ranks after them
+        for slot, r in enumerate(self.ranks):
             rank = getattr(r, "rank", None)
             if not isinstance(r, RankFiles) or not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
                 raise bad(f"rank entry {show(r)}")
             sid = getattr(r, "save_id", "")
             if sid and not (isinstance(sid, str) and SAVE_ID_RE.match(sid)):
                 raise bad(f"rank {rank}'s save id {show(sid)}")
+            base = getattr(r, "base", "")
+            if base:
+                if self.version < BASES_SINCE:
+                    raise bad(f"rank {rank} is a base checkpoint's in a layout of version {self.version}")
+                if not (isinstance(base, str) and BASE_NAME_RE.match(base)):
+                    raise bad(f"rank {rank} refers to base checkpoint {show(base)}, which is not a sibling directory's name")
+                if not sid:
+                    raise bad(f"rank {rank} of base checkpoint {base!r} records no save id")
+                own = False
+            elif self.version >= BASES_SINCE and (not own or rank != slot):
+                raise bad(f"own rank {rank} is in slot {slot}: own ranks come first, rank r in slot r")
             for name, kind in ((getattr(r, "data_file", None), "data"), (getattr(r, "index_file", None), "index")):
                 m = DATA_FILE_RE.match(name) if isinstance(name, str) else None
                 if m is None or m.group(4) != kind or m.group(3) is not None or int(m.group(1)) != rank:
@@ -328,10 +402,12 @@ class CheckpointLayout:
             check_stripes(getattr(r, "stripes", None), f"rank {rank}", bad)
             if r.stripes and self.version < STRIPES_SINCE:
                 raise bad(f"rank {rank} is striped in a layout of version {self.version}")
-            if rank in ranks:
-                raise bad(f"rank {rank} is listed twice")
-            ranks.add(rank)
-        striped = {r.rank: r.stripes for r in self.ranks if r.stripes}
+            key = (base, rank)
+            if key in ranks:
+                raise bad(f"rank {rank}{f' of base {base!r}' if base else ''} is listed twice")
+            ranks.add(key)
+        slots = self.slots()
+        striped = {slot: r.stripes for slot, r in slots.items() if r.stripes}
         for e in self.entries:
             if not (isinstance(e, tuple) and len(e) == 6 and isinstance(e[0], str)):
                 raise bad(f"item entry {show(e)}")
@@ -342,8 +418,10 @@ class CheckpointLayout:
                 raise bad(f"{fqn!r} has a non-integer location")
             if not all(-1 <= x < 1 << 63 for x in (rank, offset, length, ordinal)):
                 raise bad(f"{fqn!r} has a location out of range: {show(e[2:])}")
-            if rank not in ranks:
+            if rank not in slots:
                 raise bad(f"{fqn!r} is placed in rank {rank}, which has no files")
+            if slots[rank].base and ordinal >= 0:
+                raise bad(f"{fqn!r} refers to an object of base checkpoint {slots[rank].base!r}; only raw tensor bytes are referred to")
             if ordinal >= 0 and length >= 0:  # a compressed tensor chunk: its blocks start at ordinal
                 if self.compression is None or off is None or offset != -1:
                     raise bad(f"{fqn!r} is stored as compressed blocks, but the layout records no compression")
@@ -357,11 +435,33 @@ class CheckpointLayout:
                 k, _, next_start = stripe_span(starts, offset)
                 if next_start is not None and offset + length > next_start:
                     raise bad(f"{fqn!r} (bytes {offset}..{offset + length}) crosses the start of rank {rank}'s stripe {k + 1} at {next_start}")
+        self._validate_digests(bad)
+
+    def _validate_digests(self, bad) -> None:
+        digests = self.__dict__.get("digests")
+        if not isinstance(digests, dict):
+            raise bad(f"its digests are a {type(digests).__name__}")
+        if digests and self.version < BASES_SINCE:
+            raise bad(f"a layout of version {self.version} records content digests")
+        keys = None
+        for key, digest in digests.items():
+            if not (isinstance(digest, str) and len(digest) == DIGEST_HEX_CHARS and _is_lower_hex(digest)):
+                raise bad(f"the content digest of {show(key)} is {show(digest)}")
+            if keys is None:
+                keys = self._lookup()
+            loc = keys.get(key)
+            if loc is None or loc.object_ordinal >= 0:
+                raise bad(f"it records a content digest of {show(key)}, which is no raw tensor chunk of it")
+
+
+def _is_lower_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
 
 
 def object_entries(layout: CheckpointLayout) -> dict[int, int]:
-    """``{rank: object-table entries the validated layout refers to}`` (for :class:`IndexLimits`)."""
-    objects = {r.rank: 0 for r in layout.ranks}
+    """``{slot: object-table entries the validated layout refers to}`` (for :class:`IndexLimits`;
+    a base rank's are its own checkpoint's business: none are referred to)."""
+    objects = {slot: 0 for slot in layout.slots()}
     block = layout.compression[1] if layout.compression is not None else 0
     for _fqn, _off, rank, _offset, length, ordinal in layout.entries:
         if ordinal >= 0:

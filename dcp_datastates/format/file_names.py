@@ -93,5 +93,17 @@ def stray_files(names: Iterable[str], named: Collection[str], *, stock_dcp: bool
 
 
 def layout_files(layout) -> list[str]:
-    """The rank files a ``CheckpointLayout`` names (data files, then index, rank by rank), without ``.metadata``."""
-    return [name for r in layout.ranks for name in (*r.data_files(), r.index_file)]
+    """The checkpoint's own rank files a ``CheckpointLayout`` names (data files, then index, rank
+    by rank), without ``.metadata``; the files of base checkpoints it refers to (format 8) are
+    theirs, not its own."""
+    return [name for r in layout.ranks if not r.base for name in (*r.data_files(), r.index_file)]
+
+
+# A base checkpoint (format 8) is a sibling directory named by one plain path component.
+BASE_NAME_RE = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9._+=@-]{1,255}$")
+
+
+def base_file_path(base: str, name: str) -> str:
+    """The path of file ``name`` of the sibling checkpoint ``base``, relative to a checkpoint
+    directory (``../<base>/<name>``): how references of an incremental checkpoint name it."""
+    return f"../{base}/{name}" if base else name

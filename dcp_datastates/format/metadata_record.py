@@ -184,6 +184,11 @@ def _layout_plain(data) -> dict:
         out["entries"] = entries
     if type(out.get("compression")) is list:
         out["compression"] = tuple(out["compression"])
+    if type(out.get("digests")) is list:  # format 8: (fqn, chunk offsets, digest)
+        out["digests"] = [
+            (d[0], tuple(d[1]) if type(d[1]) is list else d[1], *d[2:]) if type(d) is list and len(d) >= 2 else d
+            for d in out["digests"]
+        ]
     return out
 
 

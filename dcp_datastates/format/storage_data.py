@@ -10,18 +10,24 @@ into a validated layout when it is decoded. The plain form::
 
     {
         "format": "dcp_datastates",
-        "version": 7,
+        "version": 8,
         "save_id": "3f9c2a71b0de",
-        "ranks": [(rank, data_file, index_file, files_save_id, stripe_starts), ...],
-        "entries": [(fqn, chunk_offsets or None, rank, offset, length, object_ordinal), ...],
+        "ranks": [(rank, data_file, index_file, files_save_id, stripe_starts, base), ...],
+        "entries": [(fqn, chunk_offsets or None, slot, offset, length, object_ordinal), ...],
         "compression": None or (codec, block_bytes),
+        "digests": [(fqn, chunk_offsets or None, xxh3_128_hex), ...],
     }
 
 ``files_save_id`` is ``""`` when the rank's files carry the checkpoint's own
 save id; ``stripe_starts`` (from version 7; versions 5 and 6 have 4-tuples)
 is a tuple of the data offsets where the rank's further data files begin
-(:class:`RankFiles`), ``()`` for one file; an entry is what :class:`CheckpointLayout` documents. Only ``str``,
-``int``, ``None``, tuples, lists and the one dict: exactly these six keys.
+(:class:`RankFiles`), ``()`` for one file; ``base`` (from version 8; 5-tuples
+before) is ``""`` for the checkpoint's own ranks and a sibling checkpoint's
+directory name for a base rank that entries refer to; an entry is what
+:class:`CheckpointLayout` documents (its third field a slot in ``ranks`` from
+version 8, a rank number before); ``digests`` (from version 8) lists the
+content digests of large tensor chunks. Only ``str``, ``int``, ``None``,
+tuples, lists and the one dict: exactly these keys (six before version 8).
 
 Versions 1 to 4 pickled the layout as our classes, under the module path
 each had when it was written: ``dcp_datastates.format.CheckpointLayout`` and
@@ -39,11 +45,11 @@ from __future__ import annotations
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_datastates.errors import CorruptCheckpointError
-from dcp_datastates.format.checkpoint_layout import FORMAT_NAME, FORMAT_VERSION, LAYOUT_FIELDS, RANK_FILES_FIELDS, STRIPES_SINCE, CheckpointLayout, RankFiles, check_format_version, show, strict_fields
+from dcp_datastates.format.checkpoint_layout import BASES_SINCE, FORMAT_NAME, FORMAT_VERSION, LAYOUT_FIELDS, RANK_FILES_FIELDS, STRIPES_SINCE, CheckpointLayout, RankFiles, check_format_version, show, strict_fields
 
 PLAIN_SINCE = 5  # the first format version whose layout is plain data
-PLAIN_KEYS = ("format", "version", "save_id", "ranks", "entries", "compression")
-_PLAIN_KINDS = {"save_id": str, "ranks": list, "entries": list, "compression": (tuple, type(None))}
+PLAIN_KEYS = ("format", "version", "save_id", "ranks", "entries", "compression", "digests")
+_PLAIN_KINDS = {"save_id": str, "ranks": list, "entries": list, "compression": (tuple, type(None)), "digests": list}
 
 
 def _corrupt(where: str, why: str) -> CorruptCheckpointError:
@@ -65,9 +71,10 @@ def layout_to_plain(layout: CheckpointLayout) -> dict:
         "format": layout.format,
         "version": FORMAT_VERSION,
         "save_id": layout.save_id,
-        "ranks": [(r.rank, r.data_file, r.index_file, r.save_id, r.stripes) for r in layout.ranks],
+        "ranks": [(r.rank, r.data_file, r.index_file, r.save_id, r.stripes, r.base) for r in layout.ranks],
         "entries": layout.entries,
         "compression": layout.compression,
+        "digests": [(fqn, off, digest) for (fqn, off), digest in layout.digests.items()],
     }
 
 
@@ -78,22 +85,35 @@ def _layout_from_plain(data: dict, where: str) -> CheckpointLayout:
     check_format_version(data.get("format"), version, where)  # a newer version may have other keys
     if version < PLAIN_SINCE:
         raise _corrupt(where, f"it is plain data of version {version}; before {PLAIN_SINCE} it was pickled as a class")
-    unknown = [k for k in data if k not in PLAIN_KEYS]
-    missing = [k for k in PLAIN_KEYS if k not in data]
+    keys = PLAIN_KEYS if version >= BASES_SINCE else PLAIN_KEYS[:-1]
+    unknown = [k for k in data if k not in keys]
+    missing = [k for k in keys if k not in data]
     if unknown or missing:
         raise _corrupt(where, f"it has keys {show(unknown)} it may not have and lacks {show(missing)}")
     for key, kind in _PLAIN_KINDS.items():
-        if not isinstance(data[key], kind):
+        if key in keys and not isinstance(data[key], kind):
             raise _corrupt(where, f"its {key} is a {type(data[key]).__name__}")
     ranks = []
-    width, what = (5, "(rank, data file, index file, save id, stripe starts)") if version >= STRIPES_SINCE else (
-        4, "(rank, data file, index file, save id)"
-    )
+    if version >= BASES_SINCE:
+        width, what = 6, "(rank, data file, index file, save id, stripe starts, base)"
+    elif version >= STRIPES_SINCE:
+        width, what = 5, "(rank, data file, index file, save id, stripe starts)"
+    else:
+        width, what = 4, "(rank, data file, index file, save id)"
     for r in data["ranks"]:
-        if not (isinstance(r, tuple) and len(r) == width and all(isinstance(x, str) for x in r[1:4])):
+        if not (isinstance(r, tuple) and len(r) == width and all(isinstance(x, str) for x in (*r[1:4], *r[5:]))):
             raise _corrupt(where, f"rank entry {show(r)} is not {what}")
-        ranks.append(RankFiles(*r))  # the rank's kind and range, and its stripes, are checked by validate
-    return CheckpointLayout(FORMAT_NAME, version, data["save_id"], ranks, data["entries"], data["compression"])
+        ranks.append(RankFiles(*r))  # the rank's kind and range, its stripes and base are checked by validate
+    digests = {}
+    for d in data.get("digests", ()):
+        if not (isinstance(d, tuple) and len(d) == 3 and isinstance(d[0], str) and isinstance(d[1], (tuple, type(None)))):
+            raise _corrupt(where, f"digest entry {show(d)} is not (fqn, chunk offsets, digest)")
+        if (d[0], d[1]) in digests:
+            raise _corrupt(where, f"{d[0]!r} (at {show(d[1])}) has two content digests")
+        digests[(d[0], d[1])] = d[2]  # the digest's form, and that it names a chunk, are checked by validate
+    return CheckpointLayout(
+        FORMAT_NAME, version, data["save_id"], ranks, data["entries"], data["compression"], digests
+    )
 
 
 # -- formats 1 to 4: our classes, pickled ---------------------------------------------------
@@ -121,14 +141,14 @@ class PickledLayout(_Pickled):
 
     __slots__ = ()
     NAME = "CheckpointLayout"
-    KINDS = {**LAYOUT_FIELDS, "locations": dict}
+    KINDS = {**{k: v for k, v in LAYOUT_FIELDS.items() if k != "digests"}, "locations": dict}  # digests: version 8
     DEFAULTS = {"entries": None, "locations": None, "compression": None}
 
 
 class PickledRankFiles(_Pickled):
     __slots__ = ()
     NAME = "RankFiles"
-    KINDS = {k: v for k, v in RANK_FILES_FIELDS.items() if k != "stripes"}  # stripes came with version 7
+    KINDS = {k: v for k, v in RANK_FILES_FIELDS.items() if k not in ("stripes", "base")}  # versions 7, 8
     DEFAULTS = {"save_id": ""}  # version 1 had no per-rank save id
 
 

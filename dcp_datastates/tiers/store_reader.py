@@ -27,12 +27,13 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import posixpath
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from dcp_datastates.core.reader import DataStatesReader, _ReadBatch
+from dcp_datastates.core.reader import DataStatesReader, _ReadBatch, missing_rank_file
 from dcp_datastates.errors import (
     ChecksumMismatchError,
     CheckpointNotFoundError,
@@ -105,10 +106,19 @@ class StoreReader(DataStatesReader):
         return self._opened
 
     def key(self, name: str) -> str:
-        """The store key of the checkpoint's file ``name``."""
+        """The store key of the checkpoint's file ``name`` (``../<base>/<name>``: a file of a base
+        checkpoint that an incremental checkpoint refers to, a sibling under the same prefix)."""
         if self._given_store is None:
+            if name.startswith("../"):
+                raise CorruptCheckpointError(
+                    f"{self.location} refers to {name}, a file of a base checkpoint beside it; open the "
+                    "tier's root as the store (StoreReader(step, store=open_store(root_url))) to follow it"
+                )
             return name  # the store is opened at the checkpoint itself
-        return f"{self.path.strip('/')}/{name}"
+        key = posixpath.normpath(f"{self.path.strip('/')}/{name}")
+        if key.startswith("../") or key == "..":
+            raise CorruptCheckpointError(f"{self.location} refers to {name}, outside the store's root")
+        return key
 
     def _where(self, name: str) -> str:
         return self.store.where(self.key(name))
@@ -168,21 +178,19 @@ class StoreReader(DataStatesReader):
 
     def data_file_sizes(self, files: RankFiles) -> list[int]:
         sizes = []
-        for name in files.data_files():
+        for name in files.data_paths():
             size = self.store.size(self.key(name))
             if size is None:
-                raise CorruptCheckpointError(
-                    f"rank {files.rank}'s data file {self._where(name)} is missing; the checkpoint is damaged"
-                )
+                raise missing_rank_file(self.location, files, "data", self._where(name))
             sizes.append(size)
         return sizes
 
     def _read_index(self, files: RankFiles, limits: IndexLimits) -> RankIndex:
-        key = self.key(files.index_file)
+        key = self.key(files.index_path)
         where = self.store.where(key)
         size = self.store.size(key)
         if size is None:
-            raise CorruptCheckpointError(f"rank {files.rank}'s index file {where} is missing; the checkpoint is damaged")
+            raise missing_rank_file(self.location, files, "index", where)
         if size < INDEX_HEADER.size + INDEX_TRAILER.size:
             raise CorruptCheckpointError(f"rank index {where} is corrupt: {size} bytes is shorter than the header")
         # The header first: a hostile index is refused before it is read whole.

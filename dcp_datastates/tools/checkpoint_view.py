@@ -177,12 +177,12 @@ class CheckpointView:
                 frames = self.reader.rank_index(loc.relative_path).objects
                 n = compressed_blocks(loc.length, self.reader.layout.compression[1])
                 return loc.relative_path, -1, sum(m for _, m in frames[loc.object_ordinal : loc.object_ordinal + n])
-            files = next((r for r in self.reader.layout.ranks if r.data_file == loc.relative_path), None)
+            files = self.reader.layout.files_of(loc.relative_path)
             if files is not None and files.stripes:  # the stripe's own file, and the offset in it
                 if loc.offset < 0:  # an object: after the tensors, in the last stripe
-                    return files.data_files()[-1], loc.offset, loc.length
+                    return files.data_paths()[-1], loc.offset, loc.length
                 stripe, base, _ = files.stripe_of(loc.offset)
-                return files.data_files()[stripe], loc.offset - base, loc.length
+                return files.data_paths()[stripe], loc.offset - base, loc.length
             return loc.relative_path, loc.offset, loc.length
         info = self.metadata.storage_data.get(index)
         if info is None:

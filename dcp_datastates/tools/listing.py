@@ -125,7 +125,7 @@ def open_checkpoint(path: str, allow_pickle: bool = False):
 
 def _rank_count(view) -> int:
     """Rank files the metadata names (ours: one data file per rank; stock DCP: its ``.distcp`` files)."""
-    return len(view.files()) - 1 if view.format == "dcp" else len(view.reader.layout.ranks)
+    return len(view.files()) - 1 if view.format == "dcp" else len(view.reader.layout.own_ranks)
 
 
 # ---------------------------------------------------------------------------
@@ -336,12 +336,19 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     else:
         fmt, version = "dcp", getattr(md, "version", None)
         save_id = getattr(md.storage_meta, "save_id", None) if md.storage_meta is not None else None
+    referred: dict[str, int] = {}  # base checkpoint -> bytes of its chunks this one refers to
+    for k in keys:
+        for c in (k.get("chunks") or []):
+            base = _base_of(c["file"])
+            if base is not None:
+                referred[base] = referred.get(base, 0) + c["length"]
     return {
         "path": path,
         "format": fmt,
         "version": version,
         "save_id": save_id,
         "ranks": _rank_count(view),
+        "bases": [{"base": b, "bytes": n} for b, n in sorted(referred.items())],
         "files": files,
         "tensors": len(view.tensors),
         "objects": len(view.objects),
@@ -350,11 +357,22 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     }
 
 
+def _base_of(name: str) -> str | None:
+    """The base checkpoint a data file of an incremental checkpoint belongs to (``../<base>/...``)."""
+    parts = name.split("/")
+    return parts[1] if len(parts) == 3 and parts[0] == ".." else None
+
+
 def _rank_numbers(files: list[str]) -> str:
-    """``rank00000-...data, rank00001-...data, rank00003-...data`` -> ``0-1,3`` (other names as they are)."""
+    """``rank00000-...data, rank00001-...data, rank00003-...data`` -> ``0-1,3`` (other names as they are);
+    a base checkpoint's file (``../step_10/rank00000-...data``) -> ``step_10:0``."""
     found, others = set(), []
     for name in files:
-        m = DATA_FILE_RE.match(name)
+        base = _base_of(name)
+        m = DATA_FILE_RE.match(name.rsplit("/", 1)[-1] if base is not None else name)
+        if m and base is not None:
+            others.append(f"{base}:{int(m.group(1))}")
+            continue
         (found.add(int(m.group(1))) if m else others.append(name))
     ranks = sorted(found)  # a rank striped over several data files is one rank
     runs: list[str] = []
@@ -381,6 +399,7 @@ def _inspect_lines(info: dict[str, Any], chunks: bool) -> list[str]:
         f"format        {fmt}",
         f"save id       {info['save_id'] or '-'}",
         f"ranks         {info['ranks']}",
+        *[f"refers to     {b['base']}: {human_bytes(b['bytes'])} of its chunks (incremental)" for b in info.get("bases", [])],
         f"files         {len(info['files'])}, {human_bytes(sum(sizes))}"
         + (f" ({len(missing)} MISSING: {', '.join(missing)})" if missing else ""),
     ]

@@ -1,0 +1,261 @@
+"""Incremental saves: refer to a base checkpoint's bytes instead of writing them again.
+
+A save given a *base* (a committed checkpoint in a sibling directory) writes
+only the large tensor chunks whose bytes changed since the base; for every
+other one the new checkpoint's layout refers to the base's file, offset and
+checksums (format 8, ``RankFiles.base``). Loading, resharding and verify
+follow the reference like any other rank's files: the bytes are checked
+against the base rank's own index, whose save id the reference records.
+
+Proving "identical" (docs/incremental.md):
+
+- A chunk is a *candidate* when the base holds a raw (uncompressed) chunk at
+  the same key and chunk offsets, of the same dtype, shape and byte length,
+  with a content digest recorded when it was saved.
+- It is referred to only when its XXH3-128 digest, computed now from the
+  tensor itself, equals the base's. The CRC-32C the engine computes is no
+  first filter here: it costs more per byte than XXH3 (benchmarks/bench_hashes.py),
+  and a candidate's bytes are not written, so no CRC of them is computed.
+- Version counters are never a proof (writes through ``.data``, NumPy or
+  DLPack aliases and kernels writing by pointer do not bump them). They only
+  ever save work in the safe direction: a chunk whose tensor's counter or
+  storage changed since the previous save of the same :class:`ChangeTracker`
+  is written without hashing (and without a digest: a later save hashes it
+  once it stops changing). A chunk is never referred to without a digest
+  match.
+
+Chains stay one hop: a chunk the base itself refers to is referred to in the
+base's base directly (its ``RankFiles`` is taken over as the base lists it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+from dcp_datastates.core.layout import SMALL_TENSOR_BYTES
+from dcp_datastates.errors import CheckpointError
+from dcp_datastates.format.checkpoint_layout import ItemLocation, RankFiles, location_key
+from dcp_datastates.format.file_names import BASE_NAME_RE
+
+HASH_PIECE_BYTES = 64 << 20  # a device tensor is hashed through host copies of at most this
+
+
+def _xxhash():
+    try:
+        import xxhash
+    except ImportError as exc:  # a dependency; a --no-deps install may lack it
+        raise ImportError(
+            "incremental checkpoints hash tensor chunks with XXH3-128: pip install xxhash"
+        ) from exc
+    return xxhash
+
+
+def content_digest(tensor: torch.Tensor) -> str:
+    """XXH3-128 of the tensor's bytes in row-major order, as 32 lowercase hex digits.
+
+    Host tensors are hashed where they are (the binding releases the
+    interpreter lock, so several hash in parallel); a non-contiguous one
+    through a contiguous copy; a device tensor through host copies of at most
+    ``HASH_PIECE_BYTES``.
+    """
+    xxhash = _xxhash()
+    t = tensor.detach()
+    if t.device.type == "cpu":
+        return xxhash.xxh3_128_hexdigest(_host_bytes(t.contiguous()))
+    state = xxhash.xxh3_128()
+    flat = t.reshape(-1)
+    step = max(1, HASH_PIECE_BYTES // max(1, t.element_size()))
+    for start in range(0, flat.numel(), step):
+        state.update(_host_bytes(flat[start : start + step].to("cpu")))
+    return state.hexdigest()
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous host tensor's bytes, without a copy."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseChunk:
+    """A raw chunk of the base whose content digest is known: where its bytes are."""
+
+    files: RankFiles  # as the new checkpoint lists it (``base`` set: one hop)
+    offset: int
+    length: int
+    digest: str
+    dtype: torch.dtype
+    sizes: tuple
+
+
+class BaseCheckpoint:
+    """A committed checkpoint an incremental save refers to, read once: its chunks with digests.
+
+    ``path`` must be a sibling of the checkpoints saved against it (the
+    reference is ``../<name>/<file>``). The base is read with every check a
+    load makes (its ``.metadata`` and layout); the bytes themselves are checked
+    whenever a checkpoint referring to them is loaded or verified.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        from dcp_datastates.core.reader import DataStatesReader
+
+        self.path = os.path.abspath(os.fspath(path))
+        self.name = os.path.basename(self.path)
+        if not BASE_NAME_RE.match(self.name):
+            raise ValueError(f"base checkpoint {self.path}: its directory name {self.name!r} cannot be referred to")
+        reader = DataStatesReader(self.path)
+        metadata = reader.load_metadata()
+        layout = reader.layout
+        slots = layout.slots()
+        self.chunks: dict[tuple, BaseChunk] = {}
+        for fqn, off, slot, offset, length, ordinal in layout.entries:
+            digest = layout.digests.get((fqn, off))
+            if digest is None or ordinal >= 0:
+                continue
+            md = metadata.state_dict_metadata.get(fqn)
+            if not isinstance(md, TensorStorageMetadata):
+                continue
+            sizes = next((tuple(c.sizes) for c in md.chunks if tuple(c.offsets) == off), None)
+            if sizes is None:
+                continue
+            files = slots[slot]
+            if not files.base:  # the base's own bytes: referred to in its directory
+                files = dataclasses.replace(files, save_id=files.files_save_id(layout.save_id), base=self.name)
+            self.chunks[(fqn, off)] = BaseChunk(files, offset, length, digest, md.properties.dtype, sizes)
+
+    def check_sibling_of(self, path: str) -> None:
+        check_sibling(path, self.path)
+
+    def candidate(self, item: WriteItem, nbytes: int) -> BaseChunk | None:
+        """The base's chunk ``item`` may be identical to: same key, offsets, dtype, shape, length."""
+        chunk = self.chunks.get(location_key(item.index.fqn, item.index.offset))
+        td = item.tensor_data
+        if chunk is None or td is None or chunk.length != nbytes:
+            return None
+        if chunk.dtype != td.properties.dtype or chunk.sizes != tuple(td.chunk.sizes):
+            return None
+        return chunk
+
+
+class ChangeTracker:
+    """What each large chunk's tensor looked like at the previous save (its storage and version
+    counter), so that a chunk that changed since is written without hashing it.
+
+    Only ever saves work: a chunk it calls unchanged is still hashed and
+    compared before anything refers to it. One per run (``CheckpointManager``
+    keeps one); thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple, tuple] = {}
+        self._lock = threading.Lock()
+
+    def changed_since_last(self, key: tuple, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (the chunk ``key``) changed since the last call for ``key``; records it.
+        A chunk never seen counts as unchanged (it is hashed)."""
+        from dcp_datastates import _dcp_compat
+
+        state = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), _dcp_compat.version_counter(tensor))
+        with self._lock:
+            before = self._seen.get(key)
+            self._seen[key] = state
+        return before is not None and before != state
+
+
+@dataclasses.dataclass
+class RankIncrement:
+    """One rank's decisions: the chunks referred to, and the digests recorded."""
+
+    references: dict = dataclasses.field(default_factory=dict)  # MetadataIndex -> BaseChunk
+    digests: dict = dataclasses.field(default_factory=dict)  # location_key -> digest
+    hashed_bytes: int = 0
+    referenced_bytes: int = 0
+    hash_s: float = 0.0
+
+    def base_files(self) -> tuple:
+        """The base ranks its references name, once each, in a stable order."""
+        seen = {}
+        for chunk in self.references.values():
+            seen.setdefault((chunk.files.base, chunk.files.rank, chunk.files.data_file), chunk.files)
+        return tuple(seen[k] for k in sorted(seen))
+
+    def reference_location(self, chunk: BaseChunk) -> ItemLocation:
+        return ItemLocation(chunk.files.data_path, chunk.offset, chunk.length, -1)
+
+
+def decide(
+    plan: SavePlan, resolve, base: BaseCheckpoint | None, tracker: ChangeTracker | None, threads: int,
+) -> RankIncrement:
+    """Hash the plan's large raw tensor chunks (``resolve(item)`` gives each one's tensor) and decide
+    which the base holds identically. Chunks whose tensor changed since the tracker's last save
+    are neither hashed nor referred to."""
+    import time
+
+    t0 = time.perf_counter()
+    out = RankIncrement()
+    work = []
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+            continue
+        td = item.tensor_data
+        nbytes = math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
+        if nbytes < SMALL_TENSOR_BYTES:
+            continue  # small chunks are packed and written: a reference would save little
+        tensor = resolve(item)
+        key = location_key(item.index.fqn, item.index.offset)
+        if tracker is not None and tracker.changed_since_last(key, tensor):
+            continue
+        work.append((item, key, tensor, base.candidate(item, nbytes) if base is not None else None, nbytes))
+    if work:
+        with ThreadPoolExecutor(max(1, min(threads, len(work))), thread_name_prefix="dcp_datastates-hash") as pool:
+            digests = list(pool.map(lambda w: content_digest(w[2]), work))
+        for (item, key, _tensor, chunk, nbytes), digest in zip(work, digests):
+            out.digests[key] = digest
+            out.hashed_bytes += nbytes
+            if chunk is not None and chunk.digest == digest:
+                out.references[item.index] = chunk
+                out.referenced_bytes += nbytes
+    out.hash_s = time.perf_counter() - t0
+    return out
+
+
+def without_references(plan: SavePlan, increment: RankIncrement) -> SavePlan:
+    """The plan's items that are written (those referred to are not)."""
+    if not increment.references:
+        return plan
+    return dataclasses.replace(plan, items=[i for i in plan.items if i.index not in increment.references])
+
+
+def check_sibling(path: str | os.PathLike, base: str | os.PathLike) -> None:
+    """A checkpoint saved into ``path`` can refer to ``base``: they share a parent directory (by
+    name: ``../<base>``, resolved lexically as the reader resolves it), and are not the same."""
+    path, base = os.path.abspath(os.fspath(path)), os.path.abspath(os.fspath(base))
+    if os.path.dirname(path) != os.path.dirname(base):
+        raise ValueError(
+            f"an incremental save into {path} cannot refer to base checkpoint {base}: a base must "
+            "be a sibling directory (checkpoints refer to ../<base>/<file>)"
+        )
+    if path == base:
+        raise ValueError(f"a checkpoint cannot be its own base ({base}); save into another directory")
+
+
+def check_options(base: Any, compression) -> None:
+    if base is not None and compression is not None:
+        raise ValueError(
+            "incremental saves (base=...) write raw chunks: they cannot be combined with compression"
+        )
+
+
+class IncrementalError(CheckpointError):
+    """An incremental save that cannot refer to its base as asked."""
