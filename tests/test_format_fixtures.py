@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from conftest import assert_same
 from dcp_datastates import DataStatesReader, verify
@@ -35,6 +36,9 @@ IDS = [f.directory for f in FIXTURES]
 def fixture(request, tmp_path):
     """A fixture and a copy of its checkpoint (nothing may write into the repository's)."""
     fx = request.param
+    if fx.kind == "incremental":  # the checkpoint and its base, siblings as they were saved
+        shutil.copytree(os.path.dirname(os.path.join(FIXTURES_DIR, fx.directory)), tmp_path / "chain")
+        return fx, tmp_path / "chain" / os.path.basename(fx.directory)
     path = tmp_path / "ckpt"
     shutil.copytree(os.path.join(FIXTURES_DIR, fx.directory), path)
     return fx, path
@@ -80,15 +84,19 @@ def test_fixture_metadata_is_what_its_writer_wrote(fixture):
     _, record, _ = split_metadata(pickled, str(path))
     assert (len(record) > 0) == (fx.version >= 6)
     assert read_commit_sequence(str(path / ".metadata")) == (ZSTD_SEQUENCE if fx.kind == "zstd" else None)
-    own_ids = [r.save_id for r in layout.ranks if r.save_id]
+    own_ids = [r.save_id for r in layout.own_ranks if r.save_id and r.save_id != layout.save_id]
     assert bool(own_ids) == (fx.kind == "async")  # an async save names its files with its own id
     compressed = [e for e in layout.entries if e[5] >= 0 and e[4] >= 0]
     assert (layout.compression is not None, bool(compressed)) == ((fx.kind == "zstd",) * 2)
     striped = [r for r in layout.ranks if r.stripes]  # format 7: a rank's data over several files
     assert bool(striped) == (fx.kind == "striped")
     assert sorted(n for n in os.listdir(path) if n.endswith(".data")) == sorted(
-        n for r in layout.ranks for n in r.data_files()
+        n for r in layout.own_ranks for n in r.data_files()
     )
+    assert layout.bases == (["step_1"] if fx.kind == "incremental" else [])
+    if fx.kind == "incremental":  # "frozen" is referred to in step_1, "moving" was written again
+        assert layout.location(MetadataIndex("model.frozen", torch.Size([0]))).relative_path.startswith("../step_1/")
+        assert not layout.location(MetadataIndex("model.moving", torch.Size([0]))).relative_path.startswith("../")
     assert len({e[0] for e in layout.entries}) == len(metadata.state_dict_metadata)
 
 
