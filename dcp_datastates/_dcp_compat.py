@@ -64,6 +64,20 @@ def local_shard(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def dtensor_chunk_offsets(value: torch.Tensor) -> tuple | None:
+    """The global offsets of this rank's chunk of a DTensor, as DCP's planner names it in
+    ``MetadataIndex.offset`` (``DTensor.__create_chunk_list__``, the dunder DCP plans with);
+    None when it is not one chunk (or not a DTensor)."""
+    dtensor = _dtensor_class()
+    if dtensor is None or not isinstance(value, dtensor):
+        return None
+    try:
+        chunks = value.__create_chunk_list__()
+    except RuntimeError:  # partial placements: DCP refuses them too
+        return None
+    return tuple(chunks[0].offsets) if len(chunks) == 1 else None
+
+
 @functools.lru_cache(maxsize=None)
 def _dtensor_class():
     try:

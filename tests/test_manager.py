@@ -518,7 +518,7 @@ def _as_unsequenced(root) -> None:
         layout = metadata.storage_data
         metadata.storage_data = crafted("CheckpointLayout", {
             "format": layout.format, "version": 3, "save_id": layout.save_id,
-            "ranks": [crafted("RankFiles", {k: v for k, v in r.__dict__.items() if k != "stripes"}) for r in layout.ranks],
+            "ranks": [crafted("RankFiles", {k: v for k, v in r.__dict__.items() if k not in ("stripes", "base")}) for r in layout.ranks],
             "entries": layout.entries,
         })
         with old_paths_importable():

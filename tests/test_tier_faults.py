@@ -86,7 +86,7 @@ def test_a_503_storm_is_ridden_out_by_retries(tmp_path, server, proxy):
 def test_the_server_killed_mid_upload_commits_nothing_and_the_drain_resumes(tmp_path, server, proxy):
     url = f"s3://{server.bucket}/killed"
     root = tmp_path / "run"
-    options = _options(proxy.endpoint, max_retries=2, retry_timeout_s=3, request_timeout_s=3)
+    options = _options(proxy.endpoint, max_retries=2, retry_timeout_s=10, request_timeout_s=10)  # 3 s timed out once on a restarted server under a loaded suite
     proxy.throttle(2e6)
     mgr = CheckpointManager(root, keep_last=1, durable=url, async_save=False, durable_options=options)
     with warnings.catch_warnings():

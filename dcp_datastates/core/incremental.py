@@ -139,11 +139,15 @@ class BaseCheckpoint:
 
     def candidate(self, item: WriteItem, nbytes: int) -> BaseChunk | None:
         """The base's chunk ``item`` may be identical to: same key, offsets, dtype, shape, length."""
-        chunk = self.chunks.get(location_key(item.index.fqn, item.index.offset))
         td = item.tensor_data
-        if chunk is None or td is None or chunk.length != nbytes:
+        if td is None:
             return None
-        if chunk.dtype != td.properties.dtype or chunk.sizes != tuple(td.chunk.sizes):
+        key = location_key(item.index.fqn, item.index.offset)
+        return self.candidate_at(key, td.properties.dtype, tuple(td.chunk.sizes), nbytes)
+
+    def candidate_at(self, key: tuple, dtype: torch.dtype, sizes: tuple, nbytes: int) -> BaseChunk | None:
+        chunk = self.chunks.get(key)
+        if chunk is None or chunk.length != nbytes or chunk.dtype != dtype or chunk.sizes != sizes:
             return None
         return chunk
 
@@ -161,12 +165,17 @@ class ChangeTracker:
         self._seen: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
 
-    def changed_since_last(self, key: tuple, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` (the chunk ``key``) changed since the last call for ``key``; records it.
-        A chunk never seen counts as unchanged (it is hashed)."""
+    def changed_since_last(self, key: tuple, tensor: torch.Tensor, wrapper: torch.Tensor | None = None) -> bool:
+        """Whether ``tensor`` (the chunk ``key``; ``wrapper``: the DTensor whose local shard it
+        is, whose counter in-place ops bump) changed since the last call for ``key``; records
+        it. A chunk never seen counts as unchanged (it is hashed)."""
         from dcp_datastates import _dcp_compat
 
-        state = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), _dcp_compat.version_counter(tensor))
+        state = (
+            tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+            _dcp_compat.version_counter(tensor),
+            _dcp_compat.version_counter(wrapper) if wrapper is not None else None,
+        )
         with self._lock:
             before = self._seen.get(key)
             self._seen[key] = state
@@ -218,8 +227,7 @@ def decide(
             continue
         work.append((item, key, tensor, base.candidate(item, nbytes) if base is not None else None, nbytes))
     if work:
-        with ThreadPoolExecutor(max(1, min(threads, len(work))), thread_name_prefix="dcp_datastates-hash") as pool:
-            digests = list(pool.map(lambda w: content_digest(w[2]), work))
+        digests = hash_all([w[2] for w in work], threads)
         for (item, key, _tensor, chunk, nbytes), digest in zip(work, digests):
             out.digests[key] = digest
             out.hashed_bytes += nbytes
@@ -228,6 +236,23 @@ def decide(
                 out.referenced_bytes += nbytes
     out.hash_s = time.perf_counter() - t0
     return out
+
+
+@dataclasses.dataclass
+class SnapshotIncrement:
+    """What an asynchronous snapshot needs to save incrementally (see :mod:`snapshot`)."""
+
+    base: BaseCheckpoint | None
+    tracker: ChangeTracker | None
+    threads: int
+
+
+def hash_all(tensors: list, threads: int) -> list[str]:
+    """The content digests of ``tensors``, computed on up to ``threads`` threads."""
+    if len(tensors) <= 1 or threads <= 1:
+        return [content_digest(t) for t in tensors]
+    with ThreadPoolExecutor(min(threads, len(tensors)), thread_name_prefix="dcp_datastates-hash") as pool:
+        return list(pool.map(content_digest, tensors))
 
 
 def without_references(plan: SavePlan, increment: RankIncrement) -> SavePlan:

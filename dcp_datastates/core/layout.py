@@ -267,6 +267,11 @@ class StagedRankData:
     tensor_bytes_end: int
     tensors: dict
     compression: tuple | None = None  # the rank's snapshot stages raw bytes to compress later
+    # An incremental snapshot: location_key -> the base's chunk (incremental.BaseChunk) it refers
+    # to instead, and location_key -> content digest of its hashed tensors. With either, the
+    # coordinator builds the layout from the ranks' results.
+    references: dict = dataclasses.field(default_factory=dict)
+    digests: dict = dataclasses.field(default_factory=dict)
 
 
 def has_staged_layout(plans: list[SavePlan]) -> bool:

@@ -233,6 +233,18 @@ def write_snapshot(
     stats = save.stats
     stats.items = len(plan.items)
     save.report = plan_cache.RankReport(snap.data_file, snap.index_file, snap.save_id, descriptor_of(snap.compression))
+    if snap.item_references or snap.item_digests:
+        bases = {}
+        for chunk in snap.item_references.values():
+            bases.setdefault(chunk.files.data_path, chunk.files)
+        save.report = dataclasses.replace(
+            save.report, bases=tuple(bases[k] for k in sorted(bases)),
+            digests=tuple((fqn, off, d) for (fqn, off), d in snap.item_digests.items()),
+        )
+        stats.hashed_bytes = sum(save.tensor_locations.get(k, (0, 0))[1] for k in snap.item_digests) + sum(
+            c.length for c in snap.item_references.values()
+        )
+        stats.referenced_bytes = sum(c.length for c in snap.item_references.values())
     t0 = time.perf_counter()
     if snap.compression is not None:
         return _write_snapshot_compressed(save, plan, planner, settings, t0, while_writing)
@@ -240,7 +252,13 @@ def write_snapshot(
     for item in plan.items:
         if item.type == WriteItemType.BYTE_IO:
             continue
-        placed = save.tensor_locations.get(location_key(item.index.fqn, item.index.offset))
+        key = location_key(item.index.fqn, item.index.offset)
+        placed = save.tensor_locations.get(key)
+        chunk = snap.item_references.get(key)
+        if placed is None and chunk is not None:  # incremental: the base's identical chunk
+            loc = ItemLocation(chunk.files.data_path, chunk.offset, chunk.length, -1)
+            results.append(WriteResult(index=item.index, size_in_bytes=chunk.length, storage_data=loc))
+            continue
         if placed is None:
             raise CheckpointError(f"{item.index.fqn!r} is in the final plan but was not in the local plan")
         loc = ItemLocation(snap.data_file, placed[0], placed[1], -1)

@@ -15,6 +15,16 @@ every non-tensor value (DCP pickles those later, after training has moved
 on). The save finds each planned item's bytes through DCP's own flattening
 of that staged dict (:meth:`Snapshot.locations_for`).
 
+Incremental snapshots (a base, or digests recorded: :mod:`incremental`):
+the large plain tensors whose version counter did not move since the last
+save are *hashed*, not placed, in ``stage()``. Everything else is placed and
+streams at once; a background thread hashes those tensors (from the caller's
+memory: forward and backward do not change them, and the fence waits for
+the hashing as for a copy), refers to the base's chunk for each one whose
+digest matches, and places the rest after the others, appending them to the
+same engine job. The staging future completes once that is done and every
+byte placed has left the caller's tensors.
+
 Consistency is checked, not assumed: the version counter of every tensor is
 recorded here and compared once the copies are complete; an in-place change
 in between fails the save instead of committing a torn checkpoint.
@@ -45,7 +55,8 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from dcp_datastates import _dcp_compat
 from dcp_datastates.core.durable import remove_if_present
-from dcp_datastates.core.layout import PAGE, align_up, new_save_id, place_tensors, tensor_item_nbytes
+from dcp_datastates.core import incremental
+from dcp_datastates.core.layout import PAGE, SMALL_TENSOR_BYTES, align_up, new_save_id, place_tensors, tensor_item_nbytes
 from dcp_datastates.core.providers import TensorSource, finish_regions, tensor_source
 from dcp_datastates.core.save_order import ORDER, Ticket
 from dcp_datastates.errors import CheckpointError, SnapshotMutatedError
@@ -64,8 +75,15 @@ def source_key(t: torch.Tensor) -> tuple:
 class Snapshot:
     """One rank's lazy copy of a state dict, on its way into one data file."""
 
-    def __init__(self, directory: str, rank: int, compression=None) -> None:
+    def __init__(self, directory: str, rank: int, compression=None, increment: incremental.SnapshotIncrement | None = None) -> None:
         self.directory = directory
+        self.increment = increment if compression is None else None
+        self.references: dict[tuple, incremental.BaseChunk] = {}  # source_key -> the base's identical chunk
+        self.digests: dict[tuple, str] = {}  # source_key -> content digest
+        self.item_references: dict[tuple, incremental.BaseChunk] = {}  # location_key -> chunk (locations_for)
+        self.item_digests: dict[tuple, str] = {}  # location_key -> digest (locations_for)
+        self.hashed = threading.Event()  # the hashed tensors are referred to or placed
+        self._hashing: threading.Thread | None = None
         self.rank = rank
         self.save_id = new_save_id()
         self.data_file = data_file_name(rank, self.save_id)
@@ -114,6 +132,8 @@ class Snapshot:
         self._t_capture = time.perf_counter()
         sources: list[TensorSource] = []
         index: dict[tuple, int] = {}
+        to_hash: list[tuple] = []  # (source index, key, local tensor, name) of the tensors hashed
+        inc = self.increment
 
         def on_tensor(value: torch.Tensor, name: str) -> torch.Tensor:
             local = _dcp_compat.local_shard(value)
@@ -125,6 +145,16 @@ class Snapshot:
                 index[key] = len(sources)
                 sources.append(tensor_source(value, name))
                 self._versions.append((name, local, _dcp_compat.version_counter(local)))
+                # Hashed: large tensors that did not change since the tracker's last save (never a
+                # proof; see incremental.py), keyed as DCP's plan will name their chunk.
+                if inc is not None and sources[-1].nbytes >= SMALL_TENSOR_BYTES:
+                    offsets = (0,) * value.dim() if local is value else _dcp_compat.dtensor_chunk_offsets(value)
+                    chunk_key = (name, offsets)
+                    wrapper = value if local is not value else None
+                    if offsets is not None and (
+                        inc.tracker is None or not inc.tracker.changed_since_last(chunk_key, local, wrapper)
+                    ):
+                        to_hash.append((len(sources) - 1, key, local.detach(), chunk_key))
             if local is not value:
                 # In-place ops on a DTensor bump the DTensor's counter, not its shard's
                 # (they reach the shard below autograd): watch both.
@@ -135,15 +165,56 @@ class Snapshot:
             return value if local is not value else value.detach()
 
         self.staged_dict = _copy_structure(state_dict, on_tensor, "")
-        offsets, self.tensor_bytes_end = place_tensors([s.nbytes for s in sources])
-        self.placed = {k: (offsets[i], sources[i].nbytes) for k, i in index.items()}
-        regions, keep = finish_regions(list(zip(sources, offsets)))
+        hashed = {i for i, *_ in to_hash}
+        now = [i for i in range(len(sources)) if i not in hashed]
+        offsets, self.tensor_bytes_end = place_tensors([sources[i].nbytes for i in now])
+        at = dict(zip(now, offsets))
+        self.placed = {k: (at[i], sources[i].nbytes) for k, i in index.items() if i in at}
+        regions, keep = finish_regions([(sources[i], at[i]) for i in now])
         staging_only = self.compression is not None  # a scratch file, compressed into the data file and removed
         self.job = engine.write(
             self.staging_path, regions, keep, preallocate=self.tensor_bytes_end,
             # Buffered and never fsynced: read back at once (from the page cache) and removed.
             direct_io="off" if staging_only else direct_io, durable=not staging_only,
         )
+        if not to_hash:
+            self.hashed.set()
+            return
+        work = [(sources[i], key, tensor, chunk_key) for i, key, tensor, chunk_key in to_hash]
+        self._hashing = threading.Thread(
+            target=self._hash_and_place, args=(work,), name="dcp_datastates-snapshot-hash", daemon=True
+        )
+        self._hashing.start()
+
+    def _hash_and_place(self, work: list) -> None:
+        """Background: hash the set-aside tensors, refer to the base's identical chunks, place and
+        append the others to the job after the tensors placed at capture."""
+        inc = self.increment
+        try:
+            digests = incremental.hash_all([tensor for _, _, tensor, _ in work], inc.threads)
+            changed = []
+            for (source, key, tensor, chunk_key), digest in zip(work, digests):
+                self.digests[key] = digest
+                chunk = None
+                if inc.base is not None:
+                    chunk = inc.base.candidate_at(chunk_key, tensor.dtype, tuple(tensor.shape), source.nbytes)
+                if chunk is not None and chunk.digest == digest:
+                    self.references[key] = chunk
+                else:
+                    changed.append((source, key))
+            if changed:
+                start = align_up(self.tensor_bytes_end, PAGE)
+                offsets, end = place_tensors([source.nbytes for source, _ in changed])
+                for (source, key), off in zip(changed, offsets):
+                    self.placed[key] = (start + off, source.nbytes)
+                regions, keep = finish_regions([(source, start + off) for (source, _), off in zip(changed, offsets)])
+                self.job.append(regions, keep)
+                self.tensor_bytes_end = start + end
+        except BaseException as exc:  # noqa: BLE001 - delivered through the save
+            self.staging_error = exc
+            stop_write_job(self.job, f"hashing for an incremental snapshot failed: {exc}")
+        finally:
+            self.hashed.set()
 
     # -- placement, read by the save ------------------------------------------------
 
@@ -155,9 +226,13 @@ class Snapshot:
         flattened by DCP's own function (a planner that does not flatten
         names top-level keys, which are looked up as they are).
         """
+        self.hashed.wait()
+        if self.staging_error is not None:
+            raise self.staging_error
         staged = self.staged_dict
         flat = _dcp_compat.flatten_state_dict(staged) if isinstance(staged, Mapping) else {}
         out = {}
+        self.item_references, self.item_digests = {}, {}
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
                 continue
@@ -165,7 +240,17 @@ class Snapshot:
             value = flat.get(fqn)
             if value is None and isinstance(staged, Mapping):
                 value = staged.get(fqn)
-            placed = self._placement_of(value) if isinstance(value, torch.Tensor) else None
+            skey = self._source_key_of(value) if isinstance(value, torch.Tensor) else None
+            placed = self.placed.get(skey) if skey is not None else None
+            lkey = location_key(fqn, item.index.offset)
+            if skey in self.digests:
+                self.item_digests[lkey] = self.digests[skey]
+            if placed is None and skey in self.references:
+                chunk = self.references[skey]
+                if chunk.length != tensor_item_nbytes(item):
+                    raise CheckpointError(f"{fqn!r}: the snapshot refers to {chunk.length} bytes, the plan expects {tensor_item_nbytes(item)}")
+                self.item_references[lkey] = chunk
+                continue
             if placed is None:
                 raise CheckpointError(
                     f"the save plan holds {fqn!r}, which the snapshot taken by stage() does not; a planner "
@@ -174,12 +259,12 @@ class Snapshot:
             expected = tensor_item_nbytes(item)
             if placed[1] != expected:
                 raise CheckpointError(f"{fqn!r}: the snapshot holds {placed[1]} bytes, the plan expects {expected}")
-            out[location_key(fqn, item.index.offset)] = placed
+            out[lkey] = placed
         return out
 
-    def _placement_of(self, value: torch.Tensor) -> tuple[int, int] | None:
+    def _source_key_of(self, value: torch.Tensor) -> tuple | None:
         try:
-            return self.placed.get(source_key(_dcp_compat.local_shard(value)))
+            return source_key(_dcp_compat.local_shard(value))
         except RuntimeError:
             return None
 
@@ -188,6 +273,9 @@ class Snapshot:
     def await_staged(self) -> None:
         """Wait until every byte left the caller's tensors; record why not, if so."""
         try:
+            self.hashed.wait()  # the hashed tensors are referred to or appended to the job
+            if self.staging_error is not None:
+                return  # raised by the save (locations_for)
             ok = self.job.wait_staged()
             self.staged_s = time.perf_counter() - self._t_capture
             if not ok:
@@ -255,6 +343,7 @@ class Snapshot:
         self.placed = {}
         self._versions = []
         self.job = None
+        self.references, self.digests = {}, {}
 
     def cancel(self, why: str) -> None:
         """Stop the engine job and remove this snapshot's files (the save failed or was given up)."""

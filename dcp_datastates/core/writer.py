@@ -226,8 +226,18 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if not self.overwrite:
             commit.refuse_committed(self.path)
         os.makedirs(self.path, exist_ok=True)
-        snap = Snapshot(self.path, _global_rank(), self.compression)
+        snap = Snapshot(self.path, _global_rank(), self.compression, self._snapshot_increment(self.path))
         return self._snapshots.stage(snap, state_dict, self._engine, self.direct_io)
+
+    def _snapshot_increment(self, path: str) -> incremental.SnapshotIncrement | None:
+        """What a snapshot into ``path`` hashes against (None: a full snapshot without digests)."""
+        if not self.record_digests:
+            return None
+        base = None
+        if self.base is not None:
+            incremental.check_sibling(path, self.base)
+            base = incremental.BaseCheckpoint(self.base)
+        return incremental.SnapshotIncrement(base, self.change_tracker, self._io_threads)
 
     def synchronize_staging(self) -> None:
         """Wait until every snapshot staged so far has left the caller's tensors."""
@@ -346,7 +356,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             save.tensor_locations = snap.locations_for(plan.items)
             staged = StagedRankData(
                 save.rank, snap.save_id, snap.data_file, snap.index_file, snap.tensor_bytes_end, save.tensor_locations,
-                descriptor_of(snap.compression),
+                descriptor_of(snap.compression), dict(snap.item_references), dict(snap.item_digests),
             )
             return dataclasses.replace(plan, storage_data=staged)
 
@@ -357,6 +367,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             if any(not p.usable for p in plans):
                 return self._prepare_cached_global_plan(save, plans)
             if has_staged_layout(plans):  # asynchronous: every rank already placed its tensors
+                if any(p.storage_data.references or p.storage_data.digests for p in plans):
+                    save.layout = None  # incremental: finish() builds it from the ranks' results
+                    return plans
                 save.layout = assign_staged_layout(plans, save.save_id)
                 return plans
             if any(isinstance(p.storage_data, StagedRankData) for p in plans):

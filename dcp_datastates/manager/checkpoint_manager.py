@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dcp_datastates.core.fence import install_global_fence
 from dcp_datastates.core.reader import DataStatesReader
 from dcp_datastates.core.writer import DataStatesWriter
+from dcp_datastates.manager.increments import Increments
 from dcp_datastates.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -138,6 +139,7 @@ class _PendingSave:
     seq: int
     writer: DataStatesWriter
     done: ManagedSave  # completes after the pointer and retention (rank 0) or the upload (others)
+    base: str | None = None  # the base checkpoint of an incremental save (None: a full save)
     upload: Any = None  # DCP's upload future, once dcp.async_save returned
 
 
@@ -178,6 +180,14 @@ class CheckpointManager:
             directory tier; ``"fetch"`` copies it into the local root first, then loads
             the local copy (which stays, for the node's next restart).
             ``bench_tiers.py`` measures both (docs/benchmarks.md).
+        incremental: save each step against the previous one (docs/incremental.md):
+            a tensor chunk of 64 KiB or more whose bytes did not change is
+            referred to, not written again. ``None`` (default): on, unless a
+            durable tier is configured (tiers do not carry references yet);
+            ``False``: every save is full. Retention keeps every step a kept
+            step refers to.
+        full_every: with ``incremental``, a full save at least every this many
+            saves, so no chain of references outlives it (default 10).
 
     One manager owns a root at a time: rank 0 holds an exclusive lock on
     ``root/.manager.lock`` until :meth:`close`. Another manager opened on the
@@ -207,6 +217,8 @@ class CheckpointManager:
         durable_read_back: bool = True,
         durable_options: dict | None = None,
         durable_resume: str = "load",
+        incremental: bool | None = None,
+        full_every: int = 10,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None (keep all), got {keep_last!r}")
@@ -214,6 +226,13 @@ class CheckpointManager:
             raise ValueError(f"keep_every must be a positive int or None, got {keep_every!r}")
         if durable_resume not in ("load", "fetch"):
             raise ValueError(f"durable_resume must be 'load' or 'fetch', got {durable_resume!r}")
+        if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
+            raise ValueError(f"full_every must be a positive int, got {full_every!r}")
+        if incremental and durable is not None:
+            raise ValueError(
+                "incremental=True with a durable tier is not supported yet: the drain copies each step's own "
+                "files, not the base files it refers to; pass incremental=False (or leave it None)"
+            )
         self.root = os.path.abspath(os.fspath(root))
         self.durable_resume = durable_resume
         self.keep_last = keep_last
@@ -233,6 +252,8 @@ class CheckpointManager:
         self._closed = False
         self._lock_fd: int | None = None  # rank 0's hold on root/.manager.lock (cleanup.lock_root)
         self._fence_handle = None  # this manager's hold on the process-wide fence, from its first async save
+        use_increments = durable is None if incremental is None else bool(incremental)
+        self._increments = Increments(self.root, full_every) if use_increments else None
 
         def start() -> tuple[bool, int]:
             os.makedirs(self.root, exist_ok=True)
@@ -297,13 +318,23 @@ class CheckpointManager:
             raise CheckpointExistsError(
                 f"{path} already holds a committed checkpoint of step {step}; pass overwrite=True to replace it"
             )
+        if replace and committed and self._increments is not None:
+            self._free_for_overwrite(step)
         with self._lock:
             if any(p.step == step and not p.done.done() for p in self._pending):
                 raise CheckpointExistsError(f"a save of step {step} into {path} is still in flight")
             self._seq += 1
             self._durable_committed.discard(step)  # its durable copy (if any) is of an earlier save
-            writer = DataStatesWriter(path, overwrite=replace, sequence=self._seq, **self._writer_options)
-            pending = _PendingSave(step, path, self._seq, writer, ManagedSave(step, path, writer))
+            incremental_options = {}
+            base = None
+            if self._increments is not None:
+                in_flight = {p.step for p in self._pending if not p.done.done()}
+                base = self._increments.base_for(step, self._seq, in_flight)
+                incremental_options = dict(base=base, record_digests=True, change_tracker=self._increments.tracker)
+            writer = DataStatesWriter(
+                path, overwrite=replace, sequence=self._seq, **self._writer_options, **incremental_options
+            )
+            pending = _PendingSave(step, path, self._seq, writer, ManagedSave(step, path, writer), base)
             # Registered before the save starts: retention of an earlier save never deletes it.
             self._pending.append(pending)
         self._saves_changed()
@@ -316,6 +347,7 @@ class CheckpointManager:
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - one error type for both modes
                 self._forget(pending)
                 raise _save_error(step, path, exc) from _unwrap(exc)
+            self._committed(pending)
             self._after_commit(pending)
             self._drain(pending)
             pending.done.set_result(None)
@@ -380,6 +412,12 @@ class CheckpointManager:
         next candidate overwrites every entry, and if none loads, the error
         lists why each was refused.
         """
+        step = self._load(state, step, full_verify)
+        if step is not None and self._increments is not None:
+            self._increments.loaded(step)  # every byte was checked: the next save may refer to it
+        return step
+
+    def _load(self, state: dict, step: int | None, full_verify: bool) -> int | None:
         self.wait()
         # Rank 0's view of the root, so every rank tries the same candidates in the same order.
         def listing():
@@ -523,6 +561,7 @@ class CheckpointManager:
         try:
             exc = _future_exception(pending.upload)
             if exc is None:
+                self._committed(pending)
                 self._after_commit(pending)
                 self._drain(pending)
         except BaseException as unexpected:  # noqa: BLE001 - must reach the future, not the void
@@ -559,17 +598,64 @@ class CheckpointManager:
                 stacklevel=2,
             )
 
+    def _committed(self, pending: _PendingSave) -> None:
+        """Every rank: the save committed; with incremental saves, the next one may refer to it."""
+        if self._increments is not None:
+            self._increments.committed(pending.step, pending.seq, full=pending.base is None)
+
+    def _free_for_overwrite(self, step: int) -> None:
+        """Before a save replaces committed step ``step``: steps that refer to it would lose their
+        bytes. Abandoned ones (a trajectory given up, which new saves replace anyway) are deleted
+        first, with a warning; any other is a :class:`CheckpointError` (nothing is deleted)."""
+        name = step_dir_name(step)
+        others = [n for s, n in step_dirs(self.root).items() if s != step and is_committed(os.path.join(self.root, n))]
+        dependents = self._increments.dependents_of(name, others)
+        if not dependents:
+            return
+        # abandoned: by the pointer, or by this manager's resume from an older step (_replaceable)
+        abandoned = {step_dir_name(s) for s in (*resume_order(self.root).abandoned, *self._replaceable)}
+        kept = [n for n in dependents if n not in abandoned]
+        if kept:
+            raise CheckpointError(
+                f"cannot replace the checkpoint of step {step}: {', '.join(sorted(kept))} refer(s) to its bytes "
+                "(incremental checkpoints); delete them first, or save under another step"
+            )
+        if self._rank == 0:
+            for n in sorted(dependents):
+                _warn(f"deleting {os.path.join(self.root, n)}: an abandoned checkpoint that refers to step {step}, which is being replaced")
+                delete_checkpoint_dir(os.path.join(self.root, n))
+
     def _local_victims(self, committed_step: int) -> list[str]:
         """Local retention's deletions now that ``committed_step`` committed (under ``self._lock``):
-        with a durable tier, only steps whose durable copy committed (unless ``delete_undrained``)."""
+        with a durable tier, only steps whose durable copy committed (unless ``delete_undrained``);
+        with incremental saves, never a step that a step left on disk (or a save in flight) refers to."""
         in_flight = {p.step for p in self._pending if not p.done.done()}
         victims = retention_victims(self.root, committed_step, self.keep_last, self.keep_every, in_flight)
+        if self._increments is not None and victims:
+            victims = self._without_bases(victims, committed_step)
         if self._tier is not None and not self.delete_undrained:
             victims = [
                 name for name in victims
                 if step_of(name) in self._durable_committed or not is_committed(os.path.join(self.root, name))
             ]  # a failed save's leftovers go as before
         return victims
+
+    def _without_bases(self, victims: list[str], committed_step: int) -> list[str]:
+        """``victims`` less every directory a remaining one refers to (to a fixed point: whatever
+        stays on disk stays loadable), and the bases of saves in flight (the one that just
+        committed, ``committed_step``, refers to what its layout says)."""
+        protected = {
+            os.path.basename(p.base) for p in self._pending
+            if p.base is not None and not p.done.done() and p.step != committed_step
+        }
+        victims = [v for v in victims if v not in protected]
+        while True:
+            remaining = [n for n in step_dirs(self.root).values() if n not in victims]
+            keep = self._increments.protected(remaining)
+            left = [v for v in victims if v not in keep]
+            if left == victims:
+                return victims
+            victims = left
 
     # -- the durable tier -------------------------------------------------------------
 
@@ -754,8 +840,8 @@ class CheckpointManager:
                     return "; ".join(report.problems[:3]) or "not committed", True
             reader.load_metadata()
             world = dist.get_world_size(self._group) if self._distributed else 1
-            for files in reader.layout.ranks[self._rank::world]:
-                reader.rank_index(files.data_file)
+            for files in reader.layout.ranks[self._rank::world]:  # base ranks too (format 8)
+                reader.rank_index(files.data_path)
         except BaseException as exc:  # noqa: BLE001 - classified; unknown errors travel to every rank
             return _classify(exc)
         return None

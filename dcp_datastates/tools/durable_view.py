@@ -100,7 +100,7 @@ def verify_durable(store: DurableStore, step_dir: str, *, allow_pickle: bool = F
         names = files.data_files()
         named.update((*names, files.index_file))
         try:
-            index = reader.rank_index(files.data_file)
+            index = reader.rank_index(files.data_path)
             for stripe, (name, size) in enumerate(zip(names, reader.data_file_sizes(files))):
                 key = f"{step_dir}/{name}"
                 checker = SegmentChecker(index, stripe, store.where(key), "the durable copy is damaged")

@@ -1,0 +1,128 @@
+"""The manager's incremental saves: which step a save refers to, when to save in full, what to keep.
+
+``CheckpointManager(incremental=True)`` (the default without a durable tier)
+saves each step against a *base*: the newest step this manager committed, or
+the step it resumed from (every byte of which the load checked). A save is
+full instead when there is no such step, or when ``full_every`` saves have
+passed since the newest full one (counted in commit sequences, which the
+root keeps across restarts), so no chain of references outlives ``full_every``
+saves. Every manager save records content digests, full ones included, so
+that the next can refer to it.
+
+Retention never deletes a step a kept step refers to: :func:`protected`
+adds the bases of every kept step (read from their layouts, cached by the
+identity of their ``.metadata``) to what stays.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from dcp_datastates.core.incremental import ChangeTracker
+from dcp_datastates.core.reader import DataStatesReader
+from dcp_datastates.errors import CheckpointError
+from dcp_datastates.format.file_names import METADATA_FILE
+from dcp_datastates.format.metadata_file import read_commit_sequence
+from dcp_datastates.manager.checkpoint_root import is_committed, step_dir_name, step_dirs, step_of
+
+
+class Increments:
+    """One manager's incremental bookkeeping (every rank keeps one; rank 0's decides retention)."""
+
+    def __init__(self, root: str, full_every: int) -> None:
+        self.root = root
+        self.full_every = full_every
+        self.tracker = ChangeTracker()
+        self.base_step: int | None = None  # the newest step committed (or loaded) by this manager
+        self.full_seq: int | None = None  # commit sequence of the newest full save; None: not known yet
+        self._bases: dict[str, tuple] = {}  # dir name -> (identity of its .metadata, bases)
+        self._lock = threading.Lock()
+
+    # -- choosing a base -------------------------------------------------------------
+
+    def base_for(self, step: int, seq: int, in_flight: set[int]) -> str | None:
+        """The directory of the base for a save of ``step`` with commit sequence ``seq``, or None
+        for a full save."""
+        with self._lock:
+            base = self.base_step
+        if base is None or base == step or base in in_flight:
+            return None
+        path = os.path.join(self.root, step_dir_name(base))
+        if not is_committed(path):
+            return None
+        full_seq = self._full_sequence(base)
+        if full_seq is None or seq - full_seq >= self.full_every:
+            return None
+        return path
+
+    def committed(self, step: int, seq: int, full: bool) -> None:
+        """A save of this manager committed (``full``: it referred to nothing)."""
+        with self._lock:
+            self.base_step = step
+            if full:
+                self.full_seq = seq
+
+    def loaded(self, step: int) -> None:
+        """The manager resumed from ``step``: the next save may refer to it."""
+        with self._lock:
+            self.base_step = step
+            self.full_seq = None  # found again from the layouts on the next save
+
+    def _full_sequence(self, base: int) -> int | None:
+        """The commit sequence of the newest full save the chain of ``base`` starts from: ``base``
+        itself if it refers to nothing, else the newest full step older than it (None: none, or
+        a step without a sequence)."""
+        with self._lock:
+            if self.full_seq is not None:
+                return self.full_seq
+        name = step_dir_name(base)
+        bases = self.bases_of(name)
+        if bases is None:
+            return None
+        candidates = [name] if not bases else sorted(
+            (n for s, n in step_dirs(self.root).items() if s < base), key=step_of, reverse=True
+        )
+        for candidate in candidates:
+            if self.bases_of(candidate) == set():
+                seq = read_commit_sequence(os.path.join(self.root, candidate, METADATA_FILE))
+                with self._lock:
+                    self.full_seq = seq
+                return seq
+        return None
+
+    # -- what a step refers to -----------------------------------------------------------
+
+    def bases_of(self, name: str) -> set[str] | None:
+        """The base directories the committed checkpoint ``name`` refers to (None: not committed
+        or unreadable: it protects nothing, and is no base)."""
+        path = os.path.join(self.root, name, METADATA_FILE)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            return None
+        identity = (st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._lock:
+            cached = self._bases.get(name)
+        if cached is not None and cached[0] == identity:
+            return cached[1]
+        try:
+            reader = DataStatesReader(os.path.join(self.root, name))
+            reader.load_metadata()
+            bases = set(reader.layout.bases)
+        except (CheckpointError, OSError):
+            return None
+        with self._lock:
+            self._bases[name] = (identity, bases)
+        return bases
+
+    def protected(self, keep: list[str]) -> set[str]:
+        """The directories the checkpoints ``keep`` refer to (one hop: each names every base it needs)."""
+        out: set[str] = set()
+        for name in keep:
+            out |= self.bases_of(name) or set()
+        return out
+
+    def dependents_of(self, name: str, among: list[str]) -> list[str]:
+        """The checkpoints among ``among`` that refer to ``name``."""
+        return [other for other in among if other != name and name in (self.bases_of(other) or set())]
