@@ -18,7 +18,7 @@ from conftest import assert_same, load, raises_from_checkpoint, save, zeros_like
 from dcp_datastates import DataStatesReader
 from dcp_datastates.core.incremental import ChangeTracker, content_digest
 from dcp_datastates.core.verify import verify
-from dcp_datastates.errors import ChecksumMismatchError, CorruptCheckpointError
+from dcp_datastates.errors import CheckpointError, ChecksumMismatchError, CorruptCheckpointError
 
 BIG = 1 << 16  # float32 elements: 256 KiB, a chunk an incremental save may refer to
 
@@ -265,10 +265,10 @@ def test_an_asynchronous_snapshot_still_fails_on_a_change_during_hashing(tmp_pat
     hashing, release = threading.Event(), threading.Event()
     real = incremental.hash_all
 
-    def held(tensors, threads):
+    def held(*args, **kwargs):
         hashing.set()
         release.wait(10)
-        return real(tensors, threads)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(incremental, "hash_all", held)
     writer = DataStatesWriter(tmp_path / "b", base=tmp_path / "a")
@@ -390,3 +390,66 @@ def test_two_ranks_save_dtensors_incrementally_and_resume(tmp_path):
     assert referred == {"model.frozen": "step_00000001"}, referred
     # each rank wrote its half of the moving tensor (256 KiB each) and its small objects only
     assert 2 * (256 << 10) <= _own_bytes(root / "step_00000003") < 2 * (256 << 10) + 2 * (64 << 10)
+
+
+def test_the_tools_follow_references(tmp_path):
+    """convert reads referred chunks through the base; du counts shared bytes once (in the base)."""
+    from dcp_datastates.tools import cli
+    from dcp_datastates.tools.listing import disk_usage
+
+    paths, state = _chain(tmp_path, steps=2)
+    out = tmp_path / "step_2.pt"
+    assert cli.main(["convert", str(paths[1]), "--to", "torch", str(out), "--quiet"]) == 0
+    converted = torch.load(out, weights_only=True)
+    flat = {k: v for k, v in converted.items() if isinstance(v, torch.Tensor)}
+    assert torch.equal(flat["frozen"], state["frozen"]) and torch.equal(flat["hot"], state["hot"])
+    assert torch.equal(flat["frozen_bf16"], state["frozen_bf16"])
+    usage = {os.path.basename(u.path): u for u in disk_usage([str(tmp_path)])}
+    assert usage["step_2"].checkpoint_bytes < usage["step_1"].checkpoint_bytes / 2  # the frozen bytes: in step_1 only
+    assert usage["step_2"].stray_bytes == 0 and usage["step_2"].other_bytes == 0
+
+
+def test_a_save_cannot_replace_a_checkpoint_its_base_refers_to(tmp_path):
+    """step_2 refers to step_1: saving step_1 again against step_2 would delete, at its commit,
+    the very files it refers to through step_2. Refused; both stay loadable."""
+    paths, state = _chain(tmp_path, steps=2)
+    with raises_from_checkpoint(ValueError, match="refers to step_1 itself"):
+        save(state, paths[0], base=paths[1], overwrite=True)
+    assert verify(paths[0]).ok and verify(paths[1]).ok
+
+
+def test_retention_keeps_bases_even_with_incremental_off(tmp_path):
+    """A root an incremental run wrote, reopened with incremental=False: retention still never
+    deletes a step a remaining one refers to."""
+    from dcp_datastates import CheckpointManager
+
+    root = tmp_path / "run"
+    state = _state()
+    with CheckpointManager(root, async_save=False, keep_last=None) as mgr:
+        for step in (1, 2, 3):
+            state["hot"].add_(1)
+            mgr.save(step, state)
+    assert _referred(root / "step_00000003")["frozen"] == "step_00000001"
+    with CheckpointManager(root, async_save=False, keep_last=2, incremental=False) as mgr:
+        state["hot"].add_(1)
+        mgr.save(4, state)
+        assert mgr.steps() == [1, 3, 4]  # 2 went; 1 stays for 3
+        got = zeros_like_state(state)
+        assert mgr.load(got, step=3) == 3
+
+
+def test_a_durable_tier_refuses_to_commit_an_incremental_step(tmp_path):
+    from dcp_datastates import CheckpointManager
+    from dcp_datastates.tiers.drain import DrainError
+
+    root, shared = tmp_path / "run", tmp_path / "shared"
+    state = _state()
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, state)
+        mgr.save(2, state)
+    mgr = CheckpointManager(root, async_save=False, durable=str(shared))  # drains 1 and 2 on start
+    with pytest.raises(DrainError, match="incremental checkpoint"):
+        mgr.wait_durable()
+    assert 1 in mgr.durable_steps() and 2 not in mgr.durable_steps()
+    with pytest.raises(CheckpointError):
+        mgr.close()  # names the step that is not durable

@@ -117,7 +117,13 @@ class BaseCheckpoint:
         reader = DataStatesReader(self.path)
         metadata = reader.load_metadata()
         layout = reader.layout
+        self.bases = set(layout.bases)
         slots = layout.slots()
+        # Every rank file referred to must be there, of the save the base names (its index's save
+        # id): a reference to a base's base that was deleted or saved again is refused now, not
+        # committed into a checkpoint that cannot load.
+        for files in layout.ranks:
+            reader.rank_index(files.data_path)
         self.chunks: dict[tuple, BaseChunk] = {}
         for fqn, off, slot, offset, length, ordinal in layout.entries:
             digest = layout.digests.get((fqn, off))
@@ -135,7 +141,15 @@ class BaseCheckpoint:
             self.chunks[(fqn, off)] = BaseChunk(files, offset, length, digest, md.properties.dtype, sizes)
 
     def check_sibling_of(self, path: str) -> None:
+        """``path`` can save against this base: a sibling, not the base itself, and not a
+        checkpoint the base refers to (saved again, its old files would go at the commit)."""
         check_sibling(path, self.path)
+        name = os.path.basename(os.path.abspath(path))
+        if name in self.bases:
+            raise ValueError(
+                f"an incremental save into {path} cannot refer to base checkpoint {self.path}: that base "
+                f"refers to {name} itself, whose files the save would replace"
+            )
 
     def candidate(self, item: WriteItem, nbytes: int) -> BaseChunk | None:
         """The base's chunk ``item`` may be identical to: same key, offsets, dtype, shape, length."""
@@ -227,7 +241,7 @@ def decide(
             continue
         work.append((item, key, tensor, base.candidate(item, nbytes) if base is not None else None, nbytes))
     if work:
-        digests = hash_all([w[2] for w in work], threads)
+        digests = hash_all([w[2] for w in work], threads, [w[0].index.fqn for w in work], _ready_events(w[2] for w in work))
         for (item, key, _tensor, chunk, nbytes), digest in zip(work, digests):
             out.digests[key] = digest
             out.hashed_bytes += nbytes
@@ -240,19 +254,50 @@ def decide(
 
 @dataclasses.dataclass
 class SnapshotIncrement:
-    """What an asynchronous snapshot needs to save incrementally (see :mod:`snapshot`)."""
+    """What an asynchronous snapshot needs to save incrementally (see :mod:`snapshot`).
 
-    base: BaseCheckpoint | None
+    ``base_path``: the base checkpoint, read by the snapshot's hashing thread (decoding its
+    ``.metadata`` takes time proportional to its items: not in the caller's ``stage()``)."""
+
+    base_path: str | None
     tracker: ChangeTracker | None
     threads: int
 
+    def load_base(self) -> BaseCheckpoint | None:
+        return BaseCheckpoint(self.base_path) if self.base_path is not None else None
 
-def hash_all(tensors: list, threads: int) -> list[str]:
-    """The content digests of ``tensors``, computed on up to ``threads`` threads."""
+
+def hash_all(tensors: list, threads: int, names: list[str] | None = None, ready: dict | None = None) -> list[str]:
+    """The content digests of ``tensors``, computed on up to ``threads`` threads; an error names
+    the tensor (``names``). ``ready`` (device -> CUDA event recorded on the caller's stream):
+    each hashing thread's stream waits for it first, so a device tensor is read after every
+    kernel the caller queued before the save."""
+    names = names or [f"tensor {i}" for i in range(len(tensors))]
+
+    def one(i: int) -> str:
+        try:
+            for device, event in (ready or {}).items():
+                torch.cuda.current_stream(device).wait_event(event)
+            return content_digest(tensors[i])
+        except Exception as exc:  # noqa: BLE001 - re-raised with the key
+            raise IncrementalError(f"hashing {names[i]!r} for an incremental save failed: {type(exc).__name__}: {exc}") from exc
+
     if len(tensors) <= 1 or threads <= 1:
-        return [content_digest(t) for t in tensors]
+        return [one(i) for i in range(len(tensors))]
     with ThreadPoolExecutor(min(threads, len(tensors)), thread_name_prefix="dcp_datastates-hash") as pool:
-        return list(pool.map(content_digest, tensors))
+        return list(pool.map(one, range(len(tensors))))
+
+
+def _ready_events(tensors) -> dict:
+    """An event per CUDA device among ``tensors``, recorded on this thread's current stream."""
+    events = {}
+    for t in tensors:
+        if t.device.type == "cuda" and t.device.index not in events:
+            with torch.cuda.device(t.device):
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(t.device))
+            events[t.device.index] = ev
+    return events
 
 
 def without_references(plan: SavePlan, increment: RankIncrement) -> SavePlan:

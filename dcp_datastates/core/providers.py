@@ -80,14 +80,18 @@ def tensor_source(value: Any, key: str) -> TensorSource:
     return TensorSource(tensor, nbytes, -1)
 
 
-def finish_regions(sources_and_offsets: list[tuple[TensorSource, int]]) -> tuple[list[Region], list]:
+def finish_regions(sources_and_offsets: list[tuple[TensorSource, int]], events: dict | None = None) -> tuple[list[Region], list]:
     """Engine regions for placed sources, with CUDA ready-events recorded now.
 
     One event per device, recorded on that device's current stream after
     every ``contiguous()`` above was queued: the engine's side stream waits
     for it, so the copies see every kernel queued before the snapshot.
+    ``events`` (device -> event): events recorded earlier, on another thread's
+    streams (an incremental snapshot's hashing thread places tensors the
+    caller's stream wrote), used instead of recording new ones.
     """
-    regions, keep, events = [], [], {}
+    regions, keep = [], []
+    events = dict(events or {})
     for src, offset in sources_and_offsets:
         if src.nbytes == 0:
             continue

@@ -234,17 +234,22 @@ def write_snapshot(
     stats.items = len(plan.items)
     save.report = plan_cache.RankReport(snap.data_file, snap.index_file, snap.save_id, descriptor_of(snap.compression))
     if snap.item_references or snap.item_digests:
+        # Only this rank's items of the final plan: DCP's deduplication gave replicated ones to
+        # one rank, whose digests (of the bytes it wrote or refers to) are the ones recorded.
+        mine = {location_key(item.index.fqn, item.index.offset) for item in plan.items}
+        references = {k: c for k, c in snap.item_references.items() if k in mine}
+        digests = {k: d for k, d in snap.item_digests.items() if k in mine}
         bases = {}
-        for chunk in snap.item_references.values():
+        for chunk in references.values():
             bases.setdefault(chunk.files.data_path, chunk.files)
         save.report = dataclasses.replace(
             save.report, bases=tuple(bases[k] for k in sorted(bases)),
-            digests=tuple((fqn, off, d) for (fqn, off), d in snap.item_digests.items()),
+            digests=tuple((fqn, off, d) for (fqn, off), d in digests.items()),
         )
-        stats.hashed_bytes = sum(save.tensor_locations.get(k, (0, 0))[1] for k in snap.item_digests) + sum(
-            c.length for c in snap.item_references.values()
+        stats.referenced_bytes = sum(c.length for c in references.values())
+        stats.hashed_bytes = stats.referenced_bytes + sum(
+            save.tensor_locations.get(k, (0, 0))[1] for k in digests if k not in references
         )
-        stats.referenced_bytes = sum(c.length for c in snap.item_references.values())
     t0 = time.perf_counter()
     if snap.compression is not None:
         return _write_snapshot_compressed(save, plan, planner, settings, t0, while_writing)

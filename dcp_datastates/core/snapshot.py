@@ -165,6 +165,9 @@ class Snapshot:
             return value if local is not value else value.detach()
 
         self.staged_dict = _copy_structure(state_dict, on_tensor, "")
+        # CUDA: what the hashing thread reads and copies was written on the caller's streams
+        # (recorded after every contiguous() above was queued).
+        self._ready = incremental._ready_events(t for _, _, t, _ in to_hash) if to_hash else {}
         hashed = {i for i, *_ in to_hash}
         now = [i for i in range(len(sources)) if i not in hashed]
         offsets, self.tensor_bytes_end = place_tensors([sources[i].nbytes for i in now])
@@ -191,13 +194,18 @@ class Snapshot:
         append the others to the job after the tensors placed at capture."""
         inc = self.increment
         try:
-            digests = incremental.hash_all([tensor for _, _, tensor, _ in work], inc.threads)
+            base = inc.load_base()
+            if base is not None:
+                base.check_sibling_of(self.directory)
+            digests = incremental.hash_all(
+                [tensor for _, _, tensor, _ in work], inc.threads, [ck[0] for _, _, _, ck in work], self._ready
+            )
             changed = []
             for (source, key, tensor, chunk_key), digest in zip(work, digests):
                 self.digests[key] = digest
                 chunk = None
-                if inc.base is not None:
-                    chunk = inc.base.candidate_at(chunk_key, tensor.dtype, tuple(tensor.shape), source.nbytes)
+                if base is not None:
+                    chunk = base.candidate_at(chunk_key, tensor.dtype, tuple(tensor.shape), source.nbytes)
                 if chunk is not None and chunk.digest == digest:
                     self.references[key] = chunk
                 else:
@@ -207,7 +215,10 @@ class Snapshot:
                 offsets, end = place_tensors([source.nbytes for source, _ in changed])
                 for (source, key), off in zip(changed, offsets):
                     self.placed[key] = (start + off, source.nbytes)
-                regions, keep = finish_regions([(source, start + off) for (source, _), off in zip(changed, offsets)])
+                regions, keep = finish_regions(
+                    [(source, start + off) for (source, _), off in zip(changed, offsets)], self._ready
+                )
+                keep += list(self._ready.values())
                 self.job.append(regions, keep)
                 self.tensor_bytes_end = start + end
         except BaseException as exc:  # noqa: BLE001 - delivered through the save

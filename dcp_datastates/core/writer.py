@@ -233,11 +233,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         """What a snapshot into ``path`` hashes against (None: a full snapshot without digests)."""
         if not self.record_digests:
             return None
-        base = None
         if self.base is not None:
             incremental.check_sibling(path, self.base)
-            base = incremental.BaseCheckpoint(self.base)
-        return incremental.SnapshotIncrement(base, self.change_tracker, self._io_threads)
+        return incremental.SnapshotIncrement(self.base, self.change_tracker, self._io_threads)
 
     def synchronize_staging(self) -> None:
         """Wait until every snapshot staged so far has left the caller's tensors."""

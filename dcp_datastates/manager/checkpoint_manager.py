@@ -252,8 +252,13 @@ class CheckpointManager:
         self._closed = False
         self._lock_fd: int | None = None  # rank 0's hold on root/.manager.lock (cleanup.lock_root)
         self._fence_handle = None  # this manager's hold on the process-wide fence, from its first async save
-        use_increments = durable is None if incremental is None else bool(incremental)
-        self._increments = Increments(self.root, full_every) if use_increments else None
+        # What each step refers to is read whatever this manager does (a root may hold incremental
+        # steps of an earlier run): retention never deletes a base a remaining step needs.
+        self._increments = Increments(self.root, full_every)
+        self.incremental = durable is None if incremental is None else bool(incremental)
+        # Rank 0 chooses each save's base and tells every rank, on a group of its own: the save
+        # group may be carrying a background save's collectives at that moment.
+        self._base_group = dist.new_group(backend="gloo") if self._distributed and self.incremental else None
 
         def start() -> tuple[bool, int]:
             os.makedirs(self.root, exist_ok=True)
@@ -318,18 +323,18 @@ class CheckpointManager:
             raise CheckpointExistsError(
                 f"{path} already holds a committed checkpoint of step {step}; pass overwrite=True to replace it"
             )
-        if replace and committed and self._increments is not None:
+        if replace and committed:
             self._free_for_overwrite(step)
+        base = self._on_rank0(
+            lambda: self._choose_base(step), "choosing the base of an incremental save", self._base_group
+        ) if self.incremental else None
         with self._lock:
             if any(p.step == step and not p.done.done() for p in self._pending):
                 raise CheckpointExistsError(f"a save of step {step} into {path} is still in flight")
             self._seq += 1
             self._durable_committed.discard(step)  # its durable copy (if any) is of an earlier save
             incremental_options = {}
-            base = None
-            if self._increments is not None:
-                in_flight = {p.step for p in self._pending if not p.done.done()}
-                base = self._increments.base_for(step, self._seq, in_flight)
+            if self.incremental:
                 incremental_options = dict(base=base, record_digests=True, change_tracker=self._increments.tracker)
             writer = DataStatesWriter(
                 path, overwrite=replace, sequence=self._seq, **self._writer_options, **incremental_options
@@ -413,7 +418,7 @@ class CheckpointManager:
         lists why each was refused.
         """
         step = self._load(state, step, full_verify)
-        if step is not None and self._increments is not None:
+        if step is not None and self.incremental:
             self._increments.loaded(step)  # every byte was checked: the next save may refer to it
         return step
 
@@ -598,9 +603,16 @@ class CheckpointManager:
                 stacklevel=2,
             )
 
+    def _choose_base(self, step: int) -> str | None:
+        """Rank 0: the base of the next save of ``step`` (every rank uses rank 0's choice, so that
+        its retention protects what every rank refers to)."""
+        with self._lock:
+            in_flight = {p.step for p in self._pending if not p.done.done()}
+            return self._increments.base_for(step, self._seq + 1, in_flight)
+
     def _committed(self, pending: _PendingSave) -> None:
         """Every rank: the save committed; with incremental saves, the next one may refer to it."""
-        if self._increments is not None:
+        if self.incremental:
             self._increments.committed(pending.step, pending.seq, full=pending.base is None)
 
     def _free_for_overwrite(self, step: int) -> None:
@@ -608,6 +620,13 @@ class CheckpointManager:
         bytes. Abandoned ones (a trajectory given up, which new saves replace anyway) are deleted
         first, with a warning; any other is a :class:`CheckpointError` (nothing is deleted)."""
         name = step_dir_name(step)
+        with self._lock:
+            waiting = sorted(p.step for p in self._pending if not p.done.done() and p.base == self.path_of(step))
+        if waiting:
+            raise CheckpointError(
+                f"cannot replace the checkpoint of step {step}: the save(s) of step(s) {waiting} in flight refer "
+                "to its bytes (incremental checkpoints); wait() for them first"
+            )
         others = [n for s, n in step_dirs(self.root).items() if s != step and is_committed(os.path.join(self.root, n))]
         dependents = self._increments.dependents_of(name, others)
         if not dependents:
@@ -631,7 +650,7 @@ class CheckpointManager:
         with incremental saves, never a step that a step left on disk (or a save in flight) refers to."""
         in_flight = {p.step for p in self._pending if not p.done.done()}
         victims = retention_victims(self.root, committed_step, self.keep_last, self.keep_every, in_flight)
-        if self._increments is not None and victims:
+        if victims:
             victims = self._without_bases(victims, committed_step)
         if self._tier is not None and not self.delete_undrained:
             victims = [
@@ -876,8 +895,10 @@ class CheckpointManager:
         why = "; ".join(f"rank {r}: {v[0]}" if self._distributed else v[0] for r, v in bad)
         return why, any(v[1] for _r, v in bad)
 
-    def _on_rank0(self, fn, what: str):
-        """Run ``fn`` on rank 0 and hand its result (or its error, raised) to every rank."""
+    def _on_rank0(self, fn, what: str, group: Any = None):
+        """Run ``fn`` on rank 0 and hand its result (or its error, raised) to every rank (over
+        ``group``, by default the manager's)."""
+        group = group if group is not None else self._group
         try:
             result = (True, fn()) if self._rank == 0 else None
         except Exception as exc:  # noqa: BLE001 - raised below on every rank
@@ -886,7 +907,7 @@ class CheckpointManager:
             result = (False, f"{type(exc).__name__}: {exc}")
         if self._distributed:
             box = [result]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0) if self._group else 0, group=self._group)
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
             result = box[0]
         ok, value = result
         if not ok:

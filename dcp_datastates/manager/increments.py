@@ -69,7 +69,7 @@ class Increments:
             self.base_step = step
             self.full_seq = None  # found again from the layouts on the next save
 
-    def _full_sequence(self, base: int) -> int | None:
+    def _full_sequence(self, base: int) -> int | None:  # noqa: C901
         """The commit sequence of the newest full save the chain of ``base`` starts from: ``base``
         itself if it refers to nothing, else the newest full step older than it (None: none, or
         a step without a sequence)."""
@@ -94,11 +94,14 @@ class Increments:
     # -- what a step refers to -----------------------------------------------------------
 
     def bases_of(self, name: str) -> set[str] | None:
-        """The base directories the committed checkpoint ``name`` refers to (None: not committed
-        or unreadable: it protects nothing, and is no base)."""
+        """The base directories the checkpoint ``name`` refers to: empty when it is not committed
+        (no ``.metadata``: it refers to nothing), None when its ``.metadata`` cannot be read (what
+        it refers to is unknown)."""
         path = os.path.join(self.root, name, METADATA_FILE)
         try:
             st = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return set()
         except OSError:
             return None
         identity = (st.st_ino, st.st_size, st.st_mtime_ns)
@@ -117,10 +120,17 @@ class Increments:
         return bases
 
     def protected(self, keep: list[str]) -> set[str]:
-        """The directories the checkpoints ``keep`` refer to (one hop: each names every base it needs)."""
+        """The directories the checkpoints ``keep`` refer to (one hop: each names every base it
+        needs). One whose ``.metadata`` cannot be read protects every step before it: what it
+        refers to is unknown, and a base is always older."""
         out: set[str] = set()
         for name in keep:
-            out |= self.bases_of(name) or set()
+            bases = self.bases_of(name)
+            if bases is None:
+                step = step_of(name)
+                out |= {n for s, n in step_dirs(self.root).items() if step is None or s < step}
+            else:
+                out |= bases
         return out
 
     def dependents_of(self, name: str, among: list[str]) -> list[str]:

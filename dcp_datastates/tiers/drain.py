@@ -269,7 +269,13 @@ def commit_durable(
     except OSError as exc:
         raise DrainError(f"{meta_path}: {exc}") from exc
     layout = metadata.storage_data
-    expected = {r.rank: [*r.data_files(), r.index_file] for r in layout.ranks}
+    if layout.bases:
+        raise DrainError(
+            f"{local_dir} refers to the bytes of {', '.join(layout.bases)} (an incremental checkpoint); the "
+            "durable tier cannot carry references yet, so it stays uncommitted there: save it in full "
+            "(CheckpointManager(incremental=False)) to make it durable"
+        )
+    expected = {r.rank: [*r.data_files(), r.index_file] for r in layout.own_ranks}
     deadline = time.monotonic() + timeout_s
     confirmed: dict[int, RankDrain] = {}
     while True:

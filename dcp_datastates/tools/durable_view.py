@@ -94,9 +94,11 @@ def verify_durable(store: DurableStore, step_dir: str, *, allow_pickle: bool = F
     except CheckpointError as exc:  # stock DCP's metadata too: it has no checksums to verify
         report.problems.append(str(exc))
         return report
-    report.ranks = len(layout.ranks)
+    report.ranks = len(layout.own_ranks)
+    if layout.bases:  # the durable tier does not carry incremental checkpoints (drain.commit_durable)
+        report.problems.append(f"{store.where(step_dir)} refers to {', '.join(layout.bases)} (an incremental checkpoint): verify of a durable copy does not follow references yet")
     named = {METADATA_FILE}
-    for files in layout.ranks:
+    for files in layout.own_ranks:
         names = files.data_files()
         named.update((*names, files.index_file))
         try:
