@@ -19,7 +19,7 @@ disk; pass a disk directory to see the disk), and the medians reported:
   the frozen ones hashed (XXH3-128) and referred to;
 * ``incremental, no tracker``: the same without version counters: every large chunk is hashed;
 * ``manager async``: ``CheckpointManager`` (async, incremental): the time ``save()`` blocks, and
-  from ``save()`` to the commit.
+  from ``save()`` to the commit; ``manager async full`` the same with ``incremental=False``.
 
 Targets (issue 17): bytes written at most 1.1x the changed bytes, time at most 0.2x a full save
 with 95% frozen; with nothing frozen, the incremental save under 5% slower than a full one.
@@ -82,57 +82,79 @@ def own_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n.endswith((".data", ".distcp")))
 
 
-def run_variant(name: str, root: str, state: dict, changing: list[str], reps: int) -> dict:
-    from dcp_datastates import DataStatesWriter
-    from dcp_datastates.core.incremental import ChangeTracker
+class Chain:
+    """One variant's checkpoints, taken one after the other: each incremental one against the
+    previous; only the chain's first (full) checkpoint and the newest are kept on disk (the
+    frozen chunks are referred to in the first, nothing refers to the ones between)."""
 
-    tracker = ChangeTracker()
-    times, written, paths = [], [], []
-    base = None
-    for k in range(reps + 1):  # the first is the full save every chain starts from (not timed)
-        step(state, changing, k + 1)
-        path = os.path.join(root, f"{name.replace(' ', '_').replace(',', '')}_{k}")
-        if name == "dcp":
+    def __init__(self, name: str, root: str) -> None:
+        from dcp_datastates.core.incremental import ChangeTracker
+
+        self.name, self.root = name, root
+        self.tracker = ChangeTracker()
+        self.paths: list[str] = []
+        self.times: list[float] = []
+        self.written: list[int] = []
+
+    def save(self, state: dict, k: int, timed: bool) -> None:
+        from dcp_datastates import DataStatesWriter
+
+        path = os.path.join(self.root, f"{self.name.replace(' ', '_').replace(',', '')}_{k}")
+        base = self.paths[-1] if self.paths else None
+        if self.name == "dcp":
             writer = dcp.FileSystemWriter(path, thread_count=2)
-        elif name == "full":
+        elif self.name == "full":
             writer = DataStatesWriter(path)
-        elif name == "incremental":
-            writer = DataStatesWriter(path, base=base, record_digests=True, change_tracker=tracker)
+        elif self.name == "incremental":
+            writer = DataStatesWriter(path, base=base, record_digests=True, change_tracker=self.tracker)
         else:  # incremental, no tracker
             writer = DataStatesWriter(path, base=base, record_digests=True)
         t = time.perf_counter()
         dcp.save(state, storage_writer=writer, no_dist=True)
         elapsed = time.perf_counter() - t
-        if k:
-            times.append(elapsed)
-            written.append(own_bytes(path))
-        paths.append(path)
-        # Only the chain's first (full) checkpoint and the newest are needed (the frozen chunks
-        # are referred to in the first; nothing refers to the ones between): memory stays bounded.
-        if len(paths) > 2:
-            shutil.rmtree(paths[-2] if name.startswith("incremental") else paths[-3], ignore_errors=True)
-        if not name.startswith("incremental") and len(paths) > 1:
-            shutil.rmtree(paths[-2], ignore_errors=True)
-        base = path
-    return {"s": median(times), "times": times, "bytes": median(written), "last": paths[-1]}
+        if timed:
+            self.times.append(elapsed)
+            self.written.append(own_bytes(path))
+        self.paths.append(path)
+        keep_first = self.name.startswith("incremental")
+        if len(self.paths) > (2 if keep_first else 1):
+            shutil.rmtree(self.paths[-2], ignore_errors=True)
+            if keep_first and len(self.paths) > 2:
+                self.paths.pop(-2)
+            elif not keep_first:
+                self.paths.pop(0)
+
+    def result(self) -> dict:
+        return {"s": median(self.times), "times": self.times, "bytes": median(self.written), "last": self.paths[-1]}
 
 
-def run_manager(root: str, state: dict, changing: list[str], reps: int) -> dict:
-    from dcp_datastates import CheckpointManager
+class ManagerChain:
+    """``CheckpointManager``'s asynchronous incremental saves: blocked in save(), and until committed."""
 
-    blocked, committed = [], []
-    with CheckpointManager(os.path.join(root, "mgr"), keep_last=2, async_save=True, full_every=reps + 2) as mgr:
-        for k in range(reps + 1):
-            step(state, changing, k + 1)
-            t = time.perf_counter()
-            fut = mgr.save(k, state)
-            t_blocked = time.perf_counter() - t
-            fut.result()
-            if k:
-                blocked.append(t_blocked)
-                committed.append(time.perf_counter() - t)
-        last = mgr.path_of(reps)
-    return {"blocked_s": median(blocked), "s": median(committed), "bytes": own_bytes(last), "last": last}
+    def __init__(self, root: str, reps: int, incremental: bool) -> None:
+        from dcp_datastates import CheckpointManager
+
+        self.mgr = CheckpointManager(
+            os.path.join(root, "mgr" if incremental else "mgr_full"), keep_last=1, async_save=True,
+            full_every=reps + 2, incremental=incremental,
+        )
+        self.blocked: list[float] = []
+        self.times: list[float] = []
+
+    def save(self, state: dict, k: int, timed: bool) -> None:
+        t = time.perf_counter()
+        fut = self.mgr.save(k, state)
+        t_blocked = time.perf_counter() - t
+        fut.result()
+        if timed:
+            self.blocked.append(t_blocked)
+            self.times.append(time.perf_counter() - t)
+        self.last = self.mgr.path_of(k)
+
+    def result(self) -> dict:
+        self.mgr.close()
+        return {"blocked_s": median(self.blocked), "s": median(self.times), "times": self.times,
+                "bytes": own_bytes(self.last), "last": self.last}
 
 
 def check_bit_exact(path: str, state: dict) -> None:
@@ -148,19 +170,29 @@ def check_bit_exact(path: str, state: dict) -> None:
 
 
 def scenario(root: str, layers: int, frozen: float, reps: int, variants: list[str]) -> dict:
+    """Every variant takes its checkpoints in turn (rep by rep, in rotating order), so that a
+    drift of the machine during the run touches them all alike."""
     root = os.path.join(root, f"frozen_{round(frozen * 100)}")
     os.makedirs(root)
     state = model_state(layers)
     changing = split_frozen(state, frozen)
     total = sum(t.nbytes for t in state.values())
     changed = sum(state[k].nbytes for k in changing)
+    chains = {
+        name: ManagerChain(root, reps, name == "manager async") if name.startswith("manager") else Chain(name, root)
+        for name in variants
+    }
+    for k in range(reps + 1):  # the first is the full save every chain starts from (not timed)
+        step(state, changing, k + 1)
+        order = variants[k % len(variants):] + variants[: k % len(variants)]
+        for name in order:
+            chains[name].save(state, k, timed=k > 0)
     out = {"frozen": frozen, "state_bytes": total, "changed_bytes": changed, "variants": {}}
     for name in variants:
-        result = run_manager(root, state, changing, reps) if name == "manager async" else run_variant(
-            name, root, state, changing, reps
-        )
+        result = chains[name].result()
         check_bit_exact(result.pop("last"), state)
         out["variants"][name] = result
+    shutil.rmtree(root, ignore_errors=True)
     return out
 
 
@@ -190,11 +222,12 @@ def main() -> None:
     reps = args.reps or (2 if args.quick else 3)
     layers = 2 if args.quick else args.layers
     base, root, created = make_scratch(args.dir or "/dev/shm", "bench_incremental_")
-    variants = ["dcp", "full", "incremental", "incremental, no tracker", "manager async"]
+    variants = ["dcp", "full", "incremental", "incremental, no tracker", "manager async full", "manager async"]
     try:
         results = [
             scenario(root, layers, args.frozen, reps, variants),
-            scenario(root, layers, 0.0, reps, ["dcp", "full", "incremental", "incremental, no tracker"]),
+            scenario(root, layers, 0.0, reps, ["dcp", "full", "incremental", "incremental, no tracker",
+                                               "manager async full", "manager async"]),
         ]
     finally:
         remove_scratch(base, root, created)

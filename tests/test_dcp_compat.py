@@ -56,6 +56,9 @@ _DTENSOR_SCRIPT = textwrap.dedent(
     assert _dcp_compat.version_counter(d) == v_d + 1 and _dcp_compat.version_counter(shard) == v_shard
     shard.add_(1)
     assert _dcp_compat.version_counter(shard) == v_shard + 1
+    # the chunk offsets DCP's planner gives this rank's chunk (incremental saves key by them)
+    assert _dcp_compat.dtensor_chunk_offsets(d) == (0, 0)
+    assert _dcp_compat.dtensor_chunk_offsets(torch.ones(2)) is None
     dist.destroy_process_group()
     print("OK")
     """
