@@ -38,6 +38,12 @@ def state_at(step: int) -> dict:
     }
 
 
+def frozen_state() -> dict:
+    """A state whose large tensor never changes (an incremental save refers to it)."""
+    g = torch.Generator().manual_seed(99)
+    return {"model": {"frozen": torch.randn(512, 512, generator=g)}, "step": 0}
+
+
 def load_step(mgr, step=None, **kw):
     """``mgr.load`` into a zeroed state of :func:`state_at`'s shapes: ``(step loaded, state)``."""
     target = zeros_like_state()
@@ -64,6 +70,22 @@ def crash(root: str, scenario: str, mode: str) -> None:
     from dcp_datastates.manager.checkpoint_manager import CheckpointManager
 
     async_save = mode == "async"
+    if scenario == "incremental_retention":
+        # 10 full, 20 refers to 10's frozen bytes, 30 full (full_every=2): at 30's commit retention
+        # deletes 20, then 10; killed while deleting the first of them
+        mgr = CheckpointManager(root, keep_last=1, full_every=2, async_save=async_save)
+        state = frozen_state()
+        for step in (10, 20):
+            state["step"] = step
+            mgr.save(step, state)
+            mgr.wait()
+        arm("fsync", path=os.path.join(root, "step_00000020"), action="kill")
+        print("armed", flush=True)
+        state["step"] = 30
+        mgr.save(30, state)
+        mgr.wait()
+        print("survived", flush=True)  # the test fails if this is reached
+        return
     mgr = CheckpointManager(root, keep_last=1 if scenario == "retention" else 3, async_save=async_save)
     mgr.save(10, state_at(10))
     mgr.wait()

@@ -453,3 +453,36 @@ def test_a_durable_tier_refuses_to_commit_an_incremental_step(tmp_path):
     assert 1 in mgr.durable_steps() and 2 not in mgr.durable_steps()
     with pytest.raises(CheckpointError):
         mgr.close()  # names the step that is not durable
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_crash_during_retention_leaves_no_step_without_its_base(tmp_path, mode):
+    """Retention deletes newest first: killed while deleting step 20 (which refers to step 10),
+    step 10 is still whole, and every committed step left loads."""
+    import signal
+    import subprocess
+    import sys
+
+    from dcp_datastates import CheckpointManager
+    from dcp_datastates.manager.checkpoint_root import is_committed
+    from manager_workers import frozen_state
+
+    root = tmp_path / "run"
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(here, "manager_workers.py"), "crash", str(root), "incremental_retention", mode],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
+    assert _referred(root / "step_00000030") == {}  # the full save (full_every=2)
+    assert not is_committed(str(root / "step_00000020"))  # being deleted: its .metadata went first
+    assert is_committed(str(root / "step_00000010"))
+    expected = frozen_state()
+    for step in (10, 30):
+        expected["step"] = step
+        assert_same(load(zeros_like_state(expected), root / f"step_{step:08d}"), expected)
+    with pytest.warns(UserWarning):
+        mgr = CheckpointManager(root, keep_last=1)  # cleans the half-deleted step 20 up
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_00000010", "step_00000030"]
+    mgr.close()
+

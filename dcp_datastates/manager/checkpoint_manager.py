@@ -650,14 +650,16 @@ class CheckpointManager:
         with incremental saves, never a step that a step left on disk (or a save in flight) refers to."""
         in_flight = {p.step for p in self._pending if not p.done.done()}
         victims = retention_victims(self.root, committed_step, self.keep_last, self.keep_every, in_flight)
-        if victims:
-            victims = self._without_bases(victims, committed_step)
         if self._tier is not None and not self.delete_undrained:
             victims = [
                 name for name in victims
                 if step_of(name) in self._durable_committed or not is_committed(os.path.join(self.root, name))
             ]  # a failed save's leftovers go as before
-        return victims
+        if victims:  # after every other rule: what stays may refer to what would go
+            victims = self._without_bases(victims, committed_step)
+        # Deleted newest first: a step an incremental one refers to is older than it, so a crash
+        # part-way through never leaves a committed step whose base is gone.
+        return sorted(victims, key=lambda n: step_of(n) or 0, reverse=True)
 
     def _without_bases(self, victims: list[str], committed_step: int) -> list[str]:
         """``victims`` less every directory a remaining one refers to (to a fixed point: whatever
