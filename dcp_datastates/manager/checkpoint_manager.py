@@ -259,6 +259,7 @@ class CheckpointManager:
         # Rank 0 chooses each save's base and tells every rank, on a group of its own: the save
         # group may be carrying a background save's collectives at that moment.
         self._base_group = dist.new_group(backend="gloo") if self._distributed and self.incremental else None
+        self._reserved_bases: set[str] = set()  # rank 0: bases chosen for saves not registered yet
 
         def start() -> tuple[bool, int]:
             os.makedirs(self.root, exist_ok=True)
@@ -329,19 +330,23 @@ class CheckpointManager:
             lambda: self._choose_base(step), "choosing the base of an incremental save", self._base_group
         ) if self.incremental else None
         with self._lock:
-            if any(p.step == step and not p.done.done() for p in self._pending):
-                raise CheckpointExistsError(f"a save of step {step} into {path} is still in flight")
-            self._seq += 1
-            self._durable_committed.discard(step)  # its durable copy (if any) is of an earlier save
-            incremental_options = {}
-            if self.incremental:
-                incremental_options = dict(base=base, record_digests=True, change_tracker=self._increments.tracker)
-            writer = DataStatesWriter(
-                path, overwrite=replace, sequence=self._seq, **self._writer_options, **incremental_options
-            )
-            pending = _PendingSave(step, path, self._seq, writer, ManagedSave(step, path, writer), base)
-            # Registered before the save starts: retention of an earlier save never deletes it.
-            self._pending.append(pending)
+            try:
+                if any(p.step == step and not p.done.done() for p in self._pending):
+                    raise CheckpointExistsError(f"a save of step {step} into {path} is still in flight")
+                self._seq += 1
+                self._durable_committed.discard(step)  # its durable copy (if any) is of an earlier save
+                incremental_options = {}
+                if self.incremental:
+                    incremental_options = dict(base=base, record_digests=True, change_tracker=self._increments.tracker)
+                writer = DataStatesWriter(
+                    path, overwrite=replace, sequence=self._seq, **self._writer_options, **incremental_options
+                )
+                pending = _PendingSave(step, path, self._seq, writer, ManagedSave(step, path, writer), base)
+                # Registered before the save starts: retention of an earlier save never deletes it (nor,
+                # from here on, its base; until now the base was reserved by _choose_base).
+                self._pending.append(pending)
+            finally:
+                self._reserved_bases.discard(base)  # registered, or not saving
         self._saves_changed()
         if not self.async_save:
             try:
@@ -608,7 +613,10 @@ class CheckpointManager:
         its retention protects what every rank refers to)."""
         with self._lock:
             in_flight = {p.step for p in self._pending if not p.done.done()}
-            return self._increments.base_for(step, self._seq + 1, in_flight)
+            base = self._increments.base_for(step, self._seq + 1, in_flight)
+            if base is not None:  # until the save is registered: retention must not take it meanwhile
+                self._reserved_bases.add(base)
+            return base
 
     def _committed(self, pending: _PendingSave) -> None:
         """Every rank: the save committed; with incremental saves, the next one may refer to it."""
@@ -668,7 +676,7 @@ class CheckpointManager:
         protected = {
             os.path.basename(p.base) for p in self._pending
             if p.base is not None and not p.done.done() and p.step != committed_step
-        }
+        } | {os.path.basename(b) for b in self._reserved_bases}
         victims = [v for v in victims if v not in protected]
         while True:
             remaining = [n for n in step_dirs(self.root).values() if n not in victims]
