@@ -486,3 +486,24 @@ def test_a_crash_during_retention_leaves_no_step_without_its_base(tmp_path, mode
     assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_00000010", "step_00000030"]
     mgr.close()
 
+
+
+def test_verify_digests_recomputes_what_later_saves_trust(tmp_path):
+    """A recorded digest that is not its bytes' (here: edited into .metadata) passes the checksums,
+    and a later save would refer to those bytes for other ones: verify(digests=True) says so."""
+    from dcp_datastates.format.metadata_file import encode_metadata, read_metadata_file
+    from dcp_datastates.tools import cli
+
+    paths, state = _chain(tmp_path, steps=2)
+    report = verify(paths[1], digests=True)
+    assert report.ok and report.digests_checked == 3, report  # frozen (in step_1), frozen_bf16, hot
+    md_path = paths[0] / ".metadata"
+    metadata, _ = read_metadata_file(str(md_path))
+    key = ("frozen", (0,))
+    metadata.storage_data.digests[key] = "0" * 32
+    md_path.write_bytes(encode_metadata(metadata, 0))
+    assert verify(paths[0]).ok  # the checksums say nothing about it
+    bad = verify(paths[0], digests=True)
+    assert not bad.ok and any("'frozen'" in p and "content digest" in p for p in bad.problems), bad
+    assert cli.main(["verify", "--digests", "--quiet", str(paths[0])]) == 1
+    assert cli.main(["verify", "--digests", "--quiet", str(paths[1])]) == 0

@@ -62,6 +62,7 @@ class VerifyReport:
     segments_checked: int = 0
     bytes_checked: int = 0
     padding_bytes_checked: int = 0  # bytes no segment covers, checked to be zero
+    digests_checked: int = 0  # content digests recomputed (verify(digests=True), format 8)
 
     @property
     def ok(self) -> bool:
@@ -80,9 +81,10 @@ class VerifyReport:
     def summary(self) -> str:
         head = "OK" if self.ok else ("NOT COMMITTED" if not self.committed else "CORRUPT")
         refers = f", bytes referred to in {', '.join(self.bases)}" if self.bases else ""
+        hashed = f", {self.digests_checked} content digest(s) recomputed" if self.digests_checked else ""
         lines = [
             f"{head}: {self.path}: {self.ranks} rank file(s), {self.items} item(s){refers}, "
-            f"{self.segments_checked} checksum segment(s) over {self.bytes_checked} bytes checked"
+            f"{self.segments_checked} checksum segment(s) over {self.bytes_checked} bytes checked{hashed}"
         ]
         lines += [f"  problem: {p}" for p in self.problems]
         lines += [f"  note: {n}" for n in self.notes]
@@ -98,6 +100,7 @@ def verify(
     io_threads: int = _native.DEFAULT_READ_THREADS,
     progress: Callable[[int, int], None] | None = None,
     reader: DataStatesReader | None = None,
+    digests: bool = False,
 ) -> VerifyReport:
     """Verify the checkpoint at ``path`` and return a :class:`VerifyReport`.
 
@@ -105,7 +108,10 @@ def verify(
     that); ``progress(bytes_done, bytes_total)`` is called as data is checked.
     ``reader``: a :class:`DataStatesReader` of ``path`` to verify through (its
     ``allow_pickle`` and threads apply), so that a load with the same reader
-    afterwards does not decode ``.metadata`` again.
+    afterwards does not decode ``.metadata`` again. ``digests``: also recompute the
+    XXH3-128 content digest of every chunk the layout records one for (format 8), from the
+    bytes its checksums just passed: a later incremental save trusts these digests to refer
+    to this checkpoint's bytes instead of writing its own.
     """
     path = os.fspath(path)
     report = VerifyReport(path)
@@ -156,6 +162,8 @@ def verify(
                 _check_padding(reader, rel, idx, stripe, spans.get(rel, []), report)
     if layout.compression is not None and not report.problems:
         _check_frames_decompress(path, layout, indexes, report)
+    if digests and layout.digests and not report.problems:
+        _check_digests(path, layout, indexes, report)
     if not allow_pickle and not report.problems:
         _check_objects_are_plain(path, layout, indexes, report)
     _note_strays(path, layout, report)
@@ -183,6 +191,30 @@ def _resolve(path: str, rel: str) -> str:
     """A file of the checkpoint at ``path`` (``../<base>/<name>``: a base's, resolved lexically)."""
     joined = os.path.join(path, rel)
     return os.path.normpath(os.path.abspath(joined)) if rel.startswith("../") else joined
+
+
+def _check_digests(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
+    """Every recorded content digest is the XXH3-128 of its chunk's bytes (read in pieces of at
+    most ``VERIFY_BUFFER_BYTES``, from the stripe and file that hold them)."""
+    from dcp_datastates.core.incremental import _xxhash
+
+    xxhash = _xxhash()
+    for key, digest in layout.digests.items():
+        loc = layout.location(MetadataIndex(key[0], key[1]))
+        rel = loc.relative_path  # indexes are keyed by it (a base's: ../<base>/<file>)
+        state = xxhash.xxh3_128()
+        for start in range(loc.offset, loc.offset + loc.length, VERIFY_BUFFER_BYTES):
+            n = min(VERIFY_BUFFER_BYTES, loc.offset + loc.length - start)
+            data_path, at = _in_stripe(path, indexes[rel], rel, start)
+            state.update(_read_range(data_path, at, n))
+        report.digests_checked += 1
+        if state.hexdigest() != digest:
+            fqn, off = key
+            report.problems.append(
+                f"{os.path.join(path, METADATA_FILE)}: the content digest recorded for {fqn!r} (chunk at {off}) is "
+                f"{digest}, its bytes in {_resolve(path, rel)} hash to {state.hexdigest()}: a later incremental "
+                "save would refer to these bytes for other ones"
+            )
 
 
 def _check_objects_are_plain(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:

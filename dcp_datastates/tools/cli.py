@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "s3://bucket/prefix/step_N (one), s3://bucket/prefix (every committed step)")
     allow_pickle(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--digests", action="store_true", help="also recompute the content digests incremental "
+                   "saves trust (XXH3-128 of every chunk that records one; format 8)")
 
     p = add("du", "disk usage of checkpoints: their files, and stray files safe to delete")
     p.add_argument("paths", metavar="PATH", nargs="+", help="checkpoint directories, directories of checkpoints, "

@@ -449,7 +449,7 @@ def run_inspect(args) -> int:
 # ---------------------------------------------------------------------------
 
 
-def verify_one(path: str, *, allow_pickle: bool = False, quiet: bool = True) -> tuple[bool, str]:
+def verify_one(path: str, *, allow_pickle: bool = False, quiet: bool = True, digests: bool = False) -> tuple[bool, str]:
     """``(ok, report text)`` for one path: never raises, so one bad path does not stop the others."""
     from dcp_datastates.core.verify import verify as verify_checkpoint
 
@@ -459,7 +459,7 @@ def verify_one(path: str, *, allow_pickle: bool = False, quiet: bool = True) -> 
         return False, f"NOT FOUND: {path}: not a directory"
     bar = LazyProgress(os.path.basename(os.path.normpath(path)) or path, quiet)
     try:
-        report = verify_checkpoint(path, allow_pickle=allow_pickle, progress=bar)
+        report = verify_checkpoint(path, allow_pickle=allow_pickle, progress=bar, digests=digests)
     except Exception as exc:  # noqa: BLE001 - e.g. a permission error listing the directory
         return False, f"FAILED: {path}: {one_line(exc)}"
     finally:
@@ -483,7 +483,7 @@ def run_verify(args) -> int:
             except Exception as exc:  # noqa: BLE001 - the store could not be reached: this path fails
                 results = [(False, f"FAILED: {path}: {one_line(exc)}")]
         else:
-            results = [verify_one(path, allow_pickle=args.allow_pickle, quiet=args.quiet)]
+            results = [verify_one(path, allow_pickle=args.allow_pickle, quiet=args.quiet, digests=args.digests)]
         for ok, text in results:
             print(text, flush=True)
             failed += not ok
