@@ -374,13 +374,6 @@ def test_a_rollback_deletes_abandoned_steps_that_refer_to_a_replaced_one(tmp_pat
         assert_same(load(zeros_like_state(state), root / "step_00000020"), state)
 
 
-def test_incremental_with_a_durable_tier_is_refused_for_now(tmp_path):
-    from dcp_datastates import CheckpointManager
-
-    with pytest.raises(ValueError, match="not supported yet"):
-        CheckpointManager(tmp_path / "run", durable=str(tmp_path / "shared"), incremental=True)
-
-
 def test_two_ranks_save_dtensors_incrementally_and_resume(tmp_path):
     from manager_workers import run_ranks
 
@@ -438,21 +431,67 @@ def test_retention_keeps_bases_even_with_incremental_off(tmp_path):
         assert mgr.load(got, step=3) == 3
 
 
-def test_a_durable_tier_refuses_to_commit_an_incremental_step(tmp_path):
+@pytest.mark.parametrize("how", ["load", "fetch"])
+def test_incremental_steps_drain_after_their_bases_and_resume_on_a_new_node(tmp_path, durable_url, how):
+    """A directory tier and S3: each step commits there after its bases; durable retention keeps
+    the bases of what it keeps; a new node (empty local root) resumes the newest step in place or
+    by fetching it together with its bases; verify of the durable copy follows the references."""
+    from dcp_datastates import CheckpointManager
+    from dcp_datastates.tools.durable_view import verify_url
+
+    root = tmp_path / "run"
+    state = _state()
+    with CheckpointManager(root, keep_last=1, durable=durable_url, durable_keep_last=1, async_save=False) as mgr:
+        for step in (1, 2, 3):
+            state["hot"].add_(1)
+            state["step"] = step
+            mgr.save(step, state)
+        mgr.wait_durable()
+        # step 3 refers to step 1 (frozen) on both tiers: keep_last=1 keeps 1 for it, 2 goes
+        assert mgr.steps() == [1, 3] and mgr.durable_steps() == [1, 3]
+        assert _referred(root / "step_00000003")["frozen"] == "step_00000001"
+    results = verify_url(f"{durable_url}/step_00000003") if durable_url.startswith("s3://") else None
+    if results is not None:
+        assert all(ok for ok, _ in results), results
+    node2 = tmp_path / "node2"
+    with CheckpointManager(node2, durable=durable_url, durable_resume=how, async_save=False) as mgr:
+        got = zeros_like_state(state)
+        assert mgr.load(got) == 3
+        assert_same(got, state)
+        if how == "fetch":  # the step and its base, both loadable on their own
+            assert sorted(n for n in os.listdir(node2) if n.startswith("step_")) == ["step_00000001", "step_00000003"]
+            assert verify(node2 / "step_00000003").ok and verify(node2 / "step_00000001").ok
+
+
+def test_a_step_whose_base_is_not_durable_stays_uncommitted_there(tmp_path, shared_mount):
+    """A root whose base step never reached the durable tier: the incremental step's drain fails
+    (naming the base) and its local copy is kept; nothing refers to bytes that are not there."""
     from dcp_datastates import CheckpointManager
     from dcp_datastates.tiers.drain import DrainError
 
-    root, shared = tmp_path / "run", tmp_path / "shared"
+    root, shared = tmp_path / "run", os.path.join(shared_mount, "no_base")
     state = _state()
-    with CheckpointManager(root, async_save=False) as mgr:
+    with CheckpointManager(root, async_save=False) as mgr:  # no tier: 1 and 2 only local
         mgr.save(1, state)
         mgr.save(2, state)
-    mgr = CheckpointManager(root, async_save=False, durable=str(shared))  # drains 1 and 2 on start
-    with pytest.raises(DrainError, match="incremental checkpoint"):
-        mgr.wait_durable()
-    assert 1 in mgr.durable_steps() and 2 not in mgr.durable_steps()
-    with pytest.raises(CheckpointError):
-        mgr.close()  # names the step that is not durable
+    mgr = CheckpointManager(root, async_save=False, durable=shared)  # drains 1 and 2 on start
+    mgr.wait_durable()
+    assert mgr.durable_steps() == [1, 2]  # 1 first, then 2 after it
+    mgr.close()
+    from dcp_datastates.tiers import open_store
+    from dcp_datastates.tiers.drain import delete_durable_step
+
+    delete_durable_step(open_store(shared), "step_00000001")  # the base goes from the tier
+    with CheckpointManager(root, async_save=False, durable=shared, keep_last=None) as mgr:
+        assert mgr.load(zeros_like_state(state)) == 2  # the next save refers to 2 (and through it to 1)
+        state["step"] = 3
+        with pytest.warns(UserWarning, match="which is not durable"):
+            mgr.save(3, state)
+            with pytest.raises(DrainError, match="step_00000001"):
+                mgr.wait_durable()
+        assert 3 not in mgr.durable_steps() and 3 in mgr.steps()
+        with pytest.raises(CheckpointError):
+            mgr.close()
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

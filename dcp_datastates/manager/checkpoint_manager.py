@@ -182,10 +182,9 @@ class CheckpointManager:
             ``bench_tiers.py`` measures both (docs/benchmarks.md).
         incremental: save each step against the previous one (docs/incremental.md):
             a tensor chunk of 64 KiB or more whose bytes did not change is
-            referred to, not written again. ``None`` (default): on, unless a
-            durable tier is configured (tiers do not carry references yet);
-            ``False``: every save is full. Retention keeps every step a kept
-            step refers to.
+            referred to, not written again (default True; ``False``: every
+            save is full). Retention on both tiers keeps every step a kept
+            step refers to; a step commits on the durable tier after its bases.
         full_every: with ``incremental``, a full save at least every this many
             saves, so no chain of references outlives it (default 10).
 
@@ -217,7 +216,7 @@ class CheckpointManager:
         durable_read_back: bool = True,
         durable_options: dict | None = None,
         durable_resume: str = "load",
-        incremental: bool | None = None,
+        incremental: bool = True,
         full_every: int = 10,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
@@ -228,11 +227,7 @@ class CheckpointManager:
             raise ValueError(f"durable_resume must be 'load' or 'fetch', got {durable_resume!r}")
         if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
             raise ValueError(f"full_every must be a positive int, got {full_every!r}")
-        if incremental and durable is not None:
-            raise ValueError(
-                "incremental=True with a durable tier is not supported yet: the drain copies each step's own "
-                "files, not the base files it refers to; pass incremental=False (or leave it None)"
-            )
+
         self.root = os.path.abspath(os.fspath(root))
         self.durable_resume = durable_resume
         self.keep_last = keep_last
@@ -255,7 +250,7 @@ class CheckpointManager:
         # What each step refers to is read whatever this manager does (a root may hold incremental
         # steps of an earlier run): retention never deletes a base a remaining step needs.
         self._increments = Increments(self.root, full_every)
-        self.incremental = durable is None if incremental is None else bool(incremental)
+        self.incremental = bool(incremental)
         # Rank 0 chooses each save's base and tells every rank, on a group of its own: the save
         # group may be carrying a background save's collectives at that moment.
         self._base_group = dist.new_group(backend="gloo") if self._distributed and self.incremental else None
@@ -711,9 +706,9 @@ class CheckpointManager:
         self._durable_committed = set(durable)
         if not self.owner:
             return
-        for s in undrained:
+        for s in sorted(undrained):  # in commit order: an incremental step commits there after its bases
             try:
-                files = DataStatesReader(self.path_of(s)).read_metadata().storage_data.ranks
+                files = DataStatesReader(self.path_of(s)).read_metadata().storage_data.own_ranks
                 mine = next((f for f in files if f.rank == self._rank), None)
             except Exception as exc:  # noqa: BLE001 - this step stays local-only; said once
                 warnings.warn(

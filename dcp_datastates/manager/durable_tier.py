@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dcp_datastates.core.reader import DataStatesReader
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_layout import RankFiles
+from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.manager.checkpoint_root import step_dir_name, step_of
 from dcp_datastates.manager.cleanup import retention_keeps
 from dcp_datastates.manager.drain_pacing import DrainPacer
@@ -55,6 +56,7 @@ from dcp_datastates.tiers.drain import (
     durable_steps,
     failure_key,
     fetch_step,
+    step_bases,
 )
 
 QUEUED, DRAINING, DURABLE, FAILED = "queued", "draining", "durable", "failed"
@@ -109,14 +111,33 @@ def run_drain_job(store, job: DrainJob, config: DrainConfig, progress, pace) -> 
 
 
 def apply_durable_retention(store, committed_step: int, keep_last: int | None, keep_every: int | None) -> None:
-    """Delete the durable copies the policy no longer keeps now that ``committed_step`` committed."""
+    """Delete the durable copies the policy no longer keeps now that ``committed_step`` committed,
+    but never one a remaining copy refers to (incremental checkpoints, to a fixed point; one whose
+    ``.metadata`` cannot be read protects every older step); newest first, so a crash part-way
+    never leaves a durable copy whose base is gone."""
     if keep_last is None and keep_every is None:
         return
-    committed = sorted(s for s, (_name, done) in durable_steps(store, step_of).items() if done)
+    listing = durable_steps(store, step_of)
+    committed = sorted(s for s, (_name, done) in listing.items() if done)
     keep = retention_keeps(committed, committed_step, keep_last, keep_every)
-    for s in committed:
-        if s < committed_step and s not in keep:
-            delete_durable_step(store, step_dir_name(s))
+    victims = {s for s in committed if s < committed_step and s not in keep}
+    bases: dict[int, set[str] | None] = {}
+    while victims:
+        protected: set[int] = set()
+        for s in committed:
+            if s in victims:
+                continue
+            if s not in bases:
+                bases[s] = step_bases(store, step_dir_name(s))
+            if bases[s] is None:
+                protected |= {v for v in victims if v < s}
+            else:
+                protected |= {step_of(b) for b in bases[s]} & victims
+        if not protected:
+            break
+        victims -= protected
+    for s in sorted(victims, reverse=True):
+        delete_durable_step(store, step_dir_name(s))
 
 
 def _lower_priority() -> None:
@@ -329,5 +350,16 @@ class DurableTier:
         return StoreReader(step_dir_name(step), store=self.store, allow_pickle=allow_pickle)
 
     def fetch(self, step: int, local_dir: str) -> int:
-        """Copy the committed durable copy of ``step`` into ``local_dir`` (``.metadata`` last)."""
-        return fetch_step(self.store, step_dir_name(step), local_dir)
+        """Copy the committed durable copy of ``step`` into ``local_dir`` (``.metadata`` last),
+        after the base checkpoints it refers to that the local root lacks (each with its own
+        bases first, so every directory fetched is a loadable checkpoint)."""
+        return self._fetch_with_bases(step_dir_name(step), local_dir, set())
+
+    def _fetch_with_bases(self, step_dir: str, local_dir: str, seen: set[str]) -> int:
+        seen.add(step_dir)
+        total = 0
+        for base in sorted(step_bases(self.store, step_dir) or ()):
+            base_dir = os.path.join(os.path.dirname(local_dir), base)
+            if base not in seen and not os.path.lexists(os.path.join(base_dir, METADATA_FILE)):
+                total += self._fetch_with_bases(base, base_dir, seen)
+        return total + fetch_step(self.store, step_dir, local_dir)

@@ -1,6 +1,6 @@
 """The manager's incremental saves: which step a save refers to, when to save in full, what to keep.
 
-``CheckpointManager(incremental=True)`` (the default without a durable tier)
+``CheckpointManager(incremental=True)`` (the default)
 saves each step against a *base*: the newest step this manager committed, or
 the step it resumed from (every byte of which the load checked). A save is
 full instead when there is no such step, or when ``full_every`` saves have

@@ -269,12 +269,7 @@ def commit_durable(
     except OSError as exc:
         raise DrainError(f"{meta_path}: {exc}") from exc
     layout = metadata.storage_data
-    if layout.bases:
-        raise DrainError(
-            f"{local_dir} refers to the bytes of {', '.join(layout.bases)} (an incremental checkpoint); the "
-            "durable tier cannot carry references yet, so it stays uncommitted there: save it in full "
-            "(CheckpointManager(incremental=False)) to make it durable"
-        )
+    _check_bases_durable(layout, step_dir, store)
     expected = {r.rank: [*r.data_files(), r.index_file] for r in layout.own_ranks}
     deadline = time.monotonic() + timeout_s
     confirmed: dict[int, RankDrain] = {}
@@ -320,6 +315,36 @@ def commit_durable(
 
 
 # -- the durable tier's steps ------------------------------------------------------------
+
+
+def _check_bases_durable(layout, step_dir: str, store: DurableStore) -> None:
+    """An incremental checkpoint commits on the durable tier only after its bases did: each one's
+    ``.metadata``, and every rank file it refers to there, the same files (names carry the save
+    id). Drains run in commit order, so a base is normally durable first; one that is not (its
+    drain failed, or its durable copy is of another save) fails this one too, to be retried."""
+    for base in layout.bases:
+        missing = [] if store.size(f"{base}/{METADATA_FILE}") is not None else [METADATA_FILE]
+        for files in layout.ranks:
+            if files.base == base:
+                missing += [n for n in (*files.data_files(), files.index_file) if store.size(f"{base}/{n}") is None]
+        if missing:
+            raise DrainError(
+                f"{store.where(step_dir)} refers to {store.where(base)}, which is not durable (yet) with the "
+                f"files it refers to (missing: {', '.join(missing[:3])}); the copy stays uncommitted and is retried"
+            )
+
+
+def step_bases(store: DurableStore, step_dir: str) -> set[str] | None:
+    """The base directories a committed durable copy refers to (None: not committed or unreadable)."""
+    from dcp_datastates.errors import CheckpointError
+    from dcp_datastates.tiers.store_reader import StoreReader
+
+    try:
+        reader = StoreReader(step_dir, store=store)
+        reader.load_metadata()
+        return set(reader.layout.bases)
+    except (CheckpointError, OSError):
+        return None
 
 
 def keys_by_step(store: DurableStore, step_of: Callable[[str], int | None]) -> dict[int, tuple[str, list[str]]]:

@@ -95,16 +95,17 @@ def verify_durable(store: DurableStore, step_dir: str, *, allow_pickle: bool = F
         report.problems.append(str(exc))
         return report
     report.ranks = len(layout.own_ranks)
-    if layout.bases:  # the durable tier does not carry incremental checkpoints (drain.commit_durable)
-        report.problems.append(f"{store.where(step_dir)} refers to {', '.join(layout.bases)} (an incremental checkpoint): verify of a durable copy does not follow references yet")
     named = {METADATA_FILE}
-    for files in layout.own_ranks:
+    # Own ranks, then the base ranks an incremental copy refers to (their whole files, in the
+    # base's directory under the same root: verify of the base checks them the same way).
+    for files in layout.ranks:
         names = files.data_files()
-        named.update((*names, files.index_file))
+        if not files.base:
+            named.update((*names, files.index_file))
         try:
             index = reader.rank_index(files.data_path)
             for stripe, (name, size) in enumerate(zip(names, reader.data_file_sizes(files))):
-                key = f"{step_dir}/{name}"
+                key = reader.key(files.path_of(name))
                 checker = SegmentChecker(index, stripe, store.where(key), "the durable copy is damaged")
                 for at, data in store.read_blocks(key, size, block):
                     checker.feed(memoryview(data), at)
