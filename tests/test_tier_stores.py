@@ -84,3 +84,22 @@ def test_a_server_that_is_down_fails_with_the_key_named(tmp_path):
     st = open_store("s3://bucket/p", endpoint="http://127.0.0.1:9", max_retries=1, retry_timeout_s=2, request_timeout_s=2)
     with pytest.raises(StoreError, match="s3://bucket/p/k"):
         st.put_bytes("k", b"x")
+
+
+def test_a_step_directory_removed_under_a_writer_is_made_again(tmp_path, monkeypatch):
+    """Two ranks drain into one step directory: one rank's delete() takes the directory away while
+    it is empty, between the other's mkdir and its create. The writer makes it again."""
+    store = PosixStore(str(tmp_path / "tier"))
+    real, raced = store._make_dirs, set()
+
+    def racing(directory):
+        real(directory)
+        if directory not in raced:  # the other rank's rmdir, right after this mkdir
+            raced.add(directory)
+            os.rmdir(directory)
+
+    monkeypatch.setattr(store, "_make_dirs", racing)
+    store.put_bytes("step_1/a", b"x")
+    store.put_stream("step_2/b", [b"yz"], 2)
+    assert bytes(store.read_range("step_1/a", 0, 1)) == b"x" and bytes(store.read_range("step_2/b", 0, 2)) == b"yz"
+    assert raced == {str(tmp_path / "tier" / "step_1"), str(tmp_path / "tier" / "step_2")}

@@ -22,6 +22,9 @@ def _is_partial(name: str) -> bool:
     return name.startswith(".") and _PART_MARK in name
 
 
+_DIR_RACE_RETRIES = 5
+
+
 class PosixStore(DurableStore):
     def __init__(self, root: str) -> None:
         self.url = os.path.abspath(root)
@@ -63,14 +66,25 @@ class PosixStore(DurableStore):
                 pass
             durable.fsync_dir(os.path.dirname(d))
 
+    def _in_dir(self, directory: str, create):
+        """``create()`` a file in ``directory`` (made if missing). Another rank's drain may remove
+        the step directory while it is empty (``delete`` takes an emptied one away) between the
+        mkdir and the create: the directory is made again, a few times."""
+        for attempt in range(_DIR_RACE_RETRIES):
+            self._make_dirs(directory)
+            try:
+                return create()
+            except FileNotFoundError:
+                if attempt == _DIR_RACE_RETRIES - 1:
+                    raise
+
     def put_stream(self, key: str, blocks, size: int, progress: Progress | None = None) -> None:
         path = self._path(key)
         tmp = self._tmp(path)
         total = 0
         try:
-            self._make_dirs(os.path.dirname(path))
             durable.remove_if_present([tmp])
-            with open(tmp, "xb", buffering=0) as dst:
+            with self._in_dir(os.path.dirname(path), lambda: open(tmp, "xb", buffering=0)) as dst:
                 for data in blocks:
                     view = memoryview(data)
                     done = 0
@@ -97,9 +111,8 @@ class PosixStore(DurableStore):
         path = self._path(key)
         tmp = self._tmp(path)
         try:
-            self._make_dirs(os.path.dirname(path))
             durable.remove_if_present([tmp])
-            durable.write_new_file_durably(tmp, data)
+            self._in_dir(os.path.dirname(path), lambda: durable.write_new_file_durably(tmp, data))
         except OSError as exc:
             durable.remove_if_present([tmp])
             raise StoreError(f"writing {self.where(key)}: {exc.strerror or exc}") from exc
