@@ -90,6 +90,7 @@ from dcp_datastates.manager.cleanup import (
     lock_root,
     recover_root,
     retention_victims,
+    spare_referred,
     unlock_root,
 )
 from dcp_datastates.native import engine as _native
@@ -650,7 +651,7 @@ class CheckpointManager:
     def _local_victims(self, committed_step: int) -> list[str]:
         """Local retention's deletions now that ``committed_step`` committed (under ``self._lock``):
         with a durable tier, only steps whose durable copy committed (unless ``delete_undrained``);
-        with incremental saves, never a step that a step left on disk (or a save in flight) refers to."""
+        never a step that a step left on disk (or a save in flight) refers to."""
         in_flight = {p.step for p in self._pending if not p.done.done()}
         victims = retention_victims(self.root, committed_step, self.keep_last, self.keep_every, in_flight)
         if self._tier is not None and not self.delete_undrained:
@@ -665,21 +666,15 @@ class CheckpointManager:
         return sorted(victims, key=lambda n: step_of(n) or 0, reverse=True)
 
     def _without_bases(self, victims: list[str], committed_step: int) -> list[str]:
-        """``victims`` less every directory a remaining one refers to (to a fixed point: whatever
-        stays on disk stays loadable), and the bases of saves in flight (the one that just
-        committed, ``committed_step``, refers to what its layout says)."""
-        protected = {
-            os.path.basename(p.base) for p in self._pending
-            if p.base is not None and not p.done.done() and p.step != committed_step
-        } | {os.path.basename(b) for b in self._reserved_bases}
-        victims = [v for v in victims if v not in protected]
-        while True:
-            remaining = [n for n in step_dirs(self.root).values() if n not in victims]
-            keep = self._increments.protected(remaining)
-            left = [v for v in victims if v not in keep]
-            if left == victims:
-                return victims
-            victims = left
+        """``victims`` less the bases of saves in flight (the one that just committed,
+        ``committed_step``, refers to what its layout says) and every directory a remaining one
+        refers to (``cleanup.spare_referred``: whatever stays on disk stays loadable)."""
+        in_flight = {p.base for p in self._pending if p.base is not None and not p.done.done() and p.step != committed_step}
+        protected = {step_of(os.path.basename(b)) for b in (*in_flight, *self._reserved_bases)}
+        dirs = step_dirs(self.root)
+        steps = {step_of(v) for v in victims} - protected
+        left = spare_referred(steps, dirs, self._increments.referred_steps)
+        return [v for v in victims if step_of(v) in left]
 
     # -- the durable tier -------------------------------------------------------------
 

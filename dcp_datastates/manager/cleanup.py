@@ -149,6 +149,25 @@ def retention_keeps(
     return keep
 
 
+def spare_referred(victims, present, bases_of: Callable[[int], "set[int] | None"]) -> set[int]:
+    """``victims`` (steps) less every step a remaining one of ``present`` refers to, to a fixed
+    point, so that whatever stays stays loadable (incremental checkpoints). ``bases_of(step)``:
+    the steps it refers to, or None when that cannot be read: then every older victim stays (a
+    base is always older than what refers to it). The rule of both tiers."""
+    victims = set(victims)
+    while victims:
+        spared: set[int] = set()
+        for s in present:
+            if s in victims:
+                continue
+            bases = bases_of(s)
+            spared |= {v for v in victims if v < s} if bases is None else bases & victims
+        if not spared:
+            break
+        victims -= spared
+    return victims
+
+
 def retention_victims(
     root: str,
     committed_step: int,

@@ -41,7 +41,7 @@ from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_layout import RankFiles
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.manager.checkpoint_root import step_dir_name, step_of
-from dcp_datastates.manager.cleanup import retention_keeps
+from dcp_datastates.manager.cleanup import retention_keeps, spare_referred
 from dcp_datastates.manager.drain_pacing import DrainPacer
 from dcp_datastates.tiers import open_store
 from dcp_datastates.tiers.posix_store import PosixStore
@@ -120,22 +120,15 @@ def apply_durable_retention(store, committed_step: int, keep_last: int | None, k
     listing = durable_steps(store, step_of)
     committed = sorted(s for s, (_name, done) in listing.items() if done)
     keep = retention_keeps(committed, committed_step, keep_last, keep_every)
-    victims = {s for s in committed if s < committed_step and s not in keep}
-    bases: dict[int, set[str] | None] = {}
-    while victims:
-        protected: set[int] = set()
-        for s in committed:
-            if s in victims:
-                continue
-            if s not in bases:
-                bases[s] = step_bases(store, step_dir_name(s))
-            if bases[s] is None:
-                protected |= {v for v in victims if v < s}
-            else:
-                protected |= {step_of(b) for b in bases[s]} & victims
-        if not protected:
-            break
-        victims -= protected
+    read: dict[int, set[int] | None] = {}  # each remaining copy's .metadata is read once
+
+    def bases_of(s: int) -> set[int] | None:
+        if s not in read:
+            names = step_bases(store, step_dir_name(s))
+            read[s] = None if names is None else {step_of(n) for n in names}
+        return read[s]
+
+    victims = spare_referred({s for s in committed if s < committed_step and s not in keep}, committed, bases_of)
     for s in sorted(victims, reverse=True):
         delete_durable_step(store, step_dir_name(s))
 

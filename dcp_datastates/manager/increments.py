@@ -9,9 +9,9 @@ root keeps across restarts), so no chain of references outlives ``full_every``
 saves. Every manager save records content digests, full ones included, so
 that the next can refer to it.
 
-Retention never deletes a step a kept step refers to: :func:`protected`
-adds the bases of every kept step (read from their layouts, cached by the
-identity of their ``.metadata``) to what stays.
+Retention never deletes a step a kept step refers to: :meth:`Increments.referred_steps`
+gives ``cleanup.spare_referred`` the bases of each remaining step (read from
+their layouts, cached by the identity of their ``.metadata``).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class Increments:
             self.base_step = step
             self.full_seq = None  # found again from the layouts on the next save
 
-    def _full_sequence(self, base: int) -> int | None:  # noqa: C901
+    def _full_sequence(self, base: int) -> int | None:
         """The commit sequence of the newest full save the chain of ``base`` starts from: ``base``
         itself if it refers to nothing, else the newest full step older than it (None: none, or
         a step without a sequence)."""
@@ -119,19 +119,10 @@ class Increments:
             self._bases[name] = (identity, bases)
         return bases
 
-    def protected(self, keep: list[str]) -> set[str]:
-        """The directories the checkpoints ``keep`` refer to (one hop: each names every base it
-        needs). One whose ``.metadata`` cannot be read protects every step before it: what it
-        refers to is unknown, and a base is always older."""
-        out: set[str] = set()
-        for name in keep:
-            bases = self.bases_of(name)
-            if bases is None:
-                step = step_of(name)
-                out |= {n for s, n in step_dirs(self.root).items() if step is None or s < step}
-            else:
-                out |= bases
-        return out
+    def referred_steps(self, step: int) -> set[int] | None:
+        """:meth:`bases_of` of ``step``'s directory, as steps (what ``cleanup.spare_referred`` takes)."""
+        bases = self.bases_of(step_dir_name(step))
+        return None if bases is None else {step_of(b) for b in bases}
 
     def dependents_of(self, name: str, among: list[str]) -> list[str]:
         """The checkpoints among ``among`` that refer to ``name``."""
