@@ -546,3 +546,27 @@ def test_verify_digests_recomputes_what_later_saves_trust(tmp_path):
     assert not bad.ok and any("'frozen'" in p and "content digest" in p for p in bad.problems), bad
     assert cli.main(["verify", "--digests", "--quiet", str(paths[0])]) == 1
     assert cli.main(["verify", "--digests", "--quiet", str(paths[1])]) == 0
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_save_never_refers_to_a_base_file_that_is_gone(tmp_path, mode):
+    """step_3 against step_2 would refer (one hop) to step_1's file for the frozen chunks; that
+    file was deleted: the save fails naming it, instead of committing a checkpoint that cannot load."""
+    paths, state = _chain(tmp_path, steps=2)
+    data = next(n for n in os.listdir(paths[0]) if n.endswith(".data"))
+    os.remove(paths[0] / data)
+    if mode == "sync":
+        with raises_from_checkpoint(CorruptCheckpointError, match=data):
+            save(state, tmp_path / "step_3", base=paths[1])
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        from dcp_datastates import DataStatesWriter
+
+        writer = DataStatesWriter(tmp_path / "step_3", base=paths[1])
+        response = dcp.async_save(state, storage_writer=writer, no_dist=True)
+        with raises_from_checkpoint(CorruptCheckpointError, match=data):
+            getattr(response, "upload_completion", response).result()
+        with pytest.raises(CheckpointError, match=data):
+            writer.close()  # the background error, raised once more by the writer
+    assert not (tmp_path / "step_3" / ".metadata").exists()

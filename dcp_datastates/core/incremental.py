@@ -34,6 +34,7 @@ import dataclasses
 import math
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -97,6 +98,10 @@ class BaseChunk:
     dtype: torch.dtype
     sizes: tuple
 
+    def location(self) -> ItemLocation:
+        """The new checkpoint's location of an item referred to this chunk (its write result)."""
+        return ItemLocation(self.files.data_path, self.offset, self.length, -1)
+
 
 class BaseCheckpoint:
     """A committed checkpoint an incremental save refers to, read once: its chunks with digests.
@@ -119,11 +124,8 @@ class BaseCheckpoint:
         layout = reader.layout
         self.bases = set(layout.bases)
         slots = layout.slots()
-        # Every rank file referred to must be there, of the save the base names (its index's save
-        # id): a reference to a base's base that was deleted or saved again is refused now, not
-        # committed into a checkpoint that cannot load.
-        for files in layout.ranks:
-            reader.rank_index(files.data_path)
+        self._reader = reader
+        self._in_base: dict[str, str] = {}  # a BaseChunk's files.data_path -> the same file as the base names it
         self.chunks: dict[tuple, BaseChunk] = {}
         for fqn, off, slot, offset, length, ordinal in layout.entries:
             digest = layout.digests.get((fqn, off))
@@ -136,9 +138,19 @@ class BaseCheckpoint:
             if sizes is None:
                 continue
             files = slots[slot]
+            in_base = files.data_path
             if not files.base:  # the base's own bytes: referred to in its directory
                 files = dataclasses.replace(files, save_id=files.files_save_id(layout.save_id), base=self.name)
+            self._in_base[files.data_path] = in_base
             self.chunks[(fqn, off)] = BaseChunk(files, offset, length, digest, md.properties.dtype, sizes)
+
+    def confirm(self, chunks) -> None:
+        """Every rank file ``chunks`` (the ones a save will refer to) are in is there, of the save
+        the base names (its index's save id, checked by the base's reader as a load checks it): a
+        file deleted or saved again since (a base's own base, say) is refused now, not committed
+        into a checkpoint that cannot load. Only the files referred to: each index is read once."""
+        for path in {chunk.files.data_path for chunk in chunks}:
+            self._reader.rank_index(self._in_base[path])
 
     def check_sibling_of(self, path: str) -> None:
         """``path`` can save against this base: a sibling, not the base itself, and not a
@@ -206,15 +218,6 @@ class RankIncrement:
     referenced_bytes: int = 0
     hash_s: float = 0.0
 
-    def base_files(self) -> tuple:
-        """The base ranks its references name, once each, in a stable order."""
-        seen = {}
-        for chunk in self.references.values():
-            seen.setdefault((chunk.files.base, chunk.files.rank, chunk.files.data_file), chunk.files)
-        return tuple(seen[k] for k in sorted(seen))
-
-    def reference_location(self, chunk: BaseChunk) -> ItemLocation:
-        return ItemLocation(chunk.files.data_path, chunk.offset, chunk.length, -1)
 
 
 def decide(
@@ -223,8 +226,6 @@ def decide(
     """Hash the plan's large raw tensor chunks (``resolve(item)`` gives each one's tensor) and decide
     which the base holds identically. Chunks whose tensor changed since the tracker's last save
     are neither hashed nor referred to."""
-    import time
-
     t0 = time.perf_counter()
     out = RankIncrement()
     work = []
@@ -248,6 +249,8 @@ def decide(
             if chunk is not None and chunk.digest == digest:
                 out.references[item.index] = chunk
                 out.referenced_bytes += nbytes
+        if base is not None:
+            base.confirm(out.references.values())
     out.hash_s = time.perf_counter() - t0
     return out
 
@@ -298,6 +301,19 @@ def _ready_events(tensors) -> dict:
                 ev.record(torch.cuda.current_stream(t.device))
             events[t.device.index] = ev
     return events
+
+
+def report_increments(report, references, digests: dict):
+    """A rank's report (``plan_cache.RankReport``) with what its incremental save refers to: the
+    base ranks of ``references`` (BaseChunks), once each in a stable order, and ``digests``
+    (location_key -> digest). Synchronous and asynchronous saves report alike."""
+    bases = {}
+    for chunk in references:
+        bases.setdefault(chunk.files.data_path, chunk.files)
+    return dataclasses.replace(
+        report, bases=tuple(bases[k] for k in sorted(bases)),
+        digests=tuple((fqn, off, d) for (fqn, off), d in digests.items()),
+    )
 
 
 def without_references(plan: SavePlan, increment: RankIncrement) -> SavePlan:

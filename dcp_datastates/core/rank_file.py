@@ -28,7 +28,7 @@ from typing import Any, Callable
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcp_datastates.core import plan_cache
+from dcp_datastates.core import incremental, plan_cache
 from dcp_datastates.core.durable import remove_if_present, write_new_file_durably
 from dcp_datastates.core.compression import Compression, descriptor_of
 from dcp_datastates.core.layout import PAGE, SMALL_ALIGN, RankLayout, align_up, staged_locations
@@ -239,13 +239,7 @@ def write_snapshot(
         mine = {location_key(item.index.fqn, item.index.offset) for item in plan.items}
         references = {k: c for k, c in snap.item_references.items() if k in mine}
         digests = {k: d for k, d in snap.item_digests.items() if k in mine}
-        bases = {}
-        for chunk in references.values():
-            bases.setdefault(chunk.files.data_path, chunk.files)
-        save.report = dataclasses.replace(
-            save.report, bases=tuple(bases[k] for k in sorted(bases)),
-            digests=tuple((fqn, off, d) for (fqn, off), d in digests.items()),
-        )
+        save.report = incremental.report_increments(save.report, references.values(), digests)
         stats.referenced_bytes = sum(c.length for c in references.values())
         stats.hashed_bytes = stats.referenced_bytes + sum(
             save.tensor_locations.get(k, (0, 0))[1] for k in digests if k not in references
@@ -261,8 +255,7 @@ def write_snapshot(
         placed = save.tensor_locations.get(key)
         chunk = snap.item_references.get(key)
         if placed is None and chunk is not None:  # incremental: the base's identical chunk
-            loc = ItemLocation(chunk.files.data_path, chunk.offset, chunk.length, -1)
-            results.append(WriteResult(index=item.index, size_in_bytes=chunk.length, storage_data=loc))
+            results.append(WriteResult(index=item.index, size_in_bytes=chunk.length, storage_data=chunk.location()))
             continue
         if placed is None:
             raise CheckpointError(f"{item.index.fqn!r} is in the final plan but was not in the local plan")

@@ -210,6 +210,8 @@ class Snapshot:
                     self.references[key] = chunk
                 else:
                     changed.append((source, key))
+            if base is not None:
+                base.confirm(self.references.values())
             if changed:
                 start = align_up(self.tensor_bytes_end, PAGE)
                 offsets, end = place_tensors([source.nbytes for source, _ in changed])

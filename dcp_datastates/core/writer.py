@@ -417,12 +417,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 results = rank_file.write_planned(save, plan, planner, layout, self._settings(), metadata_early)
                 if increment is not None:
                     results += [
-                        WriteResult(index=index, size_in_bytes=chunk.length, storage_data=increment.reference_location(chunk))
+                        WriteResult(index=index, size_in_bytes=chunk.length, storage_data=chunk.location())
                         for index, chunk in increment.references.items()
                     ]
-                    save.report = dataclasses.replace(
-                        save.report, bases=increment.base_files(),
-                        digests=tuple((fqn, off, d) for (fqn, off), d in increment.digests.items()),
+                    save.report = incremental.report_increments(
+                        save.report, increment.references.values(), increment.digests
                     )
             results.append(plan_cache.report_result(save.report))
             r = save.report
