@@ -36,7 +36,7 @@ from dcp_datastates.errors import (
     IncompleteCheckpointError,
     UnsupportedFormatError,
 )
-from dcp_datastates.format.file_names import METADATA_FILE, is_save_file
+from dcp_datastates.format.file_names import METADATA_FILE, checkpoint_file, is_save_file
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout, RankFiles, object_entries
 from dcp_datastates.format.rank_index import IndexLimits, RankIndex
 from dcp_datastates.format.checkpoint_files import read_rank_index
@@ -164,9 +164,7 @@ class DataStatesReader(StorageReader):
         """The checkpoint file ``name`` as errors name it (and as it is opened). A base
         checkpoint's file (``../<base>/<name>``, format 8) is resolved lexically against the
         checkpoint's path, never through a symbolic link's target."""
-        if name.startswith("../"):
-            return os.path.normpath(os.path.join(os.path.abspath(self.path), name))
-        return os.path.join(self.path, name)
+        return checkpoint_file(self.path, name)
 
     @property
     def location(self) -> str:

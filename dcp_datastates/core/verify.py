@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from dcp_datastates.native import engine as _native
 from dcp_datastates.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from dcp_datastates.format.file_names import is_metadata_temporary, layout_files, stray_files
+from dcp_datastates.format.file_names import checkpoint_file, is_metadata_temporary, layout_files, stray_files
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.checkpoint_layout import compressed_blocks
 from dcp_datastates.format.rank_index import RankIndex
@@ -187,12 +187,6 @@ def _slot_paths(layout) -> dict[int, str]:
     return {slot: r.data_path for slot, r in layout.slots().items()}
 
 
-def _resolve(path: str, rel: str) -> str:
-    """A file of the checkpoint at ``path`` (``../<base>/<name>``: a base's, resolved lexically)."""
-    joined = os.path.join(path, rel)
-    return os.path.normpath(os.path.abspath(joined)) if rel.startswith("../") else joined
-
-
 def _check_digests(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
     """Every recorded content digest is the XXH3-128 of its chunk's bytes (read in pieces of at
     most ``VERIFY_BUFFER_BYTES``, from the stripe and file that hold them)."""
@@ -212,7 +206,7 @@ def _check_digests(path: str, layout, indexes: dict[str, RankIndex], report: Ver
             fqn, off = key
             report.problems.append(
                 f"{os.path.join(path, METADATA_FILE)}: the content digest recorded for {fqn!r} (chunk at {off}) is "
-                f"{digest}, its bytes in {_resolve(path, rel)} hash to {state.hexdigest()}: a later incremental "
+                f"{digest}, its bytes in {checkpoint_file(path, rel)} hash to {state.hexdigest()}: a later incremental "
                 "save would refer to these bytes for other ones"
             )
 
@@ -235,9 +229,9 @@ def _check_objects_are_plain(path: str, layout, indexes: dict[str, RankIndex], r
 def _in_stripe(path: str, idx: RankIndex, rel: str, offset: int) -> tuple[str, int]:
     """The file holding data offset ``offset`` of the rank whose data file is ``rel``, and the offset in it."""
     if not idx.stripes:
-        return _resolve(path, rel), offset
+        return checkpoint_file(path, rel), offset
     stripe, base, _ = idx.stripe_of(offset)
-    return _resolve(path, idx.stripe_files[stripe]), offset - base
+    return checkpoint_file(path, idx.stripe_files[stripe]), offset - base
 
 
 def _read_range(data_path: str, offset: int, length: int) -> bytes:
@@ -354,7 +348,7 @@ def _spans_by_file(layout, indexes: dict[str, RankIndex]) -> dict[str, list[tupl
 
 
 def _check_tiling(path: str, rel: str, idx: RankIndex, spans, report: VerifyReport) -> None:
-    where = _resolve(path, rel)
+    where = checkpoint_file(path, rel)
     for start, end, key in spans:
         try:
             idx.check_tiled(start, end - start, where, key)
