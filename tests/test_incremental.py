@@ -206,6 +206,49 @@ def test_the_digest_is_xxh3_128_of_the_row_major_bytes():
     assert content_digest(t.bfloat16()) == xxhash.xxh3_128_hexdigest(t.bfloat16().view(torch.int16).numpy().tobytes())
 
 
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 1000])
+def test_a_digest_taken_in_pieces_equals_the_whole_one(n):
+    """The piece loop device tensors are hashed through (two alternating host buffers), run on
+    the host: every size against every piece length, boundaries included."""
+    xxhash = pytest.importorskip("xxhash")
+    from dcp_datastates.core.incremental import digest_in_pieces
+
+    t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    for piece in (1, 7, 64, 1 << 20):
+        assert digest_in_pieces(t, piece) == xxhash.xxh3_128_hexdigest(t.numpy().tobytes()), piece
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
+def test_a_device_tensor_is_hashed_after_the_callers_kernels_and_like_its_host_copy(monkeypatch):
+    from dcp_datastates.core import incremental
+
+    monkeypatch.setattr(incremental, "HASH_PIECE_BYTES", 3 << 20)  # several pieces, a short last one
+    t = torch.randn(2_500_000, device="cuda")
+    _dcp_compat.cuda_sleep(200_000_000)  # still running when the hashing starts
+    t.fill_(7.0)
+    ready = incremental._ready_events([t])
+    [digest] = incremental.hash_all([t], threads=2, ready=ready)
+    assert digest == content_digest(t.cpu())
+    m = torch.randn(1000, 3000, device="cuda")
+    assert content_digest(m.t()) == content_digest(m.t().cpu())  # non-contiguous: a device copy first
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_device_state_is_saved_incrementally(tmp_path, mode):
+    state = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _state().items()}
+    tracker = ChangeTracker()
+    how = _async_save if mode == "async" else save
+    how(state, tmp_path / "a", record_digests=True, change_tracker=tracker)
+    state["hot"].add_(1)
+    how(state, tmp_path / "b", base=tmp_path / "a", change_tracker=tracker)
+    assert _referred(tmp_path / "b") == {"frozen": "a", "frozen_bf16": "a"}
+    out = load(zeros_like_state({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}), tmp_path / "b")
+    assert_same(out, {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+
+
 def test_inspect_names_the_base_of_each_referred_chunk(tmp_path):
     from dcp_datastates.tools.listing import inspect_checkpoint
 

@@ -60,24 +60,73 @@ def _xxhash():
     return xxhash
 
 
-def content_digest(tensor: torch.Tensor) -> str:
+def content_digest(tensor: torch.Tensor, ready: torch.cuda.Event | None = None) -> str:
     """XXH3-128 of the tensor's bytes in row-major order, as 32 lowercase hex digits.
 
     Host tensors are hashed where they are (the binding releases the
     interpreter lock, so several hash in parallel); a non-contiguous one
-    through a contiguous copy; a device tensor through host copies of at most
-    ``HASH_PIECE_BYTES``.
+    through a contiguous copy. A device tensor is hashed on the host, through
+    pieces of at most ``HASH_PIECE_BYTES`` copied into pinned memory
+    (:func:`_device_digest`); ``ready`` is an event the copies wait for first.
     """
     xxhash = _xxhash()
     t = tensor.detach()
     if t.device.type == "cpu":
         return xxhash.xxh3_128_hexdigest(_host_bytes(t.contiguous()))
-    state = xxhash.xxh3_128()
-    flat = t.reshape(-1)
-    step = max(1, HASH_PIECE_BYTES // max(1, t.element_size()))
-    for start in range(0, flat.numel(), step):
-        state.update(_host_bytes(flat[start : start + step].to("cpu")))
+    return _device_digest(t, ready)
+
+
+def _device_digest(t: torch.Tensor, ready: torch.cuda.Event | None) -> str:
+    """A CUDA tensor's digest, from copies on a stream of this call's own.
+
+    The copies run on a new stream that first waits for ``ready`` (recorded
+    on the caller's stream when the save began): on the caller's stream they
+    would queue behind the forward and backward kernels the training loop
+    issues while an asynchronous snapshot hashes, and hold those up in turn.
+    """
+    stream = torch.cuda.Stream(t.device)
+    if ready is not None:
+        stream.wait_event(ready)
+    with torch.cuda.stream(stream):
+        return digest_in_pieces(t.reshape(-1).view(torch.uint8), HASH_PIECE_BYTES, pin_memory=True)
+
+
+def digest_in_pieces(flat: torch.Tensor, piece_bytes: int, pin_memory: bool = False) -> str:
+    """XXH3-128 of a 1-D uint8 tensor, copied to the host a piece at a time.
+
+    Two host buffers alternate: the copy of piece k+1 is queued before piece
+    k is hashed, so on a device the transfer and the hashing overlap. On a
+    CUDA stream the copies are asynchronous into pinned buffers and each
+    piece is hashed once its own event completed; on the host they are
+    plain copies (how the piece logic is tested without a device).
+    """
+    state = _xxhash().xxh3_128()
+    n = flat.numel()
+    if n == 0:
+        return state.hexdigest()
+    cuda = flat.device.type == "cuda"
+    size = min(piece_bytes, n)
+    buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory and cuda) for _ in range(1 if n <= size else 2)]
+    pending = None  # (host bytes of the piece in flight, its event or None)
+    for k, start in enumerate(range(0, n, size)):
+        length = min(size, n - start)
+        host = buffers[k % 2][:length]
+        host.copy_(flat[start : start + length], non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        if pending is not None:
+            _hash_piece(state, *pending)
+        pending = (host, event)
+    _hash_piece(state, *pending)
     return state.hexdigest()
+
+
+def _hash_piece(state, host: torch.Tensor, event) -> None:
+    if event is not None:
+        event.synchronize()  # releases the interpreter lock while it waits
+    state.update(_host_bytes(host))
 
 
 def _host_bytes(t: torch.Tensor) -> memoryview:
@@ -272,16 +321,15 @@ class SnapshotIncrement:
 
 def hash_all(tensors: list, threads: int, names: list[str] | None = None, ready: dict | None = None) -> list[str]:
     """The content digests of ``tensors``, computed on up to ``threads`` threads; an error names
-    the tensor (``names``). ``ready`` (device -> CUDA event recorded on the caller's stream):
-    each hashing thread's stream waits for it first, so a device tensor is read after every
-    kernel the caller queued before the save."""
+    the tensor (``names``). ``ready`` (device index -> CUDA event recorded on the caller's
+    stream): a device tensor is copied on a stream that waits for it first, so it is read after
+    every kernel the caller queued before the save and before none it queues later."""
     names = names or [f"tensor {i}" for i in range(len(tensors))]
 
     def one(i: int) -> str:
         try:
-            for device, event in (ready or {}).items():
-                torch.cuda.current_stream(device).wait_event(event)
-            return content_digest(tensors[i])
+            t = tensors[i]
+            return content_digest(t, (ready or {}).get(t.device.index) if t.device.type == "cuda" else None)
         except Exception as exc:  # noqa: BLE001 - re-raised with the key
             raise IncrementalError(f"hashing {names[i]!r} for an incremental save failed: {type(exc).__name__}: {exc}") from exc
 
