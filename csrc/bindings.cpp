@@ -322,6 +322,24 @@ PYBIND11_MODULE(_engine, m) {
       "Resolve the CUDA runtime from `path` (or one already loaded in the process); returns '' "
       "on success or why it failed. Once per process: the first success wins.");
   m.def(
+      "create_cuda_stream",
+      []() -> uintptr_t {
+        CudaRuntime* rt = CudaRuntime::get();
+        if (rt == nullptr)
+          throw std::runtime_error("creating a CUDA stream failed: no CUDA runtime is loaded (load_cuda_runtime first)");
+        void* stream = nullptr;
+        int err = 0;
+        {
+          py::gil_scoped_release nogil;
+          err = rt->stream_create_with_flags(&stream, CudaRuntime::kStreamNonBlocking);
+        }
+        if (err != 0) throw std::runtime_error(rt->describe("cudaStreamCreateWithFlags for a hashing stream", err));
+        return reinterpret_cast<uintptr_t>(stream);
+      },
+      "A new non-blocking CUDA stream on the calling thread's current device, as an integer "
+      "handle (for torch.cuda.ExternalStream). A stream of the caller's own, unlike torch's pool "
+      "streams, which NCCL and FSDP also take; never destroyed (callers keep one per device).");
+  m.def(
       "cuda_runtime_path",
       []() -> py::object {
         CudaRuntime* rt = CudaRuntime::get();

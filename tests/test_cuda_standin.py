@@ -66,6 +66,10 @@ def test_each_device_gets_its_own_stream(standin, tmp_path):
     run_case("per_device_streams", standin, tmp_path)
 
 
+def test_the_hashing_stream_is_a_new_non_blocking_stream_on_the_current_device(standin, tmp_path):
+    run_case("hashing_stream", standin, tmp_path)
+
+
 def test_pool_is_pinned_once_and_unregistered_with_the_engine(standin, tmp_path):
     run_case("pool_pinning", standin, tmp_path)
 

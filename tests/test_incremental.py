@@ -227,11 +227,30 @@ def test_a_device_tensor_is_hashed_after_the_callers_kernels_and_like_its_host_c
     t = torch.randn(2_500_000, device="cuda")
     _dcp_compat.cuda_sleep(200_000_000)  # still running when the hashing starts
     t.fill_(7.0)
-    ready = incremental._ready_events([t])
-    [digest] = incremental.hash_all([t], threads=2, ready=ready)
+    [digest] = incremental.hash_all([t], threads=2, ready=incremental._ready_events([t]))
     assert digest == content_digest(t.cpu())
     m = torch.randn(1000, 3000, device="cuda")
-    assert content_digest(m.t()) == content_digest(m.t().cpu())  # non-contiguous: a device copy first
+    for view in (m.t(), m[:, 7], m[:, ::2], m[3].expand(5, 3000)):  # strided, some flatten to 1-D views
+        assert content_digest(view) == content_digest(view.cpu())
+    _dcp_compat.cuda_sleep(200_000_000)
+    m.fill_(3.0)  # queued on the caller's stream: without a ready event the hash waits for it
+    assert content_digest(m) == content_digest(torch.full((1000, 3000), 3.0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
+def test_hashing_does_not_wait_for_kernels_queued_after_the_save_began():
+    """The copies run on a stream of their own, after the save's ready event only: a long
+    kernel the loop queues later on its stream is still running when the digests are in."""
+    from dcp_datastates.core import incremental
+
+    tensors = [torch.randn(1 << 20, device="cuda") for _ in range(3)]
+    expected = [content_digest(t.cpu()) for t in tensors]
+    ready = incremental._ready_events(tensors)
+    _dcp_compat.cuda_sleep(4_000_000_000)  # about 2 s on any current GPU
+    assert incremental.hash_all(tensors, threads=2, ready=ready) == expected
+    assert not torch.cuda.current_stream().query(), "the hashing waited for the caller's later kernel"
+    torch.cuda.synchronize()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

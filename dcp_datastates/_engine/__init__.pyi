@@ -250,3 +250,6 @@ def load_cuda_runtime(path: str = "") -> str:
     """dlopen the CUDA runtime (``''``: one already loaded); returns ``''`` or why not. First success wins."""
 
 def cuda_runtime_path() -> str | None: ...
+def create_cuda_stream() -> int:
+    """A new non-blocking stream on the current device (a handle for ``torch.cuda.ExternalStream``);
+    never destroyed. RuntimeError without a runtime or when the runtime refuses."""

@@ -65,30 +65,65 @@ def content_digest(tensor: torch.Tensor, ready: torch.cuda.Event | None = None) 
 
     Host tensors are hashed where they are (the binding releases the
     interpreter lock, so several hash in parallel); a non-contiguous one
-    through a contiguous copy. A device tensor is hashed on the host, through
+    through a contiguous copy. A CUDA tensor is hashed on the host, through
     pieces of at most ``HASH_PIECE_BYTES`` copied into pinned memory
-    (:func:`_device_digest`); ``ready`` is an event the copies wait for first.
+    (:func:`_cuda_digest`; ``ready``: an event the copies wait for first);
+    another accelerator's through synchronous copies of such pieces.
     """
-    xxhash = _xxhash()
     t = tensor.detach()
     if t.device.type == "cpu":
-        return xxhash.xxh3_128_hexdigest(_host_bytes(t.contiguous()))
-    return _device_digest(t, ready)
+        return _xxhash().xxh3_128_hexdigest(_host_bytes(t.contiguous()))
+    if t.device.type == "cuda":
+        return _cuda_digest(t, ready)
+    return digest_in_pieces(_flat_bytes(t.contiguous()), HASH_PIECE_BYTES)
 
 
-def _device_digest(t: torch.Tensor, ready: torch.cuda.Event | None) -> str:
-    """A CUDA tensor's digest, from copies on a stream of this call's own.
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a 1-D uint8 view."""
+    return t.view(-1).view(torch.uint8)
 
-    The copies run on a new stream that first waits for ``ready`` (recorded
-    on the caller's stream when the save began): on the caller's stream they
-    would queue behind the forward and backward kernels the training loop
-    issues while an asynchronous snapshot hashes, and hold those up in turn.
+
+_HASH_STREAMS: dict[int, torch.Stream] = {}
+_HASH_STREAMS_LOCK = threading.Lock()
+
+
+def _hash_stream(device: torch.device):
+    """The stream CUDA tensors on ``device`` are copied for hashing on: one per device for the
+    process, created by the engine rather than taken from torch's pool of streams (which
+    NCCL's and FSDP's streams are taken from too, so copies there could delay collectives)."""
+    with _HASH_STREAMS_LOCK:
+        stream = _HASH_STREAMS.get(device.index)
+        if stream is None:
+            from dcp_datastates import _engine
+            from dcp_datastates.native.engine import ensure_cuda_runtime
+
+            ensure_cuda_runtime()
+            with torch.cuda.device(device):
+                stream = torch.cuda.ExternalStream(_engine.create_cuda_stream(), device=device)
+            _HASH_STREAMS[device.index] = stream
+        return stream
+
+
+def _cuda_digest(t: torch.Tensor, ready: torch.cuda.Event | None) -> str:
+    """A CUDA tensor's digest, from copies on a stream of the hashing's own.
+
+    The stream first waits for ``ready`` (recorded on the caller's stream
+    when the save began; without one, for the caller's current stream now).
+    On the caller's stream the copies would queue behind the forward and
+    backward kernels the training loop issues while an asynchronous snapshot
+    hashes, and hold those up in turn.
     """
-    stream = torch.cuda.Stream(t.device)
+    stream = _hash_stream(t.device)
     if ready is not None:
         stream.wait_event(ready)
-    with torch.cuda.stream(stream):
-        return digest_in_pieces(t.reshape(-1).view(torch.uint8), HASH_PIECE_BYTES, pin_memory=True)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(t.device))
+    try:
+        with torch.cuda.stream(stream):
+            return digest_in_pieces(_flat_bytes(t.contiguous()), HASH_PIECE_BYTES, pin_memory=True)
+    finally:
+        # On an error, nothing queued may still read ``t`` (or the contiguous copy) once it is freed.
+        stream.synchronize()
 
 
 def digest_in_pieces(flat: torch.Tensor, piece_bytes: int, pin_memory: bool = False) -> str:
@@ -96,25 +131,28 @@ def digest_in_pieces(flat: torch.Tensor, piece_bytes: int, pin_memory: bool = Fa
 
     Two host buffers alternate: the copy of piece k+1 is queued before piece
     k is hashed, so on a device the transfer and the hashing overlap. On a
-    CUDA stream the copies are asynchronous into pinned buffers and each
-    piece is hashed once its own event completed; on the host they are
-    plain copies (how the piece logic is tested without a device).
+    CUDA stream (the current one) the copies are asynchronous into pinned
+    buffers of exactly ``piece_bytes`` (one size, so torch's caching host
+    allocator reuses them from call to call), and each piece is hashed once
+    its own event completed; elsewhere they are plain copies (how the piece
+    logic is tested without a device).
     """
     state = _xxhash().xxh3_128()
     n = flat.numel()
     if n == 0:
         return state.hexdigest()
     cuda = flat.device.type == "cuda"
-    size = min(piece_bytes, n)
-    buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory and cuda) for _ in range(1 if n <= size else 2)]
+    pinned = pin_memory and cuda
+    size = piece_bytes if pinned else min(piece_bytes, n)
+    buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(1 if n <= piece_bytes else 2)]
     pending = None  # (host bytes of the piece in flight, its event or None)
-    for k, start in enumerate(range(0, n, size)):
-        length = min(size, n - start)
+    for k, start in enumerate(range(0, n, piece_bytes)):
+        length = min(piece_bytes, n - start)
         host = buffers[k % 2][:length]
         host.copy_(flat[start : start + length], non_blocking=cuda)
         event = None
         if cuda:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # a waiting thread sleeps instead of spinning
             event.record()
         if pending is not None:
             _hash_piece(state, *pending)

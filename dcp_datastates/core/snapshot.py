@@ -132,7 +132,7 @@ class Snapshot:
         self._t_capture = time.perf_counter()
         sources: list[TensorSource] = []
         index: dict[tuple, int] = {}
-        to_hash: list[tuple] = []  # (source index, key, local tensor, name) of the tensors hashed
+        to_hash: list[tuple] = []  # (source index, key, tensor to hash, name) of the tensors hashed
         inc = self.increment
 
         def on_tensor(value: torch.Tensor, name: str) -> torch.Tensor:
@@ -154,7 +154,9 @@ class Snapshot:
                     if offsets is not None and (
                         inc.tracker is None or not inc.tracker.changed_since_last(chunk_key, local, wrapper)
                     ):
-                        to_hash.append((len(sources) - 1, key, local.detach(), chunk_key))
+                        # The source's tensor: a CUDA one is contiguous already (copied on the
+                        # caller's stream, before the ready event), another accelerator's on the host.
+                        to_hash.append((len(sources) - 1, key, sources[-1].tensor, chunk_key))
             if local is not value:
                 # In-place ops on a DTensor bump the DTensor's counter, not its shard's
                 # (they reach the shard below autograd): watch both.

@@ -413,6 +413,32 @@ def case_no_runtime(c: Case) -> None:
     assert c.E.load_cuda_runtime("libc.so.6") == "", "the first success wins"
 
 
+def case_hashing_stream(c: Case) -> None:
+    """create_cuda_stream (incremental saves copy device tensors for hashing on it): a new
+    non-blocking stream on the calling thread's current device per call; without a runtime, or
+    when the runtime refuses, a RuntimeError naming the call."""
+    try:
+        c.E.create_cuda_stream()
+    except RuntimeError as exc:
+        assert "no CUDA runtime is loaded" in str(exc), exc
+    else:
+        raise AssertionError("a stream was made without a CUDA runtime")
+    s = c.load_standin()
+    s.reset(devices=2)
+    s._ok(s.lib.cudaSetDevice(1), "cudaSetDevice")
+    first, second = c.E.create_cuda_stream(), c.E.create_cuda_stream()
+    assert first and second and first != second, (first, second)
+    made = lines(s.log(), "cudaStreamCreateWithFlags")
+    assert [(f["device"], f["flags"]) for f in made] == [("1", "1"), ("1", "1")], made
+    s.fail("cudaStreamCreateWithFlags")
+    try:
+        c.E.create_cuda_stream()
+    except RuntimeError as exc:
+        assert "cudaStreamCreateWithFlags for a hashing stream failed" in str(exc) and f"cudaError {ERROR_CODE}" in str(exc), exc
+    else:
+        raise AssertionError("a refused cudaStreamCreateWithFlags did not raise")
+
+
 def main() -> None:
     name, engine_so, standin_so, tmp, *args = sys.argv[1:]
     case = globals()[f"case_{name}"]
