@@ -209,3 +209,31 @@ def test_a_failed_read_names_the_object_and_the_keys(tmp_path, store):
     failing = FailingReads(store, lambda key, _offset: ".data" in key)
     with raises_from_checkpoint(StoreError, match=".data: connection reset (loading 'a')"):
         dcp.load(zeros_like_state(state), storage_reader=StoreReader("flaky", store=failing), no_dist=True)
+
+
+def test_follows_an_incremental_checkpoints_references_from_its_own_url(tmp_path, durable_url):
+    """Opened at a step's URL, the reader reads its base beside it (the store is opened at the
+    parent, as a local reader resolves ``../<base>/`` in the parent directory); a checkpoint at
+    the store's own root has no sibling to refer to, and says so."""
+    state = {"frozen": torch.randn(1 << 18), "hot": torch.randn(1 << 16), "step": 1}
+    save(state, tmp_path / "step_1", record_digests=True)
+    state["hot"].add_(1)
+    state["step"] = 2
+    save(state, tmp_path / "step_2", base=tmp_path / "step_1")
+    st = open_store(durable_url)
+    upload(tmp_path / "step_1", st, "step_1")
+    upload(tmp_path / "step_2", st, "step_2")
+    st.close()
+    reader = StoreReader(f"{durable_url}/step_2")
+    reader.read_metadata()
+    assert reader.layout.bases == ["step_1"]
+    out = zeros_like_state(state)
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert_same(out, state)
+    reader.close()
+    at_root = open_store(f"{durable_url}/step_2")
+    try:
+        with raises_from_checkpoint(CorruptCheckpointError, match="outside the store's root"):
+            dcp.load(zeros_like_state(state), storage_reader=StoreReader(".", store=at_root), no_dist=True)
+    finally:
+        at_root.close()

@@ -52,6 +52,25 @@ RANGE_BYTES = 8 << 20  # the largest single ranged read; larger reads are split
 MERGE_GAP_BYTES = 1 << 20  # neighbouring reads this close are one request (the gap is read and dropped)
 
 
+def split_checkpoint_url(url: str | os.PathLike) -> tuple[str, str]:
+    """``(store root, key prefix)`` of a checkpoint's URL or directory: the store is opened at
+    the checkpoint's parent, so that an incremental checkpoint's references to its siblings
+    (``../<base>/<name>``) stay inside it, as a local reader resolves them in the parent
+    directory. A checkpoint at a bucket's root (or ``/``) is its own store root (prefix
+    ``""``; a reference out of it is refused)."""
+    if is_object_store_url(url):
+        text = str(url).rstrip("/")
+        scheme, rest = text.split("://", 1)
+        bucket, _, path = rest.partition("/")
+        if not path:
+            return text, ""
+        parent, _, name = path.rpartition("/")
+        return f"{scheme}://{bucket}" + (f"/{parent}" if parent else ""), name
+    path = os.path.abspath(os.fspath(url))
+    parent, name = os.path.split(path)
+    return (parent, name) if name else (path, "")
+
+
 class StoreReader(DataStatesReader):
     """Read a dcp_datastates checkpoint from a durable store, resharding through DCP.
 
@@ -61,7 +80,9 @@ class StoreReader(DataStatesReader):
             the checkpoint's key prefix in that store (``step_00000100``).
         store: an open :class:`DurableStore` to read through (the manager passes its
             durable tier's); the reader does not close it. Without it, the reader opens
-            the store at ``path`` with ``store_options`` and closes it in :meth:`close`.
+            the store at ``path``'s parent (so that an incremental checkpoint's bases,
+            its siblings, can be read) with ``store_options``, and closes it in
+            :meth:`close`.
         verify, allow_pickle: as for :class:`DataStatesReader`.
         concurrency: ranged reads in flight.
         range_bytes: the largest single ranged read.
@@ -102,20 +123,22 @@ class StoreReader(DataStatesReader):
             raise ValueError("StoreReader has no path: pass one or give dcp.load a checkpoint_id")
         if self._opened is None or self._opened_for != self.path:
             self.close()
-            self._opened, self._opened_for = open_store(self.path, **self._store_options), self.path
+            root, _ = split_checkpoint_url(self.path)
+            self._opened, self._opened_for = open_store(root, **self._store_options), self.path
         return self._opened
+
+    @property
+    def prefix(self) -> str:
+        """The checkpoint's key prefix in :attr:`store` (``""``: the store's root)."""
+        if self._given_store is not None:
+            return self.path.strip("/")
+        return split_checkpoint_url(self.path)[1]
 
     def key(self, name: str) -> str:
         """The store key of the checkpoint's file ``name`` (``../<base>/<name>``: a file of a base
         checkpoint that an incremental checkpoint refers to, a sibling under the same prefix)."""
-        if self._given_store is None:
-            if name.startswith("../"):
-                raise CorruptCheckpointError(
-                    f"{self.location} refers to {name}, a file of a base checkpoint beside it; open the "
-                    "tier's root as the store (StoreReader(step, store=open_store(root_url))) to follow it"
-                )
-            return name  # the store is opened at the checkpoint itself
-        key = posixpath.normpath(f"{self.path.strip('/')}/{name}")
+        prefix = self.prefix
+        key = posixpath.normpath(f"{prefix}/{name}" if prefix else name)
         if key.startswith("../") or key == "..":
             raise CorruptCheckpointError(f"{self.location} refers to {name}, outside the store's root")
         return key
@@ -125,9 +148,8 @@ class StoreReader(DataStatesReader):
 
     @property
     def location(self) -> str:
-        if self._given_store is None:
-            return self.store.url
-        return self.store.where(self.path.strip("/"))
+        prefix = self.prefix
+        return self.store.where(prefix) if prefix else self.store.url
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
@@ -163,11 +185,12 @@ class StoreReader(DataStatesReader):
         return metadata
 
     def _missing_checkpoint_error(self) -> Exception:
-        if self._given_store is None:
+        prefix = self.prefix
+        if not prefix:
             names, where = self.store.list(), self.store.url
         else:
-            prefix = f"{self.path.strip('/')}/"
-            names, where = [k[len(prefix):] for k in self.store.list(prefix)], self.store.where(prefix.rstrip("/"))
+            names = [k[len(prefix) + 1 :] for k in self.store.list(f"{prefix}/")]
+            where = self.store.where(prefix)
         ours = [n for n in names if is_save_file(n)]
         if ours:
             return IncompleteCheckpointError(
