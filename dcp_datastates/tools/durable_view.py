@@ -15,8 +15,9 @@ from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.manager.checkpoint_root import step_of
 from dcp_datastates.tiers import DurableStore, StoreError, open_store
+from dcp_datastates.tiers.store import is_object_store_url
 from dcp_datastates.tiers.drain import BLOCK_BYTES, CONFIRM_DIR, SegmentChecker, keys_by_step, step_prefix
-from dcp_datastates.tiers.store_reader import StoreReader
+from dcp_datastates.tiers.store_reader import StoreReader, split_checkpoint_url
 
 COMMITTED, INCOMPLETE, DRAINING = "committed", "incomplete", "draining"
 
@@ -32,9 +33,10 @@ class DurableStep:
 
 def split_step_url(url: str) -> tuple[str, str | None]:
     """``(root URL, step directory or None)``: ``s3://b/run/step_00000010`` -> ``(s3://b/run, step_00000010)``."""
-    head, _, last = url.rstrip("/").rpartition("/")
-    if step_of(last) is not None and "://" in head:
-        return head, last
+    if is_object_store_url(url):
+        root, name = split_checkpoint_url(url)
+        if step_of(name) is not None:
+            return root, name
     return url.rstrip("/"), None
 
 
