@@ -237,3 +237,20 @@ def test_follows_an_incremental_checkpoints_references_from_its_own_url(tmp_path
             dcp.load(zeros_like_state(state), storage_reader=StoreReader(".", store=at_root), no_dist=True)
     finally:
         at_root.close()
+
+
+def test_a_checkpoint_url_splits_into_its_parent_store_and_name(tmp_path, monkeypatch):
+    from dcp_datastates.tiers.store_reader import split_checkpoint_url
+
+    assert split_checkpoint_url("s3://b/run/step_1/") == ("s3://b/run", "step_1")
+    assert split_checkpoint_url("s3://b/step_1") == ("s3://b", "step_1")
+    assert split_checkpoint_url("s3://b") == ("s3://b", "")
+    assert split_checkpoint_url(tmp_path / "run" / "step_1") == (str(tmp_path / "run"), "step_1")
+    monkeypatch.chdir(tmp_path)
+    assert split_checkpoint_url("run/step_1") == (str(tmp_path / "run"), "step_1")
+    for bad, why in [("s3://b/run/.", "'.' or '..' parts"), ("s3://b/run//s", "'.' or '..' parts"),
+                     ("s3:///s", "names no bucket"), ("gs://b/run/s", "unsupported durable tier URL")]:
+        with pytest.raises(ValueError, match=why):
+            split_checkpoint_url(bad)
+        with pytest.raises(ValueError, match=why):
+            StoreReader(bad).read_metadata()

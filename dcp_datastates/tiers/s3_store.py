@@ -43,7 +43,9 @@ def _obstore():
     return obstore, _S3
 
 
-def _parse(url: str) -> tuple[str, str]:
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``(bucket, prefix)`` of ``s3://bucket/prefix``; a ValueError for no bucket or a prefix
+    with empty, ``.`` or ``..`` parts (a key would not mean what the URL says)."""
     rest = url[len("s3://"):]
     bucket, _, prefix = rest.partition("/")
     if not bucket:
@@ -71,7 +73,7 @@ class S3Store(DurableStore):
     ) -> None:
         self._obs, s3 = _obstore()
         self.url = url.rstrip("/")
-        self.bucket, self.prefix = _parse(url)
+        self.bucket, self.prefix = parse_s3_url(url)
         endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         if not 5 << 20 <= part_bytes <= 5 << 30:

@@ -137,16 +137,22 @@ def is_object_store_url(url: str | os.PathLike) -> bool:
     return isinstance(url, str) and url.startswith("s3://")
 
 
+def check_url_scheme(url: str | os.PathLike) -> None:
+    """A ValueError for a URL of a scheme no store serves (``gs://``, ``S3://``, ``file://``):
+    never taken for a directory whose name holds ``:``."""
+    if isinstance(url, str) and "://" in url and not is_object_store_url(url):
+        raise ValueError(f"unsupported durable tier URL {url!r}: use a directory path or s3://bucket/prefix")
+
+
 def open_store(url: str | os.PathLike, **options) -> DurableStore:
     """The store at ``url``: ``s3://bucket/prefix`` (S3-compatible object storage, see
     :mod:`s3_store` for the endpoint and credentials) or a directory path (a shared file
     system, :mod:`posix_store`)."""
+    check_url_scheme(url)
     if is_object_store_url(url):
         from dcp_datastates.tiers.s3_store import S3Store
 
         return S3Store(url, **options)
-    if isinstance(url, str) and "://" in url:
-        raise ValueError(f"unsupported durable tier URL {url!r}: use a directory path or s3://bucket/prefix")
     from dcp_datastates.tiers.posix_store import PosixStore
 
     return PosixStore(os.fspath(url), **options)

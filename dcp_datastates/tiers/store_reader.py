@@ -45,7 +45,8 @@ from dcp_datastates.format.file_names import METADATA_FILE, is_save_file
 from dcp_datastates.format.metadata_file import TRAILER_BYTES, decode_metadata, sequence_in_tail
 from dcp_datastates.format.rank_index import INDEX_HEADER, INDEX_TRAILER, IndexLimits, RankIndex, check_index_header, decode_index
 from dcp_datastates.native.engine import crc32c
-from dcp_datastates.tiers.store import DurableStore, StoreError, is_object_store_url, open_store, run_all
+from dcp_datastates.tiers.s3_store import parse_s3_url
+from dcp_datastates.tiers.store import DurableStore, StoreError, check_url_scheme, is_object_store_url, open_store, run_all
 
 READ_CONCURRENCY = 8  # ranged reads in flight (each request to an object store waits milliseconds)
 RANGE_BYTES = 8 << 20  # the largest single ranged read; larger reads are split
@@ -57,15 +58,13 @@ def split_checkpoint_url(url: str | os.PathLike) -> tuple[str, str]:
     the checkpoint's parent, so that an incremental checkpoint's references to its siblings
     (``../<base>/<name>``) stay inside it, as a local reader resolves them in the parent
     directory. A checkpoint at a bucket's root (or ``/``) is its own store root (prefix
-    ``""``; a reference out of it is refused)."""
+    ``""``; a reference out of it is refused). A URL the stores would refuse (another scheme,
+    no bucket, empty, ``.`` or ``..`` parts) is a ValueError naming it."""
+    check_url_scheme(url)
     if is_object_store_url(url):
-        text = str(url).rstrip("/")
-        scheme, rest = text.split("://", 1)
-        bucket, _, path = rest.partition("/")
-        if not path:
-            return text, ""
-        parent, _, name = path.rpartition("/")
-        return f"{scheme}://{bucket}" + (f"/{parent}" if parent else ""), name
+        bucket, prefix = parse_s3_url(url)
+        parent, _, name = prefix.rpartition("/")
+        return f"s3://{bucket}" + (f"/{parent}" if parent else ""), name
     path = os.path.abspath(os.fspath(url))
     parent, name = os.path.split(path)
     return (parent, name) if name else (path, "")
@@ -106,6 +105,7 @@ class StoreReader(DataStatesReader):
         self._store_options = dict(store_options or {})
         self._opened: DurableStore | None = None
         self._opened_for: str | None = None
+        self._split_of: tuple[str, str, str] | None = None  # (path, store root, key prefix)
         self.concurrency = concurrency
         self.range_bytes = range_bytes
         self.commit_sequence: int | None = None  # the commit sequence .metadata records (read_metadata sets it)
@@ -119,20 +119,29 @@ class StoreReader(DataStatesReader):
     def store(self) -> DurableStore:
         if self._given_store is not None:
             return self._given_store
-        if self.path is None:
-            raise ValueError("StoreReader has no path: pass one or give dcp.load a checkpoint_id")
+        root, _ = self._split()
         if self._opened is None or self._opened_for != self.path:
             self.close()
-            root, _ = split_checkpoint_url(self.path)
             self._opened, self._opened_for = open_store(root, **self._store_options), self.path
         return self._opened
+
+    def _split(self) -> tuple[str, str]:
+        """``split_checkpoint_url(path)``, once per path (a relative directory is resolved
+        against the working directory once, at the path's first use, not at every read)."""
+        if self.path is None:
+            raise ValueError("StoreReader has no path: pass one or give dcp.load a checkpoint_id")
+        if self._split_of is None or self._split_of[0] != self.path:
+            self._split_of = (self.path, *split_checkpoint_url(self.path))
+        return self._split_of[1], self._split_of[2]
 
     @property
     def prefix(self) -> str:
         """The checkpoint's key prefix in :attr:`store` (``""``: the store's root)."""
         if self._given_store is not None:
+            if self.path is None:
+                raise ValueError("StoreReader has no path: pass one or give dcp.load a checkpoint_id")
             return self.path.strip("/")
-        return split_checkpoint_url(self.path)[1]
+        return self._split()[1]
 
     def key(self, name: str) -> str:
         """The store key of the checkpoint's file ``name`` (``../<base>/<name>``: a file of a base

@@ -15,8 +15,8 @@ from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.manager.checkpoint_root import step_of
 from dcp_datastates.tiers import DurableStore, StoreError, open_store
-from dcp_datastates.tiers.store import is_object_store_url
 from dcp_datastates.tiers.drain import BLOCK_BYTES, CONFIRM_DIR, SegmentChecker, keys_by_step, step_prefix
+from dcp_datastates.tiers.store import is_object_store_url
 from dcp_datastates.tiers.store_reader import StoreReader, split_checkpoint_url
 
 COMMITTED, INCOMPLETE, DRAINING = "committed", "incomplete", "draining"
@@ -128,8 +128,6 @@ def verify_durable(store: DurableStore, step_dir: str, *, allow_pickle: bool = F
 
 def is_url(path: str) -> bool:
     """A durable tier's URL (``s3://...``) rather than a local path."""
-    from dcp_datastates.tiers.store import is_object_store_url
-
     return is_object_store_url(path)
 
 
