@@ -52,7 +52,7 @@ def best_seconds(fn, reps: int, device: torch.device) -> float:
 
 
 def hash_on_host(tensors: list, threads: int) -> list:
-    return incremental.hash_all(tensors, threads, ready=incremental._ready_events(tensors))
+    return incremental.hash_all(tensors, threads, ready=incremental.ready_events(tensors))
 
 
 def copy_to_host(tensors: list, hosts: list) -> None:
@@ -80,7 +80,7 @@ def hash_while_caller_busy(tensors: list, threads: int, cycles: int, expected: l
     in): the kernel is queued after the save's ready event, so the copies must not wait for it."""
     device = tensors[0].device
     with torch.cuda.device(device):
-        ready = incremental._ready_events(tensors)
+        ready = incremental.ready_events(tensors)
         _dcp_compat.cuda_sleep(cycles)
         t = time.perf_counter()
         digests = incremental.hash_all(tensors, threads, ready=ready)

@@ -227,7 +227,7 @@ def test_a_device_tensor_is_hashed_after_the_callers_kernels_and_like_its_host_c
     t = torch.randn(2_500_000, device="cuda")
     _dcp_compat.cuda_sleep(200_000_000)  # still running when the hashing starts
     t.fill_(7.0)
-    [digest] = incremental.hash_all([t], threads=2, ready=incremental._ready_events([t]))
+    [digest] = incremental.hash_all([t], threads=2, ready=incremental.ready_events([t]))
     assert digest == content_digest(t.cpu())
     m = torch.randn(1000, 3000, device="cuda")
     for view in (m.t(), m[:, 7], m[:, ::2], m[3].expand(5, 3000)):  # strided, some flatten to 1-D views
@@ -246,7 +246,7 @@ def test_hashing_does_not_wait_for_kernels_queued_after_the_save_began():
 
     tensors = [torch.randn(1 << 20, device="cuda") for _ in range(3)]
     expected = [content_digest(t.cpu()) for t in tensors]
-    ready = incremental._ready_events(tensors)
+    ready = incremental.ready_events(tensors)
     _dcp_compat.cuda_sleep(4_000_000_000)  # about 2 s on any current GPU
     assert incremental.hash_all(tensors, threads=2, ready=ready) == expected
     assert not torch.cuda.current_stream().query(), "the hashing waited for the caller's later kernel"

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from dcp_datastates.core.layout import SMALL_TENSOR_BYTES
+from dcp_datastates.core.providers import ready_event
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_layout import ItemLocation, RankFiles, location_key
 from dcp_datastates.format.file_names import BASE_NAME_RE
@@ -50,7 +51,7 @@ from dcp_datastates.format.file_names import BASE_NAME_RE
 HASH_PIECE_BYTES = 64 << 20  # a device tensor is hashed through host copies of at most this
 
 
-def _xxhash():
+def load_xxhash():
     try:
         import xxhash
     except ImportError as exc:  # a dependency; a --no-deps install may lack it
@@ -72,7 +73,7 @@ def content_digest(tensor: torch.Tensor, ready: torch.cuda.Event | None = None) 
     """
     t = tensor.detach()
     if t.device.type == "cpu":
-        return _xxhash().xxh3_128_hexdigest(_host_bytes(t.contiguous()))
+        return load_xxhash().xxh3_128_hexdigest(_host_bytes(t.contiguous()))
     if t.device.type == "cuda":
         return _cuda_digest(t, ready)
     return digest_in_pieces(_flat_bytes(t.contiguous()), HASH_PIECE_BYTES)
@@ -137,7 +138,7 @@ def digest_in_pieces(flat: torch.Tensor, piece_bytes: int, pin_memory: bool = Fa
     its own event completed; elsewhere they are plain copies (how the piece
     logic is tested without a device).
     """
-    state = _xxhash().xxh3_128()
+    state = load_xxhash().xxh3_128()
     n = flat.numel()
     if n == 0:
         return state.hexdigest()
@@ -306,7 +307,6 @@ class RankIncrement:
     hash_s: float = 0.0
 
 
-
 def decide(
     plan: SavePlan, resolve, base: BaseCheckpoint | None, tracker: ChangeTracker | None, threads: int,
 ) -> RankIncrement:
@@ -329,7 +329,7 @@ def decide(
             continue
         work.append((item, key, tensor, base.candidate(item, nbytes) if base is not None else None, nbytes))
     if work:
-        digests = hash_all([w[2] for w in work], threads, [w[0].index.fqn for w in work], _ready_events(w[2] for w in work))
+        digests = hash_all([w[2] for w in work], threads, [w[0].index.fqn for w in work], ready_events(w[2] for w in work))
         for (item, key, _tensor, chunk, nbytes), digest in zip(work, digests):
             out.digests[key] = digest
             out.hashed_bytes += nbytes
@@ -377,16 +377,10 @@ def hash_all(tensors: list, threads: int, names: list[str] | None = None, ready:
         return list(pool.map(one, range(len(tensors))))
 
 
-def _ready_events(tensors) -> dict:
-    """An event per CUDA device among ``tensors``, recorded on this thread's current stream."""
-    events = {}
-    for t in tensors:
-        if t.device.type == "cuda" and t.device.index not in events:
-            with torch.cuda.device(t.device):
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(t.device))
-            events[t.device.index] = ev
-    return events
+def ready_events(tensors) -> dict:
+    """``{device index: providers.ready_event}`` for every CUDA device among ``tensors``, recorded
+    on this thread's current streams (what :func:`hash_all` takes as ``ready``)."""
+    return {d: ready_event(d) for d in sorted({t.device.index for t in tensors if t.device.type == "cuda"})}
 
 
 def report_increments(report, references, digests: dict):

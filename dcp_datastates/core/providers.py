@@ -101,15 +101,21 @@ def finish_regions(sources_and_offsets: list[tuple[TensorSource, int]], events: 
             ev = events.get(src.device)
             if ev is None:
                 ensure_cuda_runtime()
-                with torch.cuda.device(src.device):
-                    ev = torch.cuda.Event()
-                    ev.record(torch.cuda.current_stream(src.device))
-                events[src.device] = ev
+                ev = events[src.device] = ready_event(src.device)
                 keep.append(ev)
             region = src.region(offset, _dcp_compat.cuda_event_handle(ev))
         regions.append(region)
         keep.append(src.tensor)
     return regions, keep
+
+
+def ready_event(device: int) -> torch.cuda.Event:
+    """An event recorded now on ``device``'s current stream: work that waits for it sees every
+    kernel queued there before (the engine's copies, an incremental save's hashing)."""
+    with torch.cuda.device(device):
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(device))
+    return ev
 
 
 def check_planned(item: WriteItem, source: TensorSource, expected_nbytes: int) -> None:

@@ -169,7 +169,7 @@ class Snapshot:
         self.staged_dict = _copy_structure(state_dict, on_tensor, "")
         # CUDA: what the hashing thread reads and copies was written on the caller's streams
         # (recorded after every contiguous() above was queued).
-        self._ready = incremental._ready_events(t for _, _, t, _ in to_hash) if to_hash else {}
+        self._ready = incremental.ready_events(t for _, _, t, _ in to_hash) if to_hash else {}
         hashed = {i for i, *_ in to_hash}
         now = [i for i in range(len(sources)) if i not in hashed]
         offsets, self.tensor_bytes_end = place_tensors([sources[i].nbytes for i in now])

@@ -190,9 +190,9 @@ def _slot_paths(layout) -> dict[int, str]:
 def _check_digests(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
     """Every recorded content digest is the XXH3-128 of its chunk's bytes (read in pieces of at
     most ``VERIFY_BUFFER_BYTES``, from the stripe and file that hold them)."""
-    from dcp_datastates.core.incremental import _xxhash
+    from dcp_datastates.core.incremental import load_xxhash
 
-    xxhash = _xxhash()
+    xxhash = load_xxhash()
     for key, digest in layout.digests.items():
         loc = layout.location(MetadataIndex(key[0], key[1]))
         rel = loc.relative_path  # indexes are keyed by it (a base's: ../<base>/<file>)
