@@ -182,11 +182,6 @@ def _referred_segments(idx: RankIndex, spans) -> set[int]:
     return out
 
 
-def _slot_paths(layout) -> dict[int, str]:
-    """``{slot: data path relative to the checkpoint}``: what entries name and indexes are keyed by."""
-    return {slot: r.data_path for slot, r in layout.slots().items()}
-
-
 def _check_digests(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
     """Every recorded content digest is the XXH3-128 of its chunk's bytes (read in pieces of at
     most ``VERIFY_BUFFER_BYTES``, from the stripe and file that hold them)."""
@@ -213,7 +208,7 @@ def _check_digests(path: str, layout, indexes: dict[str, RankIndex], report: Ver
 
 def _check_objects_are_plain(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
     """Safe mode: the objects a load would refuse (they need arbitrary unpickling) are problems."""
-    files = _slot_paths(layout)
+    files = layout.slot_paths()
     for fqn, _off, rank, _offset, length, ordinal in layout.entries:
         if ordinal < 0 or length >= 0:  # raw tensors, compressed tensors
             continue
@@ -257,7 +252,7 @@ def _check_frames_decompress(path: str, layout, indexes: dict[str, RankIndex], r
         report.notes.append(f"compressed frames were checksummed but not decompressed: {exc}")
         return
     block = layout.compression[1]
-    files = _slot_paths(layout)
+    files = layout.slot_paths()
     frames = []  # (data path, offset, length, raw bytes, what)
     for fqn, _off, rank, _offset, length, ordinal in layout.entries:
         if ordinal < 0 or length < 0:
@@ -324,7 +319,7 @@ def _check_object_entries(path: str, layout, indexes: dict[str, RankIndex], repo
 
 def _spans_by_file(layout, indexes: dict[str, RankIndex]) -> dict[str, list[tuple[int, int, str]]]:
     """(start, end, key) of every stored item, per data file, sorted: maps offsets to keys."""
-    files = _slot_paths(layout)
+    files = layout.slot_paths()
     out: dict[str, list[tuple[int, int, str]]] = {}
     for fqn, _off, rank, offset, length, ordinal in layout.entries:
         rel = files.get(rank)

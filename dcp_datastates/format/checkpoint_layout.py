@@ -304,6 +304,11 @@ class CheckpointLayout:
             return dict(enumerate(self.ranks))
         return {r.rank: r for r in self.ranks}
 
+    def slot_paths(self) -> dict[int, str]:
+        """``{slot: data path relative to the checkpoint}``: what entries name, as an item's
+        ``ItemLocation.relative_path`` (a base rank's: ``../<base>/<file>``)."""
+        return {slot: r.data_path for slot, r in self.slots().items()}
+
     @property
     def own_ranks(self) -> list[RankFiles]:
         """The ranks whose files are this checkpoint's own (not a base checkpoint's)."""
@@ -317,7 +322,7 @@ class CheckpointLayout:
     def _lookup(self) -> dict:
         table = self.__dict__.get("_table")
         if table is None:
-            files = {slot: r.data_path for slot, r in self.slots().items()}
+            files = self.slot_paths()
             table = {}
             for fqn, off, rank, offset, length, ordinal in self.entries:
                 if rank not in files:
