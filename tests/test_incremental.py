@@ -632,3 +632,13 @@ def test_a_save_never_refers_to_a_base_file_that_is_gone(tmp_path, mode):
         with pytest.raises(CheckpointError, match=data):
             writer.close()  # the background error, raised once more by the writer
     assert not (tmp_path / "step_3" / ".metadata").exists()
+
+
+def test_references_and_digests_refuse_compression(tmp_path):
+    from dcp_datastates import DataStatesWriter
+
+    pytest.importorskip("zstandard")
+    with pytest.raises(ValueError, match="incremental saves .* cannot be combined with compression"):
+        DataStatesWriter(tmp_path / "b", base=tmp_path / "a", compression="zstd")
+    with pytest.raises(ValueError, match="record_digests=True needs raw chunks"):
+        DataStatesWriter(tmp_path / "b", record_digests=True, compression="zstd")

@@ -77,7 +77,7 @@ class Snapshot:
 
     def __init__(self, directory: str, rank: int, compression=None, increment: incremental.SnapshotIncrement | None = None) -> None:
         self.directory = directory
-        self.increment = increment if compression is None else None
+        self.increment = increment  # None with compression: the writer refuses both together
         self.references: dict[tuple, incremental.BaseChunk] = {}  # source_key -> the base's identical chunk
         self.digests: dict[tuple, str] = {}  # source_key -> content digest
         self.item_references: dict[tuple, incremental.BaseChunk] = {}  # location_key -> chunk (locations_for)

@@ -159,9 +159,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if direct_io not in _native.DIRECT_IO_MODES:
             raise ValueError(f"direct_io must be one of {_native.DIRECT_IO_MODES}, got {direct_io!r}")
         self.compression = resolve_compression(compression, compression_level, _extensions)
-        incremental.check_options(base, self.compression)
-        if record_digests and self.compression is not None:
-            raise ValueError("record_digests=True needs raw chunks: it cannot be combined with compression")
+        incremental.check_options(base, record_digests, self.compression)
         self.base = os.fspath(base) if base is not None else None
         if self.base is not None and path is not None:
             incremental.check_sibling(path, self.base)

@@ -228,7 +228,6 @@ class CheckpointManager:
             raise ValueError(f"durable_resume must be 'load' or 'fetch', got {durable_resume!r}")
         if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
             raise ValueError(f"full_every must be a positive int, got {full_every!r}")
-
         self.root = os.path.abspath(os.fspath(root))
         self.durable_resume = durable_resume
         self.keep_last = keep_last

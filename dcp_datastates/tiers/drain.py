@@ -336,7 +336,6 @@ def _check_bases_durable(layout, step_dir: str, store: DurableStore) -> None:
 
 def step_bases(store: DurableStore, step_dir: str) -> set[str] | None:
     """The base directories a committed durable copy refers to (None: not committed or unreadable)."""
-    from dcp_datastates.errors import CheckpointError
     from dcp_datastates.tiers.store_reader import StoreReader
 
     try:
