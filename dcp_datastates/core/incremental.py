@@ -416,13 +416,13 @@ def check_sibling(path: str | os.PathLike, base: str | os.PathLike) -> None:
         raise ValueError(f"a checkpoint cannot be its own base ({base}); save into another directory")
 
 
-def check_options(base: Any, record_digests: bool, compression) -> None:
+def check_options(base: Any, record_digests: bool, compressed: bool) -> None:
     """A writer's incremental options fit its others: references and digests are of raw chunks."""
-    if base is not None and compression is not None:
+    if base is not None and compressed:
         raise ValueError(
             "incremental saves (base=...) write raw chunks: they cannot be combined with compression"
         )
-    if record_digests and compression is not None:
+    if record_digests and compressed:
         raise ValueError("record_digests=True needs raw chunks: it cannot be combined with compression")
 
 

@@ -158,8 +158,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         super().__init__()
         if direct_io not in _native.DIRECT_IO_MODES:
             raise ValueError(f"direct_io must be one of {_native.DIRECT_IO_MODES}, got {direct_io!r}")
+        # Before the codec is resolved: an impossible combination is named as such, also where
+        # the codec's package is not installed.
+        incremental.check_options(base, record_digests, compressed=compression is not None or bool(_extensions))
         self.compression = resolve_compression(compression, compression_level, _extensions)
-        incremental.check_options(base, record_digests, self.compression)
         self.base = os.fspath(base) if base is not None else None
         if self.base is not None and path is not None:
             incremental.check_sibling(path, self.base)
