@@ -103,6 +103,37 @@ def crash(root: str, scenario: str, mode: str) -> None:
     print("survived", flush=True)  # the test fails if this is reached
 
 
+TRAJECTORY = 100  # the new trajectory's step s holds state_at(TRAJECTORY + s)
+
+
+def tier_rollback_crash(root: str, durable: str, point: str) -> None:
+    """Steps 1..5 durable on a directory tier; the run rolls back to step 3 and saves the new
+    trajectory's step 4; the process is SIGKILLed at ``point``: while the local pointer is
+    renamed over (``local_pointer``), while the pointer's mirror on the tier is (``mirror``),
+    while step 4's first data object is published there (``drain_data``), or its
+    ``.metadata`` (``drain_commit``)."""
+    from dcp_datastates.native.faults import arm
+    from dcp_datastates.manager.checkpoint_manager import CheckpointManager
+
+    with CheckpointManager(root, keep_last=3, durable=durable, async_save=False) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, state_at(step))
+        mgr.wait_durable()
+    mgr = CheckpointManager(root, keep_last=3, durable=durable, async_save=False)
+    assert load_step(mgr, 3)[0] == 3
+    target = {
+        "local_pointer": os.path.join(root, "latest"),
+        "mirror": os.path.join(durable, "latest"),
+        "drain_data": os.path.join(durable, "step_00000004", "rank00000-"),
+        "drain_commit": os.path.join(durable, "step_00000004", ".metadata"),
+    }[point]
+    arm("rename", path=target, action="kill")
+    print("armed", flush=True)
+    mgr.save(4, state_at(TRAJECTORY + 4))
+    mgr.wait_durable()
+    print("survived", flush=True)  # the test fails if this is reached
+
+
 # ---------------------------------------------------------------------------
 # gloo rank cases
 # ---------------------------------------------------------------------------
@@ -265,12 +296,31 @@ def manager_incremental_dtensor_saves(rank, world_size, root):
     mgr.close()
 
 
+@case
+def manager_hostile_metadata_raises(rank, world_size, root):
+    """2 ranks resume from a root whose newest .metadata would run code: every rank raises
+    UnsafeCheckpointError, none falls back to the older step."""
+    from dcp_datastates import UnsafeCheckpointError
+    from dcp_datastates.manager.checkpoint_manager import CheckpointManager
+
+    mgr = CheckpointManager(root, keep_last=None, async_save=False)
+    try:
+        mgr.load({"w": torch.zeros(3)})
+    except UnsafeCheckpointError as exc:
+        assert "system" in str(exc) and "rank 0" in str(exc), exc
+    else:
+        raise AssertionError("the hostile checkpoint was not refused")
+    mgr.close()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "crash":
         crash(*sys.argv[2:5])
+        sys.exit(0)
+    if sys.argv[1] == "tier_rollback_crash":
+        tier_rollback_crash(*sys.argv[2:5])
         sys.exit(0)
     code = _worker_main(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-

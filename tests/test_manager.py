@@ -109,12 +109,12 @@ def test_pointer_moves_only_after_commit_and_fsync(tmp_path, monkeypatch):
         events.append(("fsync", os.path.relpath(path, root)))
         real_fsync(path)
 
-    def write_spy(r, step, sequence=None):
+    def write_spy(r, step, sequence=None, rollbacks=()):
         path = os.path.join(r, f"step_{step:08d}")
         # the checkpoint is committed and both its directory and its entry in root are durable
         assert is_committed(path) and verify(path).ok
         events.append(("pointer", step))
-        real_write(r, step, sequence)
+        return real_write(r, step, sequence, rollbacks)
 
     monkeypatch.setattr(root_module, "fsync_dir", fsync_spy)
     monkeypatch.setattr(root_module, "write_latest", write_spy)

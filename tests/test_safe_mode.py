@@ -221,3 +221,73 @@ def test_chunks_that_do_not_cover_the_tensor_are_refused(tmp_path):
     (ckpt / ".metadata").write_bytes(encode_metadata(md))
     with pytest.raises(Exception, match="hold 0 elements of its 16"):
         DataStatesReader(ckpt).read_metadata()
+
+
+def _hostile_step(root, marker):
+    """A manager root with steps 10 and 20, the newest one's .metadata hostile."""
+    from dcp_datastates import CheckpointManager
+
+    with CheckpointManager(root, keep_last=None, async_save=False) as mgr:
+        for step in (10, 20):
+            mgr.save(step, {"w": torch.full((3,), float(step))})
+    _hostile_metadata(root / "step_00000020", marker)
+
+
+@pytest.mark.parametrize("step", [None, 20], ids=["resume", "explicit"])
+def test_the_manager_raises_unsafe_checkpoint_error_for_a_hostile_metadata(tmp_path, step):
+    """Neither skipped (an older step would hide it) nor a plain CheckpointError: the type
+    docs/manager.md tells users to catch."""
+    from dcp_datastates import CheckpointManager
+
+    root, marker = tmp_path / "run", tmp_path / "pwned"
+    _hostile_step(root, marker)
+    mgr = CheckpointManager(root, keep_last=None, async_save=False)
+    with pytest.raises(UnsafeCheckpointError, match="system"):
+        mgr.load({"w": torch.zeros(3)}, step)
+    mgr.close()
+    assert not marker.exists()
+
+
+def test_every_rank_raises_unsafe_checkpoint_error_for_a_hostile_metadata(tmp_path):
+    """Two gloo ranks: the verdict travels between ranks pickled, and still says 'raise, unsafe'."""
+    from manager_workers import run_ranks
+
+    root, marker = tmp_path / "run", tmp_path / "pwned"
+    _hostile_step(root, marker)
+    run_ranks("manager_hostile_metadata_raises", 2, tmp_path / "logs", root=str(root))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "size, why",
+    [
+        ([2**62, 64], "which no torch.float32 tensor can have"),  # more bytes than int64 counts
+        ([2**63, 1], "which no torch.float32 tensor can have"),  # a dimension past int64
+        ([32], "has 64 stored bytes"),  # fits torch, disagrees with the stored entry
+    ],
+    ids=["bytes-overflow", "dim-overflow", "stored-length"],
+)
+def test_a_size_torch_cannot_hold_or_the_stored_bytes_contradict_is_refused_when_decoded(tmp_path, size, why):
+    """Refused with CorruptCheckpointError naming the file and key when the .metadata is decoded,
+    not by DCP's 'Size mismatch' or torch's bare overflow deep inside the load."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from dcp_datastates.errors import CorruptCheckpointError
+
+    ckpt = tmp_path / "c"
+    save({"w": torch.arange(16.0)}, ckpt)
+    md = DataStatesReader(ckpt).read_metadata()
+    item = md.state_dict_metadata["w"]
+    item.size = torch.Size(size)
+    item.chunks = [ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=torch.Size(size))]
+    if len(size) == 2:  # the entry is keyed by the chunk's offsets
+        layout = md.storage_data
+        layout.entries = [(e[0], (0, 0), *e[2:]) if e[0] == "w" else e for e in layout.entries]
+        layout.__dict__.pop("_table", None)
+    (ckpt / ".metadata").write_bytes(encode_metadata(md))
+    with pytest.raises(CorruptCheckpointError, match=why) as info:
+        DataStatesReader(ckpt).read_metadata()
+    assert str(ckpt / ".metadata") in str(info.value) and "'w'" in str(info.value)
+    with raises_from_checkpoint((CorruptCheckpointError, AssertionError), match=why):  # DCP's wrapper on 2.13
+        load({"w": torch.zeros(16)}, ckpt)
+    assert not verify(ckpt).ok

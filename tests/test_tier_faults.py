@@ -88,7 +88,9 @@ def test_the_server_killed_mid_upload_commits_nothing_and_the_drain_resumes(tmp_
     root = tmp_path / "run"
     options = _options(proxy.endpoint, max_retries=2, retry_timeout_s=10, request_timeout_s=10)  # 3 s timed out once on a restarted server under a loaded suite
     proxy.throttle(2e6)
-    mgr = CheckpointManager(root, keep_last=1, durable=url, async_save=False, durable_options=options)
+    # durable_retry_s=0: the drain fails once the client's own retries are spent (the outage
+    # ridden out in the background is test_tier_trajectories.py's)
+    mgr = CheckpointManager(root, keep_last=1, durable=url, async_save=False, durable_options=options, durable_retry_s=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointManagerWarning)
         mgr.save(10, state_at(10))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 from typing import NamedTuple
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -339,16 +340,29 @@ class CheckpointLayout:
         return by_path.get(relative_path)
 
     def check_covers(self, metadata, where: str) -> None:
-        """Every item the metadata lists has a stored location (of the right kind)."""
+        """Every item the metadata lists has a stored location (of the right kind), and every
+        tensor chunk's stored length is its shape's bytes (raw bytes, compressed or not)."""
         table = self._lookup()
         for fqn, md in metadata.state_dict_metadata.items():
             chunks = getattr(md, "chunks", None)
-            keys = [(fqn, None)] if chunks is None else [(fqn, tuple(c.offsets)) for c in chunks]
-            for key in keys:
+            if chunks is None:
+                loc = table.get((fqn, None))
+                if loc is None or not loc.is_object:
+                    raise CorruptCheckpointError(f"{where}: the storage layout is corrupt: {fqn!r} has no stored location")
+                continue
+            itemsize = md.properties.dtype.itemsize
+            for chunk in chunks:
+                key = (fqn, tuple(chunk.offsets))
                 loc = table.get(key)
-                if loc is None or loc.is_object != (chunks is None):
+                if loc is None or loc.is_object:
                     raise CorruptCheckpointError(
                         f"{where}: the storage layout is corrupt: {fqn!r} (at {key[1]}) has no stored location"
+                    )
+                if loc.length != math.prod(chunk.sizes) * itemsize:
+                    raise CorruptCheckpointError(
+                        f"{where}: the storage layout is corrupt: {fqn!r} (at {key[1]}) has {loc.length} stored "
+                        f"bytes in {loc.relative_path}, and its {md.properties.dtype} chunk of shape "
+                        f"{tuple(chunk.sizes)} needs {math.prod(chunk.sizes) * itemsize}"
                     )
 
     def location(self, index: MetadataIndex) -> ItemLocation | None:

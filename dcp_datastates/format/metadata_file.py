@@ -285,32 +285,58 @@ def split_metadata(blob: bytes, where: str) -> tuple[memoryview, memoryview, boo
     return pickled, record, True
 
 
-def read_commit_sequence(path: str) -> int | None:
-    """The commit sequence in the trailer of the ``.metadata`` at ``path`` (unverified), or None.
+@dataclasses.dataclass(frozen=True)
+class CommitStamp:
+    """Which save a committed ``.metadata`` is, told by its last bytes alone: the commit
+    sequence and the CRC-32C its trailer records (over the whole body, which holds the save
+    id), and the file's size. A local checkpoint and its copy on a durable tier have equal
+    stamps; two saves of one step have different ones (their save ids differ)."""
+
+    sequence: int  # 0: none recorded (a format 3 trailer, or a save outside a manager)
+    crc: int
+    size: int
+
+
+def read_commit_stamp(path: str) -> CommitStamp | None:
+    """The :class:`CommitStamp` of the ``.metadata`` at ``path`` (unverified), or None: missing,
+    or no trailer to tell (format 2 and older, stock DCP), or a damaged trailer.
 
     Reads only the file's last 32 bytes: ordering the checkpoints of a root
-    must not read every checkpoint's metadata. None when the file is missing,
-    has no trailer of version 4 or later, or carries sequence 0. The sequence is covered
-    by the metadata's checksum, so a damaged one is caught when that
-    checkpoint is loaded.
+    must not read every checkpoint's metadata. The stamp is covered by the
+    metadata's checksum, so a damaged one is caught when that checkpoint is
+    loaded.
     """
     try:
         with open_checkpoint_file(path) as f:
-            if f.size < _TRAILER.size:
+            if f.size < _TRAILER_V3.size:
                 return None
-            return sequence_in_tail(f.pread(_TRAILER.size, f.size - _TRAILER.size), f.size, path)
+            return stamp_in_tail(f.pread(min(f.size, _TRAILER.size), max(0, f.size - _TRAILER.size)), f.size, path)
     except (FileNotFoundError, NotADirectoryError, CorruptCheckpointError):  # missing, a link, not a file
         return None
 
 
-def sequence_in_tail(tail: bytes, file_size: int, where: str) -> int | None:
-    """The commit sequence in the last ``TRAILER_BYTES`` of a ``.metadata`` of ``file_size``
-    bytes (unverified; None: no trailer of version 4 on, sequence 0, or a damaged trailer)."""
+def stamp_in_tail(tail: bytes, file_size: int, where: str) -> CommitStamp | None:
+    """The :class:`CommitStamp` in the last ``TRAILER_BYTES`` of a ``.metadata`` of ``file_size``
+    bytes (unverified; None: no trailer, or a damaged one)."""
     try:
         trailer = parse_trailer(tail, file_size, where)
     except CorruptCheckpointError:
         return None
-    return trailer.sequence or None if trailer is not None else None
+    return None if trailer is None else CommitStamp(trailer.sequence, trailer.crc, file_size)
+
+
+def read_commit_sequence(path: str) -> int | None:
+    """The commit sequence in the trailer of the ``.metadata`` at ``path`` (unverified), or None
+    when the file is missing, has no trailer of version 4 or later, or carries sequence 0."""
+    stamp = read_commit_stamp(path)
+    return stamp.sequence or None if stamp is not None else None
+
+
+def sequence_in_tail(tail: bytes, file_size: int, where: str) -> int | None:
+    """The commit sequence in the last ``TRAILER_BYTES`` of a ``.metadata`` of ``file_size`` bytes
+    (unverified; None: no trailer of version 4 on, sequence 0, or a damaged trailer)."""
+    stamp = stamp_in_tail(tail, file_size, where)
+    return stamp.sequence or None if stamp is not None else None
 
 
 _PROTO = pickle.PROTO[0]  # the first byte of every pickle of protocol 2 or later
@@ -469,6 +495,9 @@ def _checked(metadata: Metadata, where: str, checksummed: bool) -> Metadata:
     return metadata
 
 
+_INT64_MAX = (1 << 63) - 1  # torch's sizes, element counts and byte counts are int64
+
+
 def check_metadata(metadata: Metadata, where: str) -> None:
     """The shape DCP's load planner relies on: a damaged file fails here, with its name,
     rather than deep inside DCP with an AttributeError."""
@@ -497,6 +526,9 @@ def check_metadata(metadata: Metadata, where: str) -> None:
             raise bad(f"{fqn!r} has no valid dtype")
         if not isinstance(size, torch.Size) or not isinstance(chunks, list):
             raise bad(f"{fqn!r} has no valid size or chunk list")
+        if any(d < 0 or d > _INT64_MAX for d in size) or math.prod(size) * props.dtype.itemsize > _INT64_MAX:
+            # DCP would fail later with a bare overflow from torch, or a size mismatch
+            raise bad(f"{fqn!r} has size {tuple(size)}, which no {props.dtype} tensor can have")
         covered = 0
         for chunk in chunks:
             offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)

@@ -69,26 +69,28 @@ from dcp_datastates.errors import (
 )
 from dcp_datastates.manager.checkpoint_root import (
     LATEST_FILE,
-    abandoned_among,
     is_committed,
     newest_sequence,
+    given_up,
     point_latest_at,
+    read_pointer,
     resume_order,
     step_dir_name,
     step_dirs,
     step_of,
 )
-from dcp_datastates.manager.durable_tier import DrainStatus, DurableTier
+from dcp_datastates.manager.durable_tier import RETRY_S, DrainStatus, DurableTier
 from dcp_datastates.tiers.store import StoreError
 from dcp_datastates.tiers.store_reader import StoreReader
 from dcp_datastates.format.file_names import METADATA_FILE
-from dcp_datastates.format.metadata_file import read_commit_sequence
+from dcp_datastates.format.metadata_file import CommitStamp, read_commit_sequence, read_commit_stamp
 from dcp_datastates.tiers.drain import DrainError
 from dcp_datastates.manager.cleanup import (
     LOCK_FILE,
     delete_checkpoint_dir,
     lock_root,
     recover_root,
+    retention_keeps,
     retention_victims,
     spare_referred,
     unlock_root,
@@ -131,6 +133,30 @@ class ManagedSave(Future):
     @property
     def last_save_stats(self):
         return self._writer.last_save_stats
+
+
+@dataclasses.dataclass
+class _TierSurvey:
+    """What rank 0 found on the durable tier at start (handed to every rank)."""
+
+    undrained: list[int]  # committed local steps to drain, in commit order
+    settled: dict  # {step: CommitStamp}: steps whose local copy needs nothing more from the tier
+    rollbacks: tuple  # the run's rollbacks, as the tier's pointer records them
+    newest_sequence: int  # the largest commit sequence the tier knows: later saves are numbered above it
+    mirror: Any  # the pointer to mirror there (the local one, with the tier's rollbacks), or None
+    error: str | None  # why the tier did not answer (then every committed local step is queued)
+
+
+@dataclasses.dataclass
+class _Listing:
+    """Rank 0's view of the checkpoints for a load (handed to every rank)."""
+
+    order: Any  # checkpoint_root.ResumeOrder of the local root
+    uncommitted: list[int]  # local step directories never committed
+    durable: list[int]  # steps committed on the durable tier ([] without one, or when it did not answer)
+    given_up: list[int]  # durable-only steps of a trajectory the run gave up
+    durable_same: set  # local steps whose durable copy is the same save (may stand in for a bad local copy)
+    tier_error: str | None  # why the durable tier did not answer
 
 
 @dataclasses.dataclass
@@ -188,6 +214,14 @@ class CheckpointManager:
             step refers to; a step commits on the durable tier after its bases.
         full_every: with ``incremental``, a full save at least every this many
             saves, so no chain of references outlives it (default 10).
+        durable_retry_s: how long a drain that fails because the durable store
+            does not answer (an outage) is retried in the background, with
+            backoff from 1 s doubling to 60 s, before it is reported failed
+            (then retried after the next save). Default 1800.
+        durable_close_timeout_s: how long :meth:`close` waits for drains still
+            running or retrying (None, the default: until each ended); what is
+            not durable by then is named in a :class:`DrainError`, its local
+            copy kept.
 
     One manager owns a root at a time: rank 0 holds an exclusive lock on
     ``root/.manager.lock`` until :meth:`close`. Another manager opened on the
@@ -219,6 +253,8 @@ class CheckpointManager:
         durable_resume: str = "load",
         incremental: bool = True,
         full_every: int = 10,
+        durable_retry_s: float = RETRY_S,
+        durable_close_timeout_s: float | None = None,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None (keep all), got {keep_last!r}")
@@ -256,24 +292,46 @@ class CheckpointManager:
         self._base_group = dist.new_group(backend="gloo") if self._distributed and self.incremental else None
         self._reserved_bases: set[str] = set()  # rank 0: bases chosen for saves not registered yet
 
-        def start() -> tuple[bool, int]:
+        def start() -> tuple[bool, int, tuple]:
             os.makedirs(self.root, exist_ok=True)
             if self._take_ownership() and cleanup:
                 recover_root(self.root, self.allow_pickle, _warn)
-            return self._lock_fd is not None, newest_sequence(self.root)
+            return self._lock_fd is not None, newest_sequence(self.root), resume_order(self.root).rollbacks
 
-        self.owner, newest = self._on_rank0(start, "opening the checkpoint root")
-        # Commits are numbered from the newest one in the root (every rank gets rank 0's
-        # number, so every rank hands its writer the same sequence for the same save).
-        self._seq = self._pointed_seq = newest
         self.delete_undrained = delete_undrained
         self._tier: DurableTier | None = None
-        self._durable_committed: set[int] = set()
+        # Steps whose local copy needs no more from the durable tier, with the save they are
+        # ({step: CommitStamp}): its own save is committed there, or the tier's retention would
+        # not keep it. Local retention deletes a step only then (unless delete_undrained).
+        self._settled: dict[int, CommitStamp] = {}
         self._retention_anchor: int | None = None  # the step of the last commit (retention counts from it)
-        if durable is not None:
-            self._open_durable_tier(
-                durable, durable_keep_last, durable_keep_every, durable_read_back, durable_options or {}
-            )
+        # The run's rollbacks, (step resumed from, sequence of the first save after it): recorded
+        # in the pointer, on every tier (checkpoint_root.given_up). Rank 0's.
+        self._rollbacks: set[tuple[int, int]] = set()
+        self._rolled_back_to: int | None = None  # a load went back to this step; the next save records it
+        self._close_timeout_s = durable_close_timeout_s
+        try:
+            self.owner, newest, rollbacks = self._on_rank0(start, "opening the checkpoint root")
+            # Commits are numbered from the newest one in the root (every rank gets rank 0's
+            # number, so every rank hands its writer the same sequence for the same save).
+            self._seq = self._pointed_seq = newest
+            self._rollbacks.update(rollbacks)
+            if durable is not None:
+                self._open_durable_tier(
+                    durable, durable_keep_last, durable_keep_every, durable_read_back, durable_options or {},
+                    durable_retry_s,
+                )
+        except BaseException:
+            # Nothing of a manager that failed to start may outlive it: a retry in this process
+            # must find the root free (its lock) and no drain thread running.
+            self._closed = True
+            try:
+                if self._tier is not None:
+                    self._tier.close(0)
+            except Exception:  # noqa: BLE001 - the error that stopped the start is the one to raise
+                pass
+            self._release()
+            raise
 
     # -- public API -------------------------------------------------------------
 
@@ -329,7 +387,9 @@ class CheckpointManager:
                 if any(p.step == step and not p.done.done() for p in self._pending):
                     raise CheckpointExistsError(f"a save of step {step} into {path} is still in flight")
                 self._seq += 1
-                self._durable_committed.discard(step)  # its durable copy (if any) is of an earlier save
+                if self._rolled_back_to is not None:  # the first save after a rollback: on record
+                    self._rollbacks.add((self._rolled_back_to, self._seq))
+                    self._rolled_back_to = None
                 incremental_options = {}
                 if self.incremental:
                     incremental_options = dict(base=base, record_digests=True, change_tracker=self._increments.tracker)
@@ -424,30 +484,21 @@ class CheckpointManager:
 
     def _load(self, state: dict, step: int | None, full_verify: bool) -> int | None:
         self.wait()
-        # Rank 0's view of the root, so every rank tries the same candidates in the same order.
-        def listing():
-            order = resume_order(self.root)
-            local = set(order.candidates) | set(order.abandoned)
-            durable = sorted(self._tier.committed_steps()) if self._tier is not None else []
-            durable_only = [s for s in durable if s not in local]
-            given_up = []
-            if durable_only:  # the durable tier has no pointer: its copies' sequences tell
-                sequences = {**order.sequences, **self._tier.commit_sequences(durable_only)}
-                given_up = abandoned_among(sequences, durable_only)
-            uncommitted = sorted(set(step_dirs(self.root)) - local)
-            return order, uncommitted, durable, given_up
-
-        order, uncommitted, durable, durable_abandoned = self._on_rank0(listing, "listing the checkpoints")
+        view = self._on_rank0(self._listing, "listing the checkpoints")
+        order, durable = view.order, view.durable
         local = set(order.candidates) | set(order.abandoned)
+        unanswered = f"the durable tier {self._tier.url} did not answer ({view.tier_error})" if view.tier_error else None
         if step is not None:
             if step not in local and step in durable:
                 candidates = [step]  # fetched from the durable tier below
             elif step not in local:
                 path = self.path_of(step)
-                if step in uncommitted:
+                if step in view.uncommitted:
                     raise IncompleteCheckpointError(
                         f"{path}: the checkpoint of step {step} was never committed (an interrupted or failed save)"
                     )
+                if unanswered:
+                    raise CheckpointError(f"no checkpoint of step {step} under {self.root}, and {unanswered}")
                 raise CheckpointNotFoundError(
                     f"no checkpoint of step {step} under {self.root} (committed: {sorted(order.candidates + order.abandoned)})"
                     + (f" or {self._tier.url} (durable: {durable})" if self._tier is not None else "")
@@ -456,16 +507,16 @@ class CheckpointManager:
                 candidates = [step]
         else:
             candidates = _with_durable_only(
-                order.candidates, [s for s in durable if s not in local and s not in durable_abandoned]
+                order.candidates, [s for s in durable if s not in local and s not in view.given_up]
             )
-            for s in durable_abandoned:
+            for s in view.given_up:
                 _warn(
-                    f"skipping the durable copy of step {s} in {self._tier.url}: a step before it was committed "
-                    f"after it (a run resumed from an older step since); a new save of step {s} replaces it"
+                    f"skipping the durable copy of step {s} in {self._tier.url}: it belongs to a trajectory the run "
+                    f"gave up (it resumed from an older step since); a new save of step {s} replaces it"
                 )
             if order.pointer_error:
                 _warn(f"{order.pointer_error}; resuming from the newest committed checkpoint")
-            for s in uncommitted:
+            for s in view.uncommitted:
                 if not candidates or s > candidates[0]:
                     _warn(f"skipping {self.path_of(s)}: it was never committed (an interrupted or failed save)")
             for s in order.abandoned:
@@ -473,8 +524,13 @@ class CheckpointManager:
                     f"skipping the checkpoint of step {s}: it was committed before {LATEST_FILE} moved to step "
                     f"{order.pointer} (a run resumed from an older step since); a new save of step {s} replaces it"
                 )
+            if unanswered and candidates:
+                _warn(f"{unanswered}: resuming from {self.root} alone")
             if not candidates:
+                if unanswered:  # a fresh start would hide the checkpoints the tier may hold
+                    raise CheckpointError(f"{self.root} holds no committed checkpoint, and {unanswered}")
                 return None
+        known = [*order.candidates, *(s for s in durable if s not in local and s not in view.given_up)]
         refused: list[str] = []
         fetch = self.durable_resume == "fetch"
         for s in candidates:
@@ -488,9 +544,9 @@ class CheckpointManager:
                     verdict = self._load_durable(state, s, full_verify)
             else:
                 verdict = self._load_local(state, s, full_verify)
-                if verdict is not None and verdict[1] and s in durable:
-                    # The local copy is bad; the durable one committed: load that (after
-                    # replacing the local copy with it, when fetching).
+                if verdict is not None and verdict[1] and s in view.durable_same:
+                    # The local copy is bad; a durable copy of the same save committed: load that
+                    # (after replacing the local copy with it, when fetching).
                     _warn(f"the local copy of step {s} ({path}) is bad ({verdict[0]}); loading its durable copy")
                     if fetch:
                         verdict = self._fetch_durable(s, replace_bad=True)
@@ -502,6 +558,9 @@ class CheckpointManager:
                 verdict = self._load_local(state, s, full_verify)
             if verdict is None:
                 self._replaceable.update(c for c in order.candidates if c > s)
+                # The state now holds step s: older than the newest step known, the next save
+                # continues a rollback, and records it in the pointer (the last load decides).
+                self._rolled_back_to = s if known and s < max(known) else None
                 return s
             why, bad_files = verdict
             if step is not None:
@@ -512,7 +571,47 @@ class CheckpointManager:
             _warn(f"skipping the checkpoint of step {s} ({path}): {why}; trying an older one")
         raise CorruptCheckpointError(
             f"no checkpoint under {self.root} could be loaded:\n  " + "\n  ".join(refused)
+            + (f"\nand {unanswered}" if unanswered else "")
         )
+
+    def _listing(self) -> _Listing:
+        """Rank 0's view of the checkpoints (every rank tries the same candidates in the same
+        order). Durable copies are judged by the run's pointer (the local one, or the tier's
+        mirror when newer, with every rollback either records: ``given_up``); a durable copy
+        that is the very save of a local step (``durable_same``) may stand in for it."""
+        order = resume_order(self.root)
+        local = set(order.candidates) | set(order.abandoned)
+        uncommitted = sorted(set(step_dirs(self.root)) - local)
+        if self._tier is None:
+            return _Listing(order, uncommitted, [], [], set(), None)
+        try:
+            durable = sorted(self._tier.committed_steps())
+            durable_only = [s for s in durable if s not in local]
+            both = [s for s in order.candidates if s in set(durable)]
+            there = self._tier.commit_stamps([*durable_only, *both])
+            tier_pointer = self._tier.read_pointer()
+        except (StoreError, ValueError) as exc:
+            return _Listing(order, uncommitted, [], [], set(), _describe(exc))
+        try:
+            local_pointer = read_pointer(self.root)
+        except ValueError:
+            local_pointer = None
+        pointers = [p for p in (local_pointer, tier_pointer) if p is not None]
+        pointer = None
+        if pointers:
+            newest = max(pointers, key=lambda p: p.sequence or 0)
+            rollbacks = set(self._rollbacks).union(*(p.rollbacks for p in pointers))
+            pointer = dataclasses.replace(newest, rollbacks=tuple(sorted(rollbacks)))
+        sequences = {**order.sequences, **{s: there[s].sequence for s in durable_only if there.get(s) is not None}}
+        gave_up = [s for s in given_up(sequences, pointer) if s in durable_only]
+        same = set()
+        for s in both:
+            mine = read_commit_stamp(os.path.join(self.path_of(s), METADATA_FILE))
+            if there.get(s) is not None and (
+                there[s] == mine or (mine is None and not given_up({s: there[s].sequence}, pointer))
+            ):
+                same.add(s)
+        return _Listing(order, uncommitted, durable, gave_up, same, None)
 
     def close(self) -> None:
         """Wait for the saves in flight and (with a durable tier) for their copies there,
@@ -529,7 +628,7 @@ class CheckpointManager:
             self._closed = True
             try:
                 if self._tier is not None:
-                    self._tier.close()
+                    self._tier.close(self._close_timeout_s)
             finally:
                 self._release()
 
@@ -589,8 +688,10 @@ class CheckpointManager:
         try:
             with self._lock:
                 if pending.seq > self._pointed_seq:
-                    point_latest_at(self.root, pending.step, pending.seq)
+                    pointer = point_latest_at(self.root, pending.step, pending.seq, sorted(self._rollbacks))
                     self._pointed_seq = pending.seq
+                    if self._tier is not None:  # before the step's copy: a rollback is seen there first
+                        self._tier.mirror_pointer(pointer)
                 self._retention_anchor = pending.step
                 victims = self._local_victims(pending.step)
             for name in victims:
@@ -654,15 +755,23 @@ class CheckpointManager:
         in_flight = {p.step for p in self._pending if not p.done.done()}
         victims = retention_victims(self.root, committed_step, self.keep_last, self.keep_every, in_flight)
         if self._tier is not None and not self.delete_undrained:
-            victims = [
-                name for name in victims
-                if step_of(name) in self._durable_committed or not is_committed(os.path.join(self.root, name))
-            ]  # a failed save's leftovers go as before
+            victims = [name for name in victims if self._settled_locally(name)]
         if victims:  # after every other rule: what stays may refer to what would go
             victims = self._without_bases(victims, committed_step)
         # Deleted newest first: a step an incremental one refers to is older than it, so a crash
         # part-way through never leaves a committed step whose base is gone.
         return sorted(victims, key=lambda n: step_of(n) or 0, reverse=True)
+
+    def _settled_locally(self, name: str) -> bool:
+        """Whether local retention may delete ``root/name`` with a durable tier: its own save is
+        durable (or the tier would not keep it), checked by which save it is, not by its step
+        number: a step saved again is not durable because an earlier save of it was. A failed
+        save's leftovers (never committed) go as before."""
+        path = os.path.join(self.root, name)
+        if not is_committed(path):
+            return True
+        stamp = self._settled.get(step_of(name))
+        return stamp is not None and stamp == read_commit_stamp(os.path.join(path, METADATA_FILE))
 
     def _without_bases(self, victims: list[str], committed_step: int) -> list[str]:
         """``victims`` less the bases of saves in flight (the one that just committed,
@@ -677,30 +786,35 @@ class CheckpointManager:
 
     # -- the durable tier -------------------------------------------------------------
 
-    def _open_durable_tier(self, url, keep_last, keep_every, read_back, options) -> None:
-        """Open the store; rank 0 (the owner) lists what it holds and clears what interrupted
-        drains left; then every rank drains again the committed local steps not durable yet."""
+    def _open_durable_tier(self, url, keep_last, keep_every, read_back, options, retry_s) -> None:
+        """Open the store; rank 0 (the owner) surveys it (:meth:`_survey_tier`); then every rank
+        drains again the committed local steps whose own save is not durable there yet.
+
+        A store that does not answer does not stop the run: it trains and saves locally, and
+        every committed local step is queued, to be copied (or found there already) once the
+        store answers; only a resume that needs the tier fails."""
         self._tier = DurableTier(
             os.fspath(url), rank=self._rank, keep_last=keep_last, keep_every=keep_every, read_back=read_back,
-            store_options=options, on_durable=_weak_call(self, "_on_durable"),
+            retry_s=retry_s, store_options=options, on_durable=_weak_call(self, "_on_durable"),
             warn=lambda m: warnings.warn(m, CheckpointManagerWarning, stacklevel=2),
         )
-
-        def survey():
-            durable, incomplete = self._tier.steps_by_state()  # one listing of the store
-            if not self.owner:
-                return sorted(durable), []
-            self._tier.clear_incomplete(incomplete)
-            # Steps a drain never finished: resume candidates newer than the newest durable copy
-            # (older ones may have been removed there by retention; abandoned ones are not wanted).
-            newest = max(durable, default=-1)
-            return sorted(durable), [s for s in resume_order(self.root).candidates if s > newest]
-
-        durable, undrained = self._on_rank0(survey, f"listing the durable tier {self._tier.url}")
-        self._durable_committed = set(durable)
         if not self.owner:
             return
-        for s in sorted(undrained):  # in commit order: an incremental step commits there after its bases
+        survey = self._on_rank0(lambda: self._survey_tier(keep_last, keep_every), f"surveying the durable tier {self._tier.url}")
+        self._settled.update(survey.settled)
+        self._rollbacks.update(survey.rollbacks)
+        with self._lock:
+            self._seq = max(self._seq, survey.newest_sequence)
+        if survey.error is not None:
+            warnings.warn(
+                f"the durable tier {self._tier.url} did not answer ({survey.error}): the run goes on locally; "
+                f"the committed local steps {survey.undrained} are copied there once it answers "
+                f"(retried for {retry_s:.0f} s at a time), and kept locally until then",
+                CheckpointManagerWarning, stacklevel=3,
+            )
+        if self._rank == 0 and survey.mirror is not None:
+            self._tier.mirror_pointer(survey.mirror)
+        for s in survey.undrained:  # in commit order: an incremental step commits there after its bases
             try:
                 files = DataStatesReader(self.path_of(s)).read_metadata().storage_data.own_ranks
                 mine = next((f for f in files if f.rank == self._rank), None)
@@ -712,6 +826,44 @@ class CheckpointManager:
                 continue
             if mine is not None:
                 self._tier.enqueue(s, self.path_of(s), mine)
+
+    def _survey_tier(self, keep_last: int | None, keep_every: int | None) -> _TierSurvey:
+        """Rank 0, at start: which committed local steps the tier holds the very save of (by
+        :class:`CommitStamp`, not by step number), which it would not keep anyway (its retention,
+        applied as if they had been drained in order), and so which must be drained again; what
+        interrupted drains left there is removed, and the run's pointer merged with the tier's."""
+        order = resume_order(self.root)
+        by_commit = sorted(order.candidates, key=lambda s: (order.sequences.get(s, 0), s))
+        local_pointer = None
+        try:
+            local_pointer = read_pointer(self.root)
+        except ValueError:
+            pass  # recover_root warned and rewrote it, or the next commit does
+        try:
+            durable, incomplete = self._tier.steps_by_state()  # one listing of the store
+            tier_pointer = self._tier.read_pointer()
+            self._tier.clear_incomplete(incomplete)
+            there = self._tier.commit_stamps([s for s in by_commit if s in durable])
+        except (StoreError, ValueError) as exc:  # down, or its pointer unreadable: every step is queued
+            return _TierSurvey(by_commit, {}, (), 0, None, _describe(exc))
+        mine = {s: read_commit_stamp(os.path.join(self.path_of(s), METADATA_FILE)) for s in by_commit}
+        settled = {s: st for s, st in mine.items() if st is not None and there.get(s) == st}
+        missing = [s for s in by_commit if s not in settled]
+        if settled and missing and (keep_last is not None or keep_every is not None):
+            newest = max(settled)  # the newest copy of this run's own there
+            keeps = retention_keeps(sorted(set(durable) | set(missing)), newest, keep_last, keep_every)
+            for s in missing:
+                if s < newest and s not in keeps and mine[s] is not None:
+                    settled[s] = mine[s]  # its copy there would be deleted again at once: no copy
+            missing = [s for s in missing if s not in settled]
+        sequences = [st.sequence for st in there.values() if st is not None]
+        newest_sequence = max([*sequences, (tier_pointer.sequence or 0) if tier_pointer else 0])
+        rollbacks = tuple(tier_pointer.rollbacks) if tier_pointer else ()
+        mirror = None
+        if local_pointer is not None and (tier_pointer is None or (local_pointer.sequence or 0) >= (tier_pointer.sequence or 0)):
+            merged = tuple(sorted(set(local_pointer.rollbacks) | set(rollbacks)))
+            mirror = dataclasses.replace(local_pointer, rollbacks=merged)
+        return _TierSurvey(missing, settled, rollbacks, newest_sequence, mirror, None)
 
     def _saves_changed(self) -> None:
         """A save started or ended: the drain pauses while any save of this manager runs (its
@@ -735,12 +887,13 @@ class CheckpointManager:
                 f"be queued: {exc}", CheckpointManagerWarning, stacklevel=2,
             )
 
-    def _on_durable(self, step: int) -> None:
-        """Rank 0's drain thread, once ``step`` committed on the durable tier: local retention
-        may now delete the local copies it kept for want of a durable one."""
+    def _on_durable(self, step: int, stamp: CommitStamp | None) -> None:
+        """Rank 0's drain thread, once the save ``stamp`` of ``step`` committed on the durable
+        tier: local retention may now delete the local copies it kept for want of a durable one."""
         try:
             with self._lock:
-                self._durable_committed.add(step)
+                if stamp is not None:
+                    self._settled[step] = stamp
                 anchor = self._retention_anchor
                 victims = self._local_victims(anchor) if anchor is not None else []
             for name in victims:
@@ -775,7 +928,7 @@ class CheckpointManager:
             return self._agree((f"fetching it from {self._tier.url} failed: {_describe(exc)}", False))
         if unanswered is not None:
             # Raised, as for a load in place: falling back to an older step would hide it.
-            return self._agree((_RAISE, f"fetching step {step} from {self._tier.url}: {unanswered}"))
+            return self._agree(_Raise(f"fetching step {step} from {self._tier.url}: {unanswered}"))
         try:
             with self._lock:
                 self._seq = max(self._seq, seq)
@@ -788,7 +941,7 @@ class CheckpointManager:
             verdict = None
         except BaseException as exc:  # noqa: BLE001 - classified like a load's failure
             if isinstance(exc, StoreError):  # another rank's own fetch: the store did not answer
-                verdict = (_RAISE, f"fetching step {step} from {self._tier.url}: {_describe(exc)}")
+                verdict = _Raise(f"fetching step {step} from {self._tier.url}: {_describe(exc)}")
             else:
                 verdict = (f"fetching it from {self._tier.url} failed: {_describe(exc)}", False)
         return self._agree(verdict)
@@ -869,7 +1022,7 @@ class CheckpointManager:
             dcp.load(state, storage_reader=reader, checkpoint_id=reader.path, **self._dcp_kwargs())
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP fails every rank alike
             verdict = _classify(_unwrap(exc))
-            if verdict[0] is _RAISE:
+            if isinstance(verdict, _Raise):
                 inner = _unwrap(exc)
                 if inner is exc:
                     raise
@@ -886,8 +1039,8 @@ class CheckpointManager:
         else:
             verdicts = [verdict]
         for r, v in enumerate(verdicts):
-            if v is not None and v[0] is _RAISE:
-                raise CheckpointError(f"rank {r}: {v[1]}")
+            if isinstance(v, _Raise):
+                raise v.error(f"rank {r}: " if self._distributed else "")
         bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
         if not bad:
             return None
@@ -936,18 +1089,27 @@ class CheckpointManager:
             handle.remove()
 
 
-_RAISE = object()  # a verdict that is not about the checkpoint's files: raise it
+@dataclasses.dataclass(frozen=True)
+class _Raise:
+    """A verdict that is not about the checkpoint's files: every rank raises it. A class, not a
+    sentinel object: verdicts travel between ranks pickled, and a sentinel would not survive."""
+
+    text: str
+    unsafe: bool = False  # raised as UnsafeCheckpointError (what ``except UnsafeCheckpointError`` expects)
+
+    def error(self, prefix: str = "") -> CheckpointError:
+        return (UnsafeCheckpointError if self.unsafe else CheckpointError)(prefix + self.text)
 
 
-def _classify(exc: BaseException) -> tuple:
-    """(why, the files are bad) for errors that make resume skip a checkpoint; (_RAISE, text) otherwise."""
+def _classify(exc: BaseException):
+    """(why, the files are bad) for errors that make resume skip a checkpoint; a :class:`_Raise` otherwise."""
     if isinstance(exc, UnsafeCheckpointError):
-        return _RAISE, _describe(exc)
+        return _Raise(_describe(exc), unsafe=True)
     if isinstance(exc, _BAD_FILES):
         return _describe(exc), True
     if isinstance(exc, _UNREADABLE) or (isinstance(exc, OSError) and exc.errno in _READ_ERRNOS):
         return _describe(exc), False
-    return _RAISE, f"{type(exc).__name__}: {_describe(exc)}"
+    return _Raise(f"{type(exc).__name__}: {_describe(exc)}")
 
 
 def _weak_call(obj, name: str):

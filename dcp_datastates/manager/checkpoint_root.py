@@ -7,6 +7,7 @@
         step_00000200/
         latest             {"step": 200, "dir": "step_00000200", "sequence": 14}: the newest
                            checkpoint known committed and durable, replaced atomically
+                           (and "rollbacks": [[step, sequence], ...] once the run went back)
 
 Step directories are named ``step_`` and the step number, zero-padded to 8
 digits (longer numbers simply get more digits); tools order them by number.
@@ -20,6 +21,13 @@ root the next *commit sequence*, which the checkpoint records in its
 records with the step it names. A resume compares sequences to tell a
 checkpoint committed after the pointer moved (a crash between the commit
 and the pointer update) from one the run abandoned.
+
+A rollback (a resume from an older step, then a save) is recorded in the
+pointer as ``[step resumed from, sequence of the first save after it]``: every
+checkpoint of a later step committed before that save belongs to the
+trajectory given up. Locally the pointer alone tells that; a durable tier,
+which holds copies of steps the local root has replaced or deleted, needs
+the record (the manager mirrors the pointer there, :func:`given_up`).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from dcp_datastates.format.metadata_file import read_commit_sequence
 STEP_DIR_RE = re.compile(r"^step_(\d+)$")
 LATEST_FILE = "latest"
 LATEST_TMP_RE = re.compile(r"^latest\.[0-9a-f]+\.tmp$")
-_POINTER_LIMIT = 4096  # a pointer file is a few dozen bytes; anything bigger is not one
+POINTER_LIMIT = 1 << 20  # a pointer file is a few dozen bytes (a few more per rollback); anything bigger is not one
 
 
 def step_dir_name(step: int) -> str:
@@ -85,11 +93,44 @@ def is_committed(path: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Pointer:
-    """What ``latest`` says: the step, and the commit sequence of its checkpoint
-    (None in pointers written before sequences existed)."""
+    """What ``latest`` says: the step, the commit sequence of its checkpoint (None in
+    pointers written before sequences existed), and the run's rollbacks: ``(step, sequence)``,
+    the step a resume went back to and the sequence of the first save after it."""
 
     step: int
     sequence: int | None
+    rollbacks: tuple[tuple[int, int], ...] = ()
+
+    def encode(self) -> bytes:
+        """The pointer's JSON (what ``latest`` holds, on every tier)."""
+        fields: dict = {"step": self.step, "dir": step_dir_name(self.step)}
+        if self.sequence is not None:
+            fields["sequence"] = self.sequence
+        if self.rollbacks:
+            fields["rollbacks"] = [list(r) for r in self.rollbacks]
+        return (json.dumps(fields) + "\n").encode()
+
+    @classmethod
+    def decode(cls, blob: bytes, where: str) -> Pointer:
+        """Parse what :meth:`encode` writes; anything else is a ValueError naming ``where``."""
+        try:
+            record = json.loads(blob.decode("utf-8")) if len(blob) <= POINTER_LIMIT else None
+            step = record["step"]
+            sequence = record.get("sequence")
+            rollbacks = record.get("rollbacks", [])
+            if not _is_count(step) or record["dir"] != step_dir_name(step):
+                raise ValueError
+            if sequence is not None and not _is_count(sequence):
+                raise ValueError
+            if not isinstance(rollbacks, list) or not all(
+                isinstance(r, list) and len(r) == 2 and all(_is_count(x) for x in r) for r in rollbacks
+            ):
+                raise ValueError
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            raise ValueError(
+                f"{where} is not a checkpoint pointer (expected {{\"step\": N, \"dir\": \"step_...\", \"sequence\": S}})"
+            ) from None
+        return cls(step, sequence, tuple((r[0], r[1]) for r in rollbacks))
 
 
 def read_pointer(root: str) -> Pointer | None:
@@ -104,22 +145,10 @@ def read_pointer(root: str) -> Pointer | None:
     except FileNotFoundError:
         return None
     try:
-        blob = os.read(fd, _POINTER_LIMIT + 1)
+        blob = os.read(fd, POINTER_LIMIT + 1)
     finally:
         os.close(fd)
-    try:
-        record = json.loads(blob.decode("utf-8")) if len(blob) <= _POINTER_LIMIT else None
-        step = record["step"]
-        sequence = record.get("sequence")
-        if not _is_count(step) or record["dir"] != step_dir_name(step):
-            raise ValueError
-        if sequence is not None and not _is_count(sequence):
-            raise ValueError
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
-        raise ValueError(
-            f"{path} is not a checkpoint pointer (expected {{\"step\": N, \"dir\": \"step_...\", \"sequence\": S}})"
-        ) from None
-    return Pointer(step, sequence)
+    return Pointer.decode(blob, path)
 
 
 def read_latest(root: str) -> int | None:
@@ -165,8 +194,10 @@ class ResumeOrder:
     ``abandoned``: steps above the pointer's that were committed before it
     moved: a run resumed from an older step and went on from there (a
     rollback, or a newer checkpoint skipped as corrupt), so they belong to a
-    trajectory that was given up. They are not resumed from, a new save may
-    replace them, and retention leaves them alone.
+    trajectory that was given up; and steps below it that a rollback the
+    pointer records went back past (committed before that rollback's first
+    save). They are not resumed from, a new save may replace them, and
+    retention leaves them alone.
     """
 
     candidates: list[int]
@@ -174,6 +205,7 @@ class ResumeOrder:
     pointer: int | None
     pointer_error: str | None = None
     sequences: dict[int, int] = dataclasses.field(default_factory=dict)  # step -> commit sequence (0: none)
+    rollbacks: tuple[tuple[int, int], ...] = ()  # the pointer's record of the run's rollbacks
 
 
 def resume_order(root: str) -> ResumeOrder:
@@ -210,10 +242,11 @@ def resume_order(root: str) -> ResumeOrder:
         pointer_record, pointer, error = None, None, str(exc)
     except FileNotFoundError:  # replaced between the read and the stat: treat as no pointer
         pointer_record, pointer, error = None, None, None
+    rollbacks = pointer_record.rollbacks if pointer_record is not None else ()
     if pointer is None or pointer not in committed:
         # No usable pointer: newest commit first where sequences tell, else the highest step.
         order = sorted(committed, key=lambda s: (sequences[s], s), reverse=True)
-        return ResumeOrder(order, [], pointer, error, sequences)
+        return ResumeOrder(order, [], pointer, error, sequences, rollbacks)
 
     if pointer_record.sequence is not None:
         pointed = pointer_record.sequence
@@ -230,9 +263,42 @@ def resume_order(root: str) -> ResumeOrder:
         newest_first = lambda s: (sequences[s], times[s])  # noqa: E731
 
     newer = sorted((s for s in committed if s != pointer and after_pointer(s)), key=newest_first, reverse=True)
-    abandoned = [s for s in committed if s > pointer and s not in newer]
-    below = [s for s in committed[::-1] if s < pointer and s not in newer]
-    return ResumeOrder(newer + [pointer] + below, abandoned, pointer, error, sequences)
+    # Above the pointer, committed before it moved; below it, older than a rollback past them.
+    given = [s for s in committed if s not in newer and (s > pointer or _rolled_back_past(s, sequences[s], rollbacks))]
+    below = [s for s in committed[::-1] if s < pointer and s not in newer and s not in given]
+    return ResumeOrder(newer + [pointer] + below, given, pointer, error, sequences, rollbacks)
+
+
+def _rolled_back_past(step: int, sequence: int, rollbacks) -> bool:
+    """Whether a rollback on record went back before ``step`` after its commit ``sequence``."""
+    return bool(sequence) and any(step > r and sequence < q for r, q in rollbacks)
+
+
+def given_up(sequences: dict[int, int | None], pointer: Pointer | None) -> list[int]:
+    """The steps of ``sequences`` (``{step: commit sequence}`` of the copies on a tier without a
+    pointer of its own, such as a durable tier) whose copies belong to a trajectory the run gave
+    up, told by the run's pointer mirrored there (None: not mirrored yet, sequences alone):
+
+    * a copy of a step after the pointer's, committed before it; or another, older save of the
+      pointer's step (a rollback, then saves up to the pointer);
+    * a copy of a step after a recorded rollback's step, committed before that rollback's first
+      save (the rollback is visible before any save after it reaches the tier);
+    * :func:`abandoned_among`'s rule (a commit of a smaller step with a larger sequence).
+
+    A copy with no recorded sequence is never judged given up."""
+    out = set(abandoned_among(sequences, sequences))
+    if pointer is not None:
+        marks = list(pointer.rollbacks)
+        if pointer.sequence is not None:
+            marks.append((pointer.step, pointer.sequence))
+        for s, seq in sequences.items():
+            if not seq:
+                continue
+            if _rolled_back_past(s, seq, marks):
+                out.add(s)
+            elif pointer.sequence is not None and s == pointer.step and seq < pointer.sequence:
+                out.add(s)
+    return sorted(out)
 
 
 def abandoned_among(sequences: dict[int, int | None], steps) -> list[int]:
@@ -249,32 +315,31 @@ def abandoned_among(sequences: dict[int, int | None], steps) -> list[int]:
     return sorted(out)
 
 
-def point_latest_at(root: str, step: int, sequence: int | None = None) -> None:
+def point_latest_at(root: str, step: int, sequence: int | None = None, rollbacks=()) -> Pointer:
     """Move ``latest`` to the committed checkpoint of ``step`` once nothing can take it back:
     fsync its directory and ``root`` (the step directory's own entry), then :func:`write_latest`.
     A pointer written first could name a checkpoint that a power loss removes."""
     durable_dir(os.path.join(root, step_dir_name(step)))
-    write_latest(root, step, sequence)
+    return write_latest(root, step, sequence, rollbacks)
 
 
-def write_latest(root: str, step: int, sequence: int | None = None) -> None:
+def write_latest(root: str, step: int, sequence: int | None = None, rollbacks=()) -> Pointer:
     """Point ``latest`` at ``step``, whose checkpoint has commit ``sequence`` (read from its
-    ``.metadata`` when not given): write a temporary, fsync it, rename it over, fsync ``root``."""
+    ``.metadata`` when not given), recording ``rollbacks``: write a temporary, fsync it, rename
+    it over, fsync ``root``. Returns the pointer written."""
     if sequence is None:
         sequence = commit_sequence(root, step_dir_name(step))
-    fields = {"step": step, "dir": step_dir_name(step)}
-    if sequence is not None:
-        fields["sequence"] = sequence
-    record = json.dumps(fields) + "\n"
+    pointer = Pointer(step, sequence, tuple(rollbacks))
     tmp = os.path.join(root, f"{LATEST_FILE}.{os.getpid():x}.tmp")
     remove_if_present([tmp])
-    write_new_file_durably(tmp, record.encode())
+    write_new_file_durably(tmp, pointer.encode())
     try:
         rename_into_place(tmp, os.path.join(root, LATEST_FILE), root)
     except BaseException:
         remove_if_present([tmp])
         raise
     fsync_dir(root)
+    return pointer
 
 
 def durable_dir(path: str) -> None:

@@ -126,7 +126,7 @@ def recover_root(root: str, allow_pickle: bool, warn: Callable[[str], None]) -> 
     if order.pointer_error:
         warn(f"{order.pointer_error}; rewriting it")
     if order.candidates and order.pointer != order.candidates[0]:
-        point_latest_at(root, order.candidates[0])
+        point_latest_at(root, order.candidates[0], rollbacks=order.rollbacks)  # the run's record kept
     elif not order.candidates and (order.pointer is not None or order.pointer_error):
         remove_if_present([os.path.join(root, LATEST_FILE)])
         fsync_dir(root)

@@ -16,10 +16,18 @@ Python with torch (4.6 s of a core to start, hundreds of MiB). What slows a
 traffic, the caches it evicts, the writeback of its files), so the drain
 works in small blocks, pauses between them while a save runs and keeps
 quiet just before the next save it expects (:mod:`manager.drain_pacing`).
-The training loop never waits for it: a save returns as before, and a
-drain that fails is retried with the next step's and reported by
+The training loop never waits for it: a save returns as before. A drain
+that fails because the store does not answer (an outage) is retried in the
+background with capped backoff for ``retry_s``; one that still fails, or
+fails otherwise, is retried with the next step's and reported by
 :meth:`DurableTier.wait` (and so by ``CheckpointManager.wait_durable`` and
 ``close``); the local copy of a step that is not durable yet is kept.
+
+Rank 0 also mirrors the run's pointer to the tier (``latest``, with the
+commit sequence and the run's rollbacks, :class:`checkpoint_root.Pointer`)
+before each copy it starts: a new node reads from it which copies belong to
+a trajectory the run gave up, even before any save after a rollback reached
+the tier.
 
 Retention on the durable tier (``keep_last``, ``keep_every``) runs on rank 0
 after each durable commit, newest commits kept, ``.metadata`` deleted first.
@@ -40,11 +48,13 @@ from dcp_datastates.core.reader import DataStatesReader
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_layout import RankFiles
 from dcp_datastates.format.file_names import METADATA_FILE
-from dcp_datastates.manager.checkpoint_root import step_dir_name, step_of
+from dcp_datastates.format.metadata_file import CommitStamp
+from dcp_datastates.manager.checkpoint_root import LATEST_FILE, POINTER_LIMIT, Pointer, step_dir_name, step_of
 from dcp_datastates.manager.cleanup import retention_keeps, spare_referred
 from dcp_datastates.manager.drain_pacing import DrainPacer
 from dcp_datastates.tiers import open_store
 from dcp_datastates.tiers.posix_store import PosixStore
+from dcp_datastates.tiers.store import StoreError
 from dcp_datastates.tiers.store_reader import StoreReader
 from dcp_datastates.tiers.drain import (
     DrainError,
@@ -52,7 +62,7 @@ from dcp_datastates.tiers.drain import (
     commit_durable,
     delete_durable_step,
     drain_rank,
-    durable_commit_sequence,
+    durable_commit_stamp,
     durable_steps,
     failure_key,
     fetch_step,
@@ -60,6 +70,8 @@ from dcp_datastates.tiers.drain import (
 )
 
 QUEUED, DRAINING, DURABLE, FAILED = "queued", "draining", "durable", "failed"
+RETRY_S = 1800.0  # how long a drain is retried while the store does not answer (an outage)
+RETRY_FIRST_S, RETRY_MAX_S = 1.0, 60.0  # the backoff between those tries: doubling, capped
 
 
 @dataclasses.dataclass
@@ -92,22 +104,47 @@ class DrainConfig:
     commit_timeout_s: float = 3600.0
     keep_last: int | None = None
     keep_every: int | None = None
+    retry_s: float = RETRY_S
 
 
-def run_drain_job(store, job: DrainJob, config: DrainConfig, progress, pace) -> str | None:
+def run_drain_job(store, job: DrainJob, config: DrainConfig, progress, pace) -> tuple[CommitStamp | None, str | None]:
     """Copy this rank's files of ``job``'s step to ``store``; on rank 0, commit the copy once
-    every rank confirmed, then apply the tier's retention. Returns a warning (retention
-    failed after the commit, which stands), raises if the copy is not durable."""
+    every rank confirmed, then apply the tier's retention. Returns the stamp of the save
+    committed there (rank 0; None elsewhere) and a warning (retention failed after the
+    commit, which stands); raises if the copy is not durable."""
     step_dir = step_dir_name(job.step)
     drain_rank(job.local_dir, step_dir, job.files, store, read_back=config.read_back, progress=progress, pace=pace)
     if config.rank != 0:
-        return None
-    commit_durable(job.local_dir, step_dir, store, timeout_s=config.commit_timeout_s)
+        return None, None
+    stamp = commit_durable(job.local_dir, step_dir, store, timeout_s=config.commit_timeout_s)
     try:
         apply_durable_retention(store, job.step, config.keep_last, config.keep_every)
     except Exception as exc:  # noqa: BLE001 - the commit stands; retention catches up next time
-        return f"step {job.step} is durable in {store.where('')}, but retention there failed: {exc}"
-    return None
+        return stamp, f"step {job.step} is durable in {store.where('')}, but retention there failed: {exc}"
+    return stamp, None
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Whether a drain failed because the store did not answer (retried in the background),
+    not because of what it was asked (a damaged local copy, a base missing there)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, StoreError):
+            return exc.transient
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def read_tier_pointer(store) -> Pointer | None:
+    """The run's pointer mirrored on the tier (None: none there, as on tiers written before
+    the mirror existed); raises :class:`StoreError` if the store does not answer."""
+    size = store.size(LATEST_FILE)
+    if size is None:
+        return None
+    if size > POINTER_LIMIT:
+        raise ValueError(f"{store.where(LATEST_FILE)} is not a checkpoint pointer ({size} bytes)")
+    return Pointer.decode(bytes(store.read_range(LATEST_FILE, 0, size)), store.where(LATEST_FILE))
 
 
 def apply_durable_retention(store, committed_step: int, keep_last: int | None, keep_every: int | None) -> None:
@@ -152,17 +189,20 @@ class DurableTier:
         keep_every: int | None = None,
         read_back: bool = True,
         commit_timeout_s: float = 3600.0,
+        retry_s: float = RETRY_S,
         store_options: dict | None = None,
-        on_durable: Callable[[int], None] | None = None,
+        on_durable: Callable[[int, CommitStamp | None], None] | None = None,
         warn: Callable[[str], None] = lambda m: warnings.warn(m, stacklevel=3),
     ) -> None:
         for name, value in (("durable_keep_last", keep_last), ("durable_keep_every", keep_every)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if isinstance(retry_s, bool) or not isinstance(retry_s, (int, float)) or retry_s < 0:
+            raise ValueError(f"durable_retry_s must be a number of seconds >= 0, got {retry_s!r}")
         self.url = url
         self.store = open_store(url, **(store_options or {}))
         self.rank = rank
-        self.config = DrainConfig(rank, read_back, commit_timeout_s, keep_last, keep_every)
+        self.config = DrainConfig(rank, read_back, commit_timeout_s, keep_last, keep_every, float(retry_s))
         self._on_durable = on_durable
         self._pacer = DrainPacer()  # when the drain may start a block (manager.drain_pacing: why)
         self._warn = warn
@@ -174,6 +214,8 @@ class DurableTier:
         self._failed: dict[int, DrainJob] = {}
         self._unreported: list[DrainError] = []
         self._closing = False
+        self._stopping = False  # close() gave up waiting: the thread ends at its next wait
+        self._pointer: Pointer | None = None  # rank 0: the pointer to mirror before the next copy
         self._thread: threading.Thread | None = None
 
     # -- what is there ---------------------------------------------------------------
@@ -187,13 +229,27 @@ class DurableTier:
         listing = durable_steps(self.store, step_of)
         return {s for s, (_n, c) in listing.items() if c}, {s for s, (_n, c) in listing.items() if not c}
 
-    def commit_sequences(self, steps) -> dict[int, int | None]:
-        """The commit sequence each durable copy of ``steps`` records (a ranged read each, 8 in
-        flight: an object store answers each in tens of milliseconds)."""
+    def commit_stamps(self, steps) -> dict[int, CommitStamp | None]:
+        """Which save each durable copy of ``steps`` holds (a ranged read of its ``.metadata``'s
+        tail each, 8 in flight: an object store answers each in tens of milliseconds)."""
         steps = list(steps)
         with ThreadPoolExecutor(min(8, max(1, len(steps)))) as pool:
-            found = pool.map(lambda s: durable_commit_sequence(self.store, step_dir_name(s)), steps)
+            found = pool.map(lambda s: durable_commit_stamp(self.store, step_dir_name(s)), steps)
             return dict(zip(steps, found))
+
+    def read_pointer(self) -> Pointer | None:
+        """The run's pointer mirrored on the tier (:func:`read_tier_pointer`)."""
+        return read_tier_pointer(self.store)
+
+    def mirror_pointer(self, pointer: Pointer) -> None:
+        """Rank 0: write ``pointer`` to the tier before the next copy starts (the newest one
+        given wins; retried while the store does not answer, as a copy is)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._pointer = pointer
+            self._start_thread()
+            self._idle.notify_all()
 
     def set_paused(self, paused: bool) -> None:
         """Hold the drain before its next block of I/O while ``paused`` (the manager: while one
@@ -224,9 +280,14 @@ class DurableTier:
                 self._status[job.step] = DrainStatus(job.step)
                 self._pending += 1
                 self._jobs.put(job)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="dcp_datastates-drain", daemon=True)
-                self._thread.start()
+            self._start_thread()
+            self._idle.notify_all()  # the thread waits on this condition for work
+
+    def _start_thread(self) -> None:
+        """Under ``self._lock``: the drain thread, started once."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dcp_datastates-drain", daemon=True)
+            self._thread.start()
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every queued drain ended; raise (once) the first failure not yet raised."""
@@ -250,46 +311,53 @@ class DurableTier:
         with self._lock:
             return sorted(self._failed)
 
-    def close(self) -> None:
-        """Wait for the drains in flight and stop the thread; raise the first unreported failure,
-        or a :class:`DrainError` naming the steps that are still not durable."""
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for the drains in flight (up to ``timeout`` seconds; None: until each ended,
+        its retries included) and stop the thread; raise the first unreported failure, or a
+        :class:`DrainError` naming the steps that are still not durable."""
         try:
-            self.wait()
+            try:
+                self.wait(timeout)
+            except TimeoutError:
+                with self._lock:
+                    left = sorted(s for s, st in self._status.items() if st.state in (QUEUED, DRAINING))
+                raise DrainError(
+                    f"steps {left} are committed locally but not on the durable tier {self.url}: their drains "
+                    f"were still running (or retrying) after {timeout} s, and were given up; their local copies were kept"
+                ) from None
             failed = self.failed_steps()
             if failed:
                 raise DrainError(
                     f"steps {failed} are committed locally but not on the durable tier {self.url} "
                     "(their drains failed; see the warnings); their local copies were kept"
                 )
+            try:  # a pointer the thread had no copy to write before (the last commit's, normally written)
+                self._write_pointer()
+            except Exception as exc:  # noqa: BLE001 - the copies stand; the next start mirrors it
+                self._warn(f"mirroring the run's pointer to {self.url} failed: {exc}; the next start does it")
         finally:
             with self._lock:
-                self._closing = True
+                self._closing = self._stopping = True
                 thread, self._thread = self._thread, None
+                self._idle.notify_all()
             if thread is not None:
                 self._jobs.put(None)
-                thread.join()
-            self.store.close()
+                thread.join(timeout)
+            if thread is None or not thread.is_alive():  # a copy still under way keeps its store
+                self.store.close()
 
     def _run(self) -> None:
         _lower_priority()
         while True:
-            job = self._jobs.get()
+            job = self._next_job()
             if job is None:
                 return
             st = self._status[job.step]
             st.state = DRAINING
-            try:
-                st.bytes_total = sum(os.path.getsize(os.path.join(job.local_dir, n)) for n in (*job.files.data_files(), job.files.index_file))
-            except OSError:
-                st.bytes_total = 0
             t0 = time.perf_counter()
-
-            def progress(n: int, st=st) -> None:
-                st.bytes_done += n
-
             try:
-                self._drain(job, progress)
-                st.state = DURABLE
+                self._drain_with_retries(job, st)
+                st.state, st.error = DURABLE, None
                 with self._lock:
                     self._failed.pop(job.step, None)
             except Exception as exc:  # noqa: BLE001 - reported, and retried with the next step
@@ -310,13 +378,76 @@ class DurableTier:
                     self._pending -= 1
                     self._idle.notify_all()
 
+    def _next_job(self) -> DrainJob | None:
+        """The next copy (None: stop), mirroring the pointer first whenever one is waiting."""
+        while True:
+            with self._lock:
+                while self._jobs.empty() and self._pointer is None and not self._stopping:
+                    self._idle.wait()
+                if self._stopping:
+                    return None
+            if self._pointer is not None and self._jobs.empty():
+                try:
+                    self._write_pointer()
+                except Exception:  # noqa: BLE001 - retried before the next copy, or at the next commit
+                    self._sleep(RETRY_FIRST_S)
+                continue
+            return self._jobs.get()
+
+    def _write_pointer(self) -> None:
+        with self._lock:
+            pointer = self._pointer
+        if pointer is None:
+            return
+        self.store.replace_bytes(LATEST_FILE, pointer.encode())
+        with self._lock:
+            if self._pointer is pointer:  # a newer one may have come meanwhile
+                self._pointer = None
+
+    def _sleep(self, seconds: float) -> bool:
+        """Wait ``seconds`` (False: close() gave up meanwhile, stop)."""
+        deadline = time.monotonic() + seconds
+        with self._lock:
+            while not self._stopping and (left := deadline - time.monotonic()) > 0:
+                self._idle.wait(left)
+            return not self._stopping
+
+    def _drain_with_retries(self, job: DrainJob, st: DrainStatus) -> None:
+        """One copy; while the store does not answer, tried again with capped backoff for the
+        configured window (the pointer mirrored first each time). Raises the last failure."""
+        try:
+            st.bytes_total = sum(os.path.getsize(os.path.join(job.local_dir, n)) for n in (*job.files.data_files(), job.files.index_file))
+        except OSError:
+            st.bytes_total = 0
+        first_failure = None
+        backoff = RETRY_FIRST_S
+
+        def progress(n: int) -> None:
+            st.bytes_done += n
+
+        while True:
+            st.bytes_done = 0
+            try:
+                self._write_pointer()  # before the copy: a new node must see a rollback first
+                self._drain(job, progress)
+                return
+            except Exception as exc:  # noqa: BLE001 - retried below, or raised
+                now = time.monotonic()
+                first_failure = now if first_failure is None else first_failure
+                if not is_outage(exc) or now - first_failure + backoff > self.config.retry_s:
+                    raise
+                st.error = f"{type(exc).__name__}: {exc} (retrying for up to {self.config.retry_s:.0f} s)"
+                if not self._sleep(backoff):
+                    raise
+                backoff = min(backoff * 2, RETRY_MAX_S)
+
     def _drain(self, job: DrainJob, progress) -> None:
-        warning = run_drain_job(self.store, job, self.config, progress, self._pacer.wait_for_gap)
+        stamp, warning = run_drain_job(self.store, job, self.config, progress, self._pacer.wait_for_gap)
         if warning is not None:
             self._warn(warning)
         if self.rank == 0 and self._on_durable is not None:
             self._pacer.wait_for_gap()  # it deletes local copies: freeing their pages takes a core too
-            self._on_durable(job.step)
+            self._on_durable(job.step, stamp)
 
     # -- recovery and resume ------------------------------------------------------------
 

@@ -39,7 +39,7 @@ from dcp_datastates.errors import CheckpointError, CorruptCheckpointError
 from dcp_datastates.format.checkpoint_files import read_rank_index
 from dcp_datastates.format.checkpoint_layout import RankFiles
 from dcp_datastates.format.file_names import METADATA_FILE
-from dcp_datastates.format.metadata_file import TRAILER_BYTES, read_metadata_file, sequence_in_tail
+from dcp_datastates.format.metadata_file import TRAILER_BYTES, CommitStamp, read_metadata_file, stamp_in_tail
 from dcp_datastates.format.rank_index import IndexLimits, RankIndex
 from dcp_datastates.native.engine import crc32c
 from dcp_datastates.tiers.store import DurableStore, StoreError, run_all
@@ -256,8 +256,9 @@ def commit_durable(
     timeout_s: float = 3600.0,
     poll_s: float = 0.2,
     stop: Callable[[], bool] | None = None,
-) -> None:
-    """Coordinator: once every rank confirmed its files, write ``step_dir/.metadata``.
+) -> CommitStamp | None:
+    """Coordinator: once every rank confirmed its files, write ``step_dir/.metadata``; return
+    the stamp of the save committed there (None: its ``.metadata`` has no trailer).
 
     Every rank of the checkpoint's layout must have confirmed exactly the files the
     layout names for it, and the store must hold each at the confirmed size."""
@@ -269,6 +270,11 @@ def commit_durable(
     except OSError as exc:
         raise DrainError(f"{meta_path}: {exc}") from exc
     layout = metadata.storage_data
+    meta_key = f"{step_dir}/{METADATA_FILE}"
+    stamp = stamp_in_tail(blob[-TRAILER_BYTES:], len(blob), meta_path)
+    committed_there = store.size(meta_key) is not None
+    if committed_there and store.read(meta_key) == blob:
+        return stamp  # committed already, this very save (a drain repeated after its commit)
     _check_bases_durable(layout, step_dir, store)
     expected = {r.rank: [*r.data_files(), r.index_file] for r in layout.own_ranks}
     deadline = time.monotonic() + timeout_s
@@ -298,10 +304,7 @@ def commit_durable(
             size = store.size(f"{step_dir}/{f.name}")
             if size != f.size:
                 raise DrainError(f"{store.where(step_dir + '/' + f.name)}: {size} bytes in the store, {f.size} confirmed")
-    meta_key = f"{step_dir}/{METADATA_FILE}"
-    if store.size(meta_key) is not None:
-        if store.read(meta_key) == blob:
-            return  # committed already (a drain repeated after its commit)
+    if committed_there:
         # An earlier save of this step (overwritten locally) is committed there: uncommit it
         # first; its files that the new checkpoint does not name go below, once it commits.
         store.delete([meta_key])
@@ -312,6 +315,7 @@ def commit_durable(
         store.delete([k for k in store.list(prefix) if k[len(prefix):] not in named])  # confirmations, old files
     except StoreError:
         pass  # committed; leftovers are removed with the step
+    return stamp
 
 
 # -- the durable tier's steps ------------------------------------------------------------
@@ -362,14 +366,22 @@ def durable_steps(store: DurableStore, step_of: Callable[[str], int | None]) -> 
     return {step: (name, METADATA_FILE in rests) for step, (name, rests) in keys_by_step(store, step_of).items()}
 
 
-def durable_commit_sequence(store: DurableStore, step_dir: str) -> int | None:
-    """The commit sequence a durable copy's ``.metadata`` records (one ranged read of its tail;
-    unverified, as a local root's ordering reads it); None: not committed, or none recorded."""
+def durable_commit_stamp(store: DurableStore, step_dir: str) -> CommitStamp | None:
+    """Which save a durable copy holds: the :class:`CommitStamp` of its ``.metadata`` (one
+    ranged read of its tail; unverified, as a local root's ordering reads it); None: not
+    committed, or no trailer to tell."""
     key = f"{step_dir}/{METADATA_FILE}"
     size = store.size(key)
-    if size is None or size < TRAILER_BYTES:
+    if size is None:
         return None
-    return sequence_in_tail(bytes(store.read_range(key, size - TRAILER_BYTES, TRAILER_BYTES)), size, store.where(key))
+    at = max(0, size - TRAILER_BYTES)
+    return stamp_in_tail(bytes(store.read_range(key, at, size - at)), size, store.where(key))
+
+
+def durable_commit_sequence(store: DurableStore, step_dir: str) -> int | None:
+    """The commit sequence a durable copy's ``.metadata`` records; None: not committed, or none recorded."""
+    stamp = durable_commit_stamp(store, step_dir)
+    return stamp.sequence or None if stamp is not None else None
 
 
 def delete_durable_step(store: DurableStore, step_dir: str) -> None:

@@ -1,8 +1,8 @@
 """A durable tier on a (shared) file system: a directory tree, files renamed into place.
 
 Each object is written to a temporary name in its directory, fsynced, and
-renamed to its key without replacing an existing file; then the directory
-is fsynced. A crash leaves a temporary file (``.<name>.part-<pid>``) that
+renamed to its key without replacing an existing file (``replace_bytes``
+alone replaces, for the mirrored pointer); then the directory is fsynced. A crash leaves a temporary file (``.<name>.part-<pid>``) that
 :meth:`PosixStore.list` does not report and :meth:`PosixStore.sweep_partials`
 removes, never a short file under a key.
 """
@@ -117,6 +117,19 @@ class PosixStore(DurableStore):
             durable.remove_if_present([tmp])
             raise StoreError(f"writing {self.where(key)}: {exc.strerror or exc}") from exc
         self._publish(tmp, path, key)
+
+    def replace_bytes(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        tmp = self._tmp(path)
+        directory = os.path.dirname(path)
+        try:
+            durable.remove_if_present([tmp])
+            self._in_dir(directory, lambda: durable.write_new_file_durably(tmp, data))
+            durable.rename_into_place(tmp, path, directory)
+            durable.fsync_dir(directory)
+        except OSError as exc:
+            durable.remove_if_present([tmp])
+            raise StoreError(f"writing {self.where(key)}: {exc.strerror or exc}") from exc
 
     def read_range(self, key: str, offset: int, length: int) -> bytearray:
         out = bytearray(length)  # filled in place by preadv, outside the GIL: no copy under it

@@ -32,6 +32,13 @@ MAX_PARTS = 10_000
 UPLOAD_CONCURRENCY = 4  # parts in flight per upload: memory is about (concurrency + 1) parts
 
 
+# obstore's exception classes that mean the request was refused, not unanswered
+_REFUSALS = {
+    "PermissionDeniedError", "UnauthenticatedError", "InvalidPathError", "NotSupportedError",
+    "UnknownConfigurationKeyError", "NotFoundError", "AlreadyExistsError", "PreconditionError",
+}
+
+
 def _obstore():
     try:
         import obstore
@@ -105,7 +112,11 @@ class S3Store(DurableStore):
         self.endpoint = endpoint
 
     def _fail(self, what: str, key: str, exc: Exception) -> StoreError:
-        return StoreError(f"{what} {self.where(key)}: {type(exc).__name__}: {exc}")
+        # Refusals (credentials, permissions, a bad key or option) stay refusals; anything else
+        # obstore raises after its own retries is the server not answering (connection errors, 5xx).
+        refused = type(exc).__name__ in _REFUSALS
+        text = str(exc).split("\n\nDebug source:", 1)[0].strip()  # obstore appends its Rust error's dump
+        return StoreError(f"{what} {self.where(key)}: {type(exc).__name__}: {text}", transient=not refused)
 
     def put_stream(self, key: str, blocks, size: int, progress: Progress | None = None) -> None:
         """One PUT up to a part's size; above it a multipart upload of ``part`` bytes per part
@@ -142,6 +153,9 @@ class S3Store(DurableStore):
             self._obs.put(self._store, key, bytes(data), use_multipart=False)
         except Exception as exc:
             raise self._fail("writing", key, exc) from exc
+
+    def replace_bytes(self, key: str, data: bytes) -> None:
+        self.put_bytes(key, data)  # a PUT replaces an object atomically
 
     def read_range(self, key: str, offset: int, length: int) -> memoryview:
         check_key(key)

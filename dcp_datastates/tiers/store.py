@@ -4,7 +4,7 @@ A durable tier holds checkpoints as a tree of named objects under one root
 (``step_00000010/.metadata``, ``step_00000010/rank00000-<id>.data``, ...):
 a directory on a shared file system, or a prefix of an S3 bucket. The drain
 needs only what both can do well: write a whole object from a local file
-(streamed, never whole in memory), write a small object, read a byte range,
+(streamed, never whole in memory), write (or atomically replace) a small object, read a byte range,
 tell an object's size, list names under a prefix and delete names. An
 object becomes visible under its name only when it is complete (a file is
 renamed into place after an fsync; an S3 object exists only once its upload
@@ -17,6 +17,7 @@ Every failure is a :class:`StoreError` naming the destination and the key.
 from __future__ import annotations
 
 import abc
+import errno
 import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, wait
@@ -26,8 +27,33 @@ from dcp_datastates.errors import CheckpointError
 Progress = Callable[[int], None]  # called with the bytes handed on since the last call
 
 
+# A store on a file system that answers with one of these may answer again later (a network
+# file system's server away, an I/O error a remount clears): the drain retries it.
+_TRANSIENT_ERRNOS = {
+    errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.EAGAIN, errno.EINTR, errno.EHOSTDOWN, errno.EHOSTUNREACH,
+    errno.ENETDOWN, errno.ENETUNREACH, errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED,
+    errno.ENOLINK, errno.ECOMM, errno.EREMOTEIO,
+}
+
+
 class StoreError(CheckpointError, OSError):
-    """A durable store refused or failed an operation; the message names the store and the key."""
+    """A durable store refused or failed an operation; the message names the store and the key.
+
+    ``transient``: whether the store did not answer (an outage, which a later try may get
+    past) rather than refused what it was asked (permissions, a missing object, a full or
+    read-only file system). A store says so where it raises; otherwise it is told by the
+    ``errno`` of the ``OSError`` that caused it."""
+
+    def __init__(self, *args, transient: bool | None = None) -> None:
+        super().__init__(*args)
+        self._transient = transient
+
+    @property
+    def transient(self) -> bool:
+        if self._transient is not None:
+            return self._transient
+        cause = self.__cause__
+        return isinstance(cause, OSError) and not isinstance(cause, StoreError) and cause.errno in _TRANSIENT_ERRNOS
 
 
 class DurableStore(abc.ABC):
@@ -68,6 +94,11 @@ class DurableStore(abc.ABC):
     @abc.abstractmethod
     def put_bytes(self, key: str, data: bytes) -> None:
         """Write a small object (visible only once complete)."""
+
+    @abc.abstractmethod
+    def replace_bytes(self, key: str, data: bytes) -> None:
+        """Write a small object that may replace one under ``key``: a reader sees the old
+        object or the new one whole, never neither (the tier's mirrored pointer)."""
 
     @abc.abstractmethod
     def read_range(self, key: str, offset: int, length: int) -> bytes | bytearray | memoryview:
