@@ -21,6 +21,10 @@ base recorded. For a device tensor the digest is taken on the host, from
 
 On ``--device cpu`` the "copy" is a host memcpy and the floor a host sum: that
 checks the script without a GPU; the decision needs ``--device cuda``.
+
+``--json`` is written however the run ends: ``"complete": false`` and the
+``"error"`` when a measurement fails (a digest mismatch, say), with the figures
+taken before it.
 """
 
 from __future__ import annotations
@@ -106,12 +110,29 @@ def main() -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: this torch sees no CUDA device")
     threads = [int(x) for x in args.threads.split(",")]
+    results: dict = {}
+    # written however the measurements end: an assertion in the last case keeps the figures before it
+    report = {"args": vars(args), "machine": machine_info(), "results": results, "complete": False}
+    try:
+        measure(args, device, threads, results)
+        report["complete"] = True
+    except Exception as e:
+        report["error"] = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        if args.json:
+            write_json(args.json, report)
+    return 0
+
+
+def measure(args, device: torch.device, threads: list[int], results: dict) -> None:
+    """Every measurement of main(), its figures into ``results`` as they come."""
     n = (args.mib << 20) // 4
     tensors = [torch.randn(n, device=device) for _ in range(args.tensors)]
     nbytes = sum(t.nbytes for t in tensors)
     pinned = device.type == "cuda"
     hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in tensors]
-    results: dict = {"bytes": nbytes}
+    results["bytes"] = nbytes
 
     def rate(seconds: float) -> float:
         return nbytes / seconds / 1e9
@@ -140,9 +161,6 @@ def main() -> int:
         print(f"caller's stream busy for {kernel_s:.3f} s: hashed in {hashed_s:.3f} s, "
               + ("the kernel still running after (did not wait)" if still_running
                  else "the kernel done before (WAITED, or the kernel is shorter than the hashing: raise --busy-cycles)"))
-    if args.json:
-        write_json(args.json, {"args": vars(args), "machine": machine_info(), "results": results})
-    return 0
 
 
 if __name__ == "__main__":
