@@ -187,3 +187,16 @@ def test_deleting_a_durable_step_removes_the_commit_first(tmp_path, durable_url)
     assert durable_steps(store, step_of) == {8: ("step_00000008", True)}
     assert not clear_incomplete_step(store, "step_00000008")  # committed: left alone
     assert confirmation_key("step_00000008", 3) == "step_00000008/.drain/rank00003.json"
+
+
+def test_a_local_read_error_is_named_and_is_not_taken_for_an_outage_of_the_store(tmp_path):
+    """The drain's own reads of the local copy: a failure names the local file and is a
+    DrainError, never a StoreError the drain would retry as if the store were down."""
+    from dcp_datastates.manager.durable_tier import is_outage
+    from dcp_datastates.tiers.drain import DrainError, _local_blocks
+
+    where = tmp_path / "rank00000-0123456789ab.data"
+    where.mkdir()  # reading it fails (EISDIR), as a failing disk would with EIO
+    with pytest.raises(DrainError, match=str(where)) as info:
+        list(_local_blocks(str(where), None, [0], 1 << 20))
+    assert not is_outage(info.value)

@@ -402,6 +402,35 @@ def test_rollback_abandons_newer_steps_across_restarts(tmp_path):
     mgr.close()
 
 
+def test_a_rollback_is_recorded_when_the_run_saves_a_step_it_had_reached(tmp_path):
+    """Back to step 3 and saving step 4 again: the pointer records the rollback, and steps it
+    went back past take no retention slot, also once the pointer has moved above them. Loading
+    step 3 to look at it and then saving step 6 (past every step saved) records nothing."""
+    from dcp_datastates.manager.checkpoint_root import read_pointer, resume_order
+
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=None, async_save=False) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, state_at(step))
+        load_step(mgr, 3)  # an evaluation of an older step ...
+        mgr.save(6, state_at(6))  # ... while training goes on: no rollback
+    assert read_pointer(str(root)).rollbacks == ()
+    assert resume_order(str(root)).candidates == [6, 5, 4, 3, 2, 1]
+    root = tmp_path / "run2"
+    with CheckpointManager(root, keep_last=3, async_save=False) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, state_at(step))
+        load_step(mgr, 3)
+        mgr.save(4, state_at(104))  # the rollback, on record with its save's sequence
+        pointer = read_pointer(str(root))
+        assert pointer.rollbacks == ((3, pointer.sequence),)
+        mgr.save(6, state_at(106))
+        # 5 (the old trajectory's, below the pointer now) takes no slot of keep_last=3
+        assert mgr.steps() == [3, 4, 6]
+    order = resume_order(str(root))
+    assert order.candidates == [6, 4, 3]
+
+
 def test_retention_and_cleanup_never_follow_symlinks(tmp_path):
     elsewhere = tmp_path / "pretrained"
     with CheckpointManager(elsewhere, async_save=False) as mgr:

@@ -284,3 +284,108 @@ def test_a_tier_written_before_the_pointer_mirror_still_resumes(tmp_path, shared
     with CheckpointManager(root, durable=durable, async_save=False) as mgr:
         mgr.wait_durable()
     assert read_tier_pointer(open_store(durable)) == read_pointer(str(root))
+
+
+def test_a_node_that_returns_behind_the_run_never_replaces_its_newer_copies(tmp_path, shared_mount):
+    """Node A's step 11 never reached the tier; node B resumed step 10 from the tier and saved
+    its own 11 and 12. When A starts again, its 11 is not drained over B's (the tier's pointer
+    is newer than A's: the run went on elsewhere), and A resumes B's step 12."""
+    durable = os.path.join(shared_mount, "two_nodes")
+    a, b = tmp_path / "a", tmp_path / "b"
+    with CheckpointManager(a, durable=durable, async_save=False) as mgr:
+        mgr.save(10, state_at(10))
+    with CheckpointManager(a, async_save=False) as mgr:  # as if its drain had never succeeded
+        mgr.save(11, state_at(11))
+    with CheckpointManager(b, durable=durable, async_save=False) as mgr:
+        assert_resumes(mgr, 10)
+        for step in (11, 12):
+            mgr.save(step, state_at(TRAJECTORY + step))
+        mgr.wait_durable()
+        b11 = read_commit_stamp(os.path.join(b, "step_00000011", ".metadata"))
+    with CheckpointManager(a, durable=durable, async_save=False) as mgr:
+        mgr.wait_durable()
+        assert 11 not in mgr.durable_status()  # not drained
+        assert durable_commit_stamp(open_store(durable), "step_00000011") == b11
+        assert_resumes(mgr, 12, values_of=TRAJECTORY + 12)
+
+
+def test_a_base_of_a_step_drained_on_start_is_drained_too(tmp_path, shared_mount):
+    """10 full, 20 refers to 10, 30 full; 10 and 20 are missing on the tier at start, which
+    keeps 2: its retention alone would leave 10 out, but 20 cannot commit there without it."""
+    from dcp_datastates.tiers.drain import delete_durable_step
+    from manager_workers import frozen_state
+
+    root, durable = tmp_path / "run", os.path.join(shared_mount, "bases")
+    state = frozen_state()
+    with CheckpointManager(root, keep_last=None, durable=durable, full_every=2, async_save=False) as mgr:
+        for step in (10, 20, 30):
+            state["step"] = step
+            mgr.save(step, state)
+        mgr.wait_durable()
+    store = open_store(durable)
+    for step in (20, 10):
+        delete_durable_step(store, f"step_{step:08d}")
+    with CheckpointManager(root, keep_last=None, durable=durable, durable_keep_last=2, async_save=False) as mgr:
+        mgr.wait_durable()  # no DrainError: 10 went first
+        assert sorted(mgr.durable_status()) == [10, 20]
+    assert _committed(durable) == [10, 20, 30]  # 10 kept there: 20 refers to it
+
+
+def test_a_refusing_tier_stops_the_start_and_releases_the_root(tmp_path):
+    """A tier the store refuses (here a file where the directory should be: the listing fails
+    with ENOTDIR, no outage) is a misconfiguration: raised at start, not warned and trained past."""
+    from dcp_datastates.tiers import StoreError
+
+    root, durable = tmp_path / "run", tmp_path / "not_a_directory"
+    durable.write_bytes(b"")
+    with pytest.raises(StoreError, match="not_a_directory"):
+        CheckpointManager(root, durable=str(durable))
+    mgr = CheckpointManager(root)
+    assert mgr.owner
+    mgr.close()
+
+
+def test_one_outage_is_retried_for_one_window_whatever_the_steps_waiting(tmp_path, server):
+    root, url = tmp_path / "run", f"s3://{server.bucket}/window"
+    options = _options(server.endpoint)
+    with CheckpointManager(root, durable=url, async_save=False, durable_options=options, keep_last=None) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_at(step))
+        mgr.wait_durable()
+    server.kill()
+    with pytest.warns(CheckpointManagerWarning, match="did not answer"):  # every committed step queued
+        mgr = CheckpointManager(root, durable=url, async_save=False, durable_options=options, keep_last=None,
+                                durable_retry_s=6)
+    t0 = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointManagerWarning)
+        with pytest.raises(DrainError):
+            mgr.close()
+    assert time.monotonic() - t0 < 14  # one 6 s window, not one per queued step
+    assert _local(root) == [1, 2, 3]
+
+
+def test_close_stopping_early_never_lets_a_late_copy_touch_the_root(tmp_path, server):
+    """close() stops waiting while a copy is still uploading; the copy may still commit on the
+    tier, but its retention must not delete local steps of a root the manager gave up."""
+    from s3_proxy import S3Proxy
+
+    root, url = tmp_path / "run", f"s3://{server.bucket}/late"
+    proxy = S3Proxy(server.port)
+    try:
+        mgr = CheckpointManager(root, keep_last=1, durable=url, async_save=False,
+                                durable_options=_options(proxy.endpoint), durable_close_timeout_s=0.5)
+        proxy.throttle(2e6)  # 4.3 MB a step: about 2 s each
+        mgr.save(1, state_at(1))
+        mgr.save(2, state_at(2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CheckpointManagerWarning)
+            with pytest.raises(DrainError, match="close\\(\\) stopped waiting"):
+                mgr.close()
+        owner = CheckpointManager(root, keep_last=None)  # the root is free: a new owner
+        assert owner.owner
+        time.sleep(5)  # longer than the copy under way needed
+        assert _local(root) == [1, 2]
+        owner.close()
+    finally:
+        proxy.close()

@@ -308,8 +308,16 @@ class CheckpointManager:
         # The run's rollbacks, (step resumed from, sequence of the first save after it): recorded
         # in the pointer, on every tier (checkpoint_root.given_up). Rank 0's.
         self._rollbacks: set[tuple[int, int]] = set()
-        self._rolled_back_to: int | None = None  # a load went back to this step; the next save records it
+        self._rolled_back_to: tuple[int, int] | None = None  # (step loaded, newest known) of a load of an older step
+        if durable_close_timeout_s is not None and (
+            isinstance(durable_close_timeout_s, bool) or not isinstance(durable_close_timeout_s, (int, float))
+            or durable_close_timeout_s < 0
+        ):
+            raise ValueError(f"durable_close_timeout_s must be seconds >= 0 or None, got {durable_close_timeout_s!r}")
         self._close_timeout_s = durable_close_timeout_s
+        # The drain thread's local retention and close() giving the root up, one at a time.
+        self._root_lock = threading.Lock()
+        self._root_released = False
         try:
             self.owner, newest, rollbacks = self._on_rank0(start, "opening the checkpoint root")
             # Commits are numbered from the newest one in the root (every rank gets rank 0's
@@ -387,8 +395,13 @@ class CheckpointManager:
                 if any(p.step == step and not p.done.done() for p in self._pending):
                     raise CheckpointExistsError(f"a save of step {step} into {path} is still in flight")
                 self._seq += 1
-                if self._rolled_back_to is not None:  # the first save after a rollback: on record
-                    self._rollbacks.add((self._rolled_back_to, self._seq))
+                if self._rolled_back_to is not None:
+                    loaded, newest = self._rolled_back_to
+                    # The first save after a load of an older step: a rollback when it saves a step
+                    # the run had reached (it goes over that ground again), on record; a step past
+                    # every known one is the run going on (an evaluation load in between).
+                    if step <= newest:
+                        self._rollbacks.add((loaded, self._seq))
                     self._rolled_back_to = None
                 incremental_options = {}
                 if self.incremental:
@@ -560,7 +573,7 @@ class CheckpointManager:
                 self._replaceable.update(c for c in order.candidates if c > s)
                 # The state now holds step s: older than the newest step known, the next save
                 # continues a rollback, and records it in the pointer (the last load decides).
-                self._rolled_back_to = s if known and s < max(known) else None
+                self._rolled_back_to = (s, max(known)) if known and s < max(known) else None
                 return s
             why, bad_files = verdict
             if step is not None:
@@ -589,8 +602,10 @@ class CheckpointManager:
             durable_only = [s for s in durable if s not in local]
             both = [s for s in order.candidates if s in set(durable)]
             there = self._tier.commit_stamps([*durable_only, *both])
-            tier_pointer = self._tier.read_pointer()
-        except (StoreError, ValueError) as exc:
+            tier_pointer = self._read_tier_pointer()
+        except StoreError as exc:
+            if not exc.transient:  # a refusal is raised, as any error a fallback would hide
+                raise
             return _Listing(order, uncommitted, [], [], set(), _describe(exc))
         try:
             local_pointer = read_pointer(self.root)
@@ -630,6 +645,8 @@ class CheckpointManager:
                 if self._tier is not None:
                     self._tier.close(self._close_timeout_s)
             finally:
+                with self._root_lock:
+                    self._root_released = True
                 self._release()
 
     def __enter__(self) -> CheckpointManager:
@@ -755,7 +772,8 @@ class CheckpointManager:
         in_flight = {p.step for p in self._pending if not p.done.done()}
         victims = retention_victims(self.root, committed_step, self.keep_last, self.keep_every, in_flight)
         if self._tier is not None and not self.delete_undrained:
-            victims = [name for name in victims if self._settled_locally(name)]
+            gone = set(resume_order(self.root).abandoned)  # given up: no durable copy is wanted
+            victims = [name for name in victims if step_of(name) in gone or self._settled_locally(name)]
         if victims:  # after every other rule: what stays may refer to what would go
             victims = self._without_bases(victims, committed_step)
         # Deleted newest first: a step an incremental one refers to is older than it, so a crash
@@ -830,8 +848,12 @@ class CheckpointManager:
     def _survey_tier(self, keep_last: int | None, keep_every: int | None) -> _TierSurvey:
         """Rank 0, at start: which committed local steps the tier holds the very save of (by
         :class:`CommitStamp`, not by step number), which it would not keep anyway (its retention,
-        applied as if they had been drained in order), and so which must be drained again; what
-        interrupted drains left there is removed, and the run's pointer merged with the tier's."""
+        applied as if they had been drained in order, bases spared), which the run has gone past
+        there (another node went on from the tier: its pointer is newer than ours), and so which
+        must be drained again; what interrupted drains left there is removed, and the run's
+        pointer merged with the tier's. A store that does not answer is said in ``error`` (every
+        committed local step is then queued); one that refuses (credentials, permissions, a wrong
+        bucket) is raised: the tier is misconfigured, and the run must not go on without it."""
         order = resume_order(self.root)
         by_commit = sorted(order.candidates, key=lambda s: (order.sequences.get(s, 0), s))
         local_pointer = None
@@ -841,29 +863,54 @@ class CheckpointManager:
             pass  # recover_root warned and rewrote it, or the next commit does
         try:
             durable, incomplete = self._tier.steps_by_state()  # one listing of the store
-            tier_pointer = self._tier.read_pointer()
+            tier_pointer = self._read_tier_pointer()
             self._tier.clear_incomplete(incomplete)
             there = self._tier.commit_stamps([s for s in by_commit if s in durable])
-        except (StoreError, ValueError) as exc:  # down, or its pointer unreadable: every step is queued
+        except StoreError as exc:
+            if not exc.transient:
+                raise
             return _TierSurvey(by_commit, {}, (), 0, None, _describe(exc))
         mine = {s: read_commit_stamp(os.path.join(self.path_of(s), METADATA_FILE)) for s in by_commit}
         settled = {s: st for s, st in mine.items() if st is not None and there.get(s) == st}
-        missing = [s for s in by_commit if s not in settled]
+        # The tier's pointer newer than ours: another node resumed from the tier and went on.
+        behind = tier_pointer is not None and (tier_pointer.sequence or 0) > (
+            (local_pointer.sequence or 0) if local_pointer is not None else 0)
+        missing = []
+        for s in by_commit:
+            if s in settled:
+                continue
+            other = there.get(s)
+            if other is not None and mine[s] is not None and (behind or other.sequence > mine[s].sequence):
+                settled[s] = mine[s]  # the run saved this step again since: the tier's copy is the run's
+            elif not behind:  # behind: a step the run did not take from here; kept, not drained
+                missing.append(s)
         if settled and missing and (keep_last is not None or keep_every is not None):
             newest = max(settled)  # the newest copy of this run's own there
             keeps = retention_keeps(sorted(set(durable) | set(missing)), newest, keep_last, keep_every)
-            for s in missing:
-                if s < newest and s not in keeps and mine[s] is not None:
-                    settled[s] = mine[s]  # its copy there would be deleted again at once: no copy
-            missing = [s for s in missing if s not in settled]
+            superseded = {s for s in missing if s < newest and s not in keeps and mine[s] is not None}
+            # ... but never a base of a step that is drained: that one would never commit there
+            superseded = spare_referred(superseded, [s for s in missing if s not in superseded],
+                                        self._increments.referred_steps)
+            settled.update({s: mine[s] for s in superseded})  # its copy there would go again at once
+            missing = [s for s in missing if s not in superseded]
         sequences = [st.sequence for st in there.values() if st is not None]
         newest_sequence = max([*sequences, (tier_pointer.sequence or 0) if tier_pointer else 0])
         rollbacks = tuple(tier_pointer.rollbacks) if tier_pointer else ()
         mirror = None
-        if local_pointer is not None and (tier_pointer is None or (local_pointer.sequence or 0) >= (tier_pointer.sequence or 0)):
+        if local_pointer is not None and not behind:
             merged = tuple(sorted(set(local_pointer.rollbacks) | set(rollbacks)))
             mirror = dataclasses.replace(local_pointer, rollbacks=merged)
         return _TierSurvey(missing, settled, rollbacks, newest_sequence, mirror, None)
+
+    def _read_tier_pointer(self):
+        """The run's pointer mirrored on the tier; one that cannot be read is warned about and
+        passed over (copies are then judged by their sequences alone; the next mirror replaces it)."""
+        try:
+            return self._tier.read_pointer()
+        except ValueError as exc:
+            warnings.warn(f"{exc}: judging the durable copies by their commit sequences alone",
+                          CheckpointManagerWarning, stacklevel=4)
+            return None
 
     def _saves_changed(self) -> None:
         """A save started or ended: the drain pauses while any save of this manager runs (its
@@ -891,13 +938,16 @@ class CheckpointManager:
         """Rank 0's drain thread, once the save ``stamp`` of ``step`` committed on the durable
         tier: local retention may now delete the local copies it kept for want of a durable one."""
         try:
-            with self._lock:
-                if stamp is not None:
-                    self._settled[step] = stamp
-                anchor = self._retention_anchor
-                victims = self._local_victims(anchor) if anchor is not None else []
-            for name in victims:
-                delete_checkpoint_dir(os.path.join(self.root, name))
+            with self._root_lock:  # never after close() gave the root up (a copy it stopped waiting for)
+                if self._root_released:
+                    return
+                with self._lock:
+                    if stamp is not None:
+                        self._settled[step] = stamp
+                    anchor = self._retention_anchor
+                    victims = self._local_victims(anchor) if anchor is not None else []
+                for name in victims:
+                    delete_checkpoint_dir(os.path.join(self.root, name))
         except Exception as exc:  # noqa: BLE001
             warnings.warn(f"step {step} is durable, but local retention failed: {exc}", CheckpointManagerWarning, stacklevel=2)
 

@@ -186,7 +186,10 @@ def retention_victims(
     """
     dirs = step_dirs(root)
     committed = sorted(s for s, name in dirs.items() if is_committed(os.path.join(root, name)))
-    keep = retention_keeps(committed, committed_step, keep_last, keep_every)
+    # Steps below S that a rollback went back past belong to a trajectory given up: they take
+    # no slot (and so go), as the abandoned steps above S take none (and stay, to be replaced).
+    gone = {s for s in resume_order(root).abandoned if s < committed_step}
+    keep = retention_keeps([s for s in committed if s not in gone], committed_step, keep_last, keep_every)
     return [
         name for s, name in sorted(dirs.items())
         if s < committed_step and s not in keep and s not in in_flight and not is_link(root, name)

@@ -107,7 +107,8 @@ class DrainConfig:
     retry_s: float = RETRY_S
 
 
-def run_drain_job(store, job: DrainJob, config: DrainConfig, progress, pace) -> tuple[CommitStamp | None, str | None]:
+def run_drain_job(store, job: DrainJob, config: DrainConfig, progress, pace,
+                  stop=None) -> tuple[CommitStamp | None, str | None]:
     """Copy this rank's files of ``job``'s step to ``store``; on rank 0, commit the copy once
     every rank confirmed, then apply the tier's retention. Returns the stamp of the save
     committed there (rank 0; None elsewhere) and a warning (retention failed after the
@@ -116,7 +117,7 @@ def run_drain_job(store, job: DrainJob, config: DrainConfig, progress, pace) -> 
     drain_rank(job.local_dir, step_dir, job.files, store, read_back=config.read_back, progress=progress, pace=pace)
     if config.rank != 0:
         return None, None
-    stamp = commit_durable(job.local_dir, step_dir, store, timeout_s=config.commit_timeout_s)
+    stamp = commit_durable(job.local_dir, step_dir, store, timeout_s=config.commit_timeout_s, stop=stop)
     try:
         apply_durable_retention(store, job.step, config.keep_last, config.keep_every)
     except Exception as exc:  # noqa: BLE001 - the commit stands; retention catches up next time
@@ -214,8 +215,12 @@ class DurableTier:
         self._failed: dict[int, DrainJob] = {}
         self._unreported: list[DrainError] = []
         self._closing = False
-        self._stopping = False  # close() gave up waiting: the thread ends at its next wait
-        self._pointer: Pointer | None = None  # rank 0: the pointer to mirror before the next copy
+        self._stopping = False  # close() ended its wait: the thread ends at its next wait
+        # Small objects to write before the next copy, {key: (bytes, replace)}: rank 0's mirror of
+        # the pointer, and a failure note a rank could not write while the store was down (rank 0
+        # waits for it, or for a confirmation). Retried while the store does not answer.
+        self._small: dict[str, tuple[bytes, bool]] = {}
+        self._outage_since: float | None = None  # the store stopped answering then (None: it answers)
         self._thread: threading.Thread | None = None
 
     # -- what is there ---------------------------------------------------------------
@@ -244,10 +249,13 @@ class DurableTier:
     def mirror_pointer(self, pointer: Pointer) -> None:
         """Rank 0: write ``pointer`` to the tier before the next copy starts (the newest one
         given wins; retried while the store does not answer, as a copy is)."""
+        self._put_small(LATEST_FILE, pointer.encode(), replace=True)
+
+    def _put_small(self, key: str, data: bytes, replace: bool) -> None:
         with self._lock:
             if self._closing:
                 return
-            self._pointer = pointer
+            self._small[key] = (data, replace)
             self._start_thread()
             self._idle.notify_all()
 
@@ -314,7 +322,9 @@ class DurableTier:
     def close(self, timeout: float | None = None) -> None:
         """Wait for the drains in flight (up to ``timeout`` seconds; None: until each ended,
         its retries included) and stop the thread; raise the first unreported failure, or a
-        :class:`DrainError` naming the steps that are still not durable."""
+        :class:`DrainError` naming the steps that are still not durable. After a timeout the
+        thread is told to stop; a copy under way may still commit on the tier (it is a whole,
+        verified copy), and the join waits up to ``timeout`` again for it."""
         try:
             try:
                 self.wait(timeout)
@@ -322,8 +332,8 @@ class DurableTier:
                 with self._lock:
                     left = sorted(s for s, st in self._status.items() if st.state in (QUEUED, DRAINING))
                 raise DrainError(
-                    f"steps {left} are committed locally but not on the durable tier {self.url}: their drains "
-                    f"were still running (or retrying) after {timeout} s, and were given up; their local copies were kept"
+                    f"steps {left} are committed locally but not durable on {self.url}: their drains were still "
+                    f"running (or retrying) when close() stopped waiting after {timeout} s; their local copies were kept"
                 ) from None
             failed = self.failed_steps()
             if failed:
@@ -331,19 +341,18 @@ class DurableTier:
                     f"steps {failed} are committed locally but not on the durable tier {self.url} "
                     "(their drains failed; see the warnings); their local copies were kept"
                 )
-            try:  # a pointer the thread had no copy to write before (the last commit's, normally written)
-                self._write_pointer()
-            except Exception as exc:  # noqa: BLE001 - the copies stand; the next start mirrors it
-                self._warn(f"mirroring the run's pointer to {self.url} failed: {exc}; the next start does it")
         finally:
             with self._lock:
                 self._closing = self._stopping = True
                 thread, self._thread = self._thread, None
                 self._idle.notify_all()
             if thread is not None:
-                self._jobs.put(None)
                 thread.join(timeout)
             if thread is None or not thread.is_alive():  # a copy still under way keeps its store
+                try:  # what the thread had no time or no answer for (the last commit's pointer, normally written)
+                    self._write_small()
+                except Exception as exc:  # noqa: BLE001 - the copies stand; the next start mirrors the pointer
+                    self._warn(f"writing the run's pointer to {self.url} failed: {exc}; the next start does it")
                 self.store.close()
 
     def _run(self) -> None:
@@ -367,10 +376,9 @@ class DurableTier:
                 with self._lock:
                     self._failed[job.step] = job
                     self._unreported.append(err)
-                try:  # tell rank 0, which waits for this rank's confirmation, not to wait any longer
-                    self.store.put_bytes(failure_key(step_dir_name(job.step), self.rank), st.error.encode()[:4096])
-                except Exception:  # noqa: BLE001 - rank 0 then waits until its timeout
-                    pass
+                # Tell rank 0, which waits for this rank's confirmation, not to wait any longer (now,
+                # or once the store answers again).
+                self._put_small(failure_key(step_dir_name(job.step), self.rank), st.error.encode()[:4096], replace=False)
                 self._warn(f"{err}; the local copy is kept and the drain is retried after the next save")
             finally:
                 st.seconds = time.perf_counter() - t0
@@ -379,47 +387,62 @@ class DurableTier:
                     self._idle.notify_all()
 
     def _next_job(self) -> DrainJob | None:
-        """The next copy (None: stop), mirroring the pointer first whenever one is waiting."""
+        """The next copy (None: stop), the small objects waiting written first."""
+        backoff = RETRY_FIRST_S
         while True:
             with self._lock:
-                while self._jobs.empty() and self._pointer is None and not self._stopping:
+                while self._jobs.empty() and not self._small and not self._stopping:
                     self._idle.wait()
                 if self._stopping:
                     return None
-            if self._pointer is not None and self._jobs.empty():
+            if self._jobs.empty():
                 try:
-                    self._write_pointer()
-                except Exception:  # noqa: BLE001 - retried before the next copy, or at the next commit
-                    self._sleep(RETRY_FIRST_S)
+                    self._write_small()
+                except Exception:  # noqa: BLE001 - tried again, with backoff, unless a copy comes first
+                    self._sleep(backoff, until_job=True)
+                    backoff = min(backoff * 2, RETRY_MAX_S)
                 continue
             return self._jobs.get()
 
-    def _write_pointer(self) -> None:
+    def _write_small(self) -> None:
+        """Write the small objects waiting; raise on the first one the store did not take (a
+        failure note it refused, such as one already there, is dropped)."""
         with self._lock:
-            pointer = self._pointer
-        if pointer is None:
-            return
-        self.store.replace_bytes(LATEST_FILE, pointer.encode())
-        with self._lock:
-            if self._pointer is pointer:  # a newer one may have come meanwhile
-                self._pointer = None
+            items = list(self._small.items())
+        for key, (data, replace) in items:
+            try:
+                (self.store.replace_bytes if replace else self.store.put_bytes)(key, data)
+            except StoreError as exc:
+                if replace or exc.transient:
+                    raise
+            with self._lock:
+                if self._small.get(key) == (data, replace):  # a newer one may have come meanwhile
+                    del self._small[key]
+        self._answered()
 
-    def _sleep(self, seconds: float) -> bool:
-        """Wait ``seconds`` (False: close() gave up meanwhile, stop)."""
+    def _answered(self) -> None:
+        with self._lock:
+            self._outage_since = None
+
+    def _sleep(self, seconds: float, until_job: bool = False) -> bool:
+        """Wait ``seconds``, or until a copy is queued (``until_job``); False: close() ended its
+        wait meanwhile, stop."""
         deadline = time.monotonic() + seconds
         with self._lock:
             while not self._stopping and (left := deadline - time.monotonic()) > 0:
+                if until_job and not self._jobs.empty():
+                    break
                 self._idle.wait(left)
             return not self._stopping
 
     def _drain_with_retries(self, job: DrainJob, st: DrainStatus) -> None:
-        """One copy; while the store does not answer, tried again with capped backoff for the
-        configured window (the pointer mirrored first each time). Raises the last failure."""
+        """One copy; while the store does not answer, tried again with capped backoff until the
+        outage has lasted the configured window (one window per outage, whatever the number of
+        copies waiting; the small objects written first each time). Raises the last failure."""
         try:
             st.bytes_total = sum(os.path.getsize(os.path.join(job.local_dir, n)) for n in (*job.files.data_files(), job.files.index_file))
         except OSError:
             st.bytes_total = 0
-        first_failure = None
         backoff = RETRY_FIRST_S
 
         def progress(n: int) -> None:
@@ -428,24 +451,29 @@ class DurableTier:
         while True:
             st.bytes_done = 0
             try:
-                self._write_pointer()  # before the copy: a new node must see a rollback first
+                self._write_small()  # before the copy: a new node must see a rollback first
                 self._drain(job, progress)
                 return
             except Exception as exc:  # noqa: BLE001 - retried below, or raised
-                now = time.monotonic()
-                first_failure = now if first_failure is None else first_failure
-                if not is_outage(exc) or now - first_failure + backoff > self.config.retry_s:
+                if not is_outage(exc) or self._stopping:
                     raise
-                st.error = f"{type(exc).__name__}: {exc} (retrying for up to {self.config.retry_s:.0f} s)"
+                now = time.monotonic()
+                with self._lock:
+                    since = self._outage_since = now if self._outage_since is None else self._outage_since
+                if now - since + backoff > self.config.retry_s:
+                    raise
+                st.error = f"{type(exc).__name__}: {exc} (retrying until the store has not answered for {self.config.retry_s:.0f} s)"
                 if not self._sleep(backoff):
                     raise
                 backoff = min(backoff * 2, RETRY_MAX_S)
 
     def _drain(self, job: DrainJob, progress) -> None:
-        stamp, warning = run_drain_job(self.store, job, self.config, progress, self._pacer.wait_for_gap)
+        stamp, warning = run_drain_job(self.store, job, self.config, progress, self._pacer.wait_for_gap,
+                                       stop=lambda: self._stopping)
+        self._answered()
         if warning is not None:
             self._warn(warning)
-        if self.rank == 0 and self._on_durable is not None:
+        if self.rank == 0 and self._on_durable is not None and not self._stopping:
             self._pacer.wait_for_gap()  # it deletes local copies: freeing their pages takes a core too
             self._on_durable(job.step, stamp)
 

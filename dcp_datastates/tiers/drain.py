@@ -155,11 +155,18 @@ def _local_blocks(path: str, checker: SegmentChecker | None, crc_box: list, bloc
     whole file's CRC-32C ends in ``crc_box[0]``. ``pace()`` runs before each block."""
     crc = 0
     at = 0
-    with open(path, "rb", buffering=0) as f:
+    try:
+        f = open(path, "rb", buffering=0)
+    except OSError as exc:  # the local copy, not the store: never taken for an outage of the store
+        raise DrainError(f"{path}: reading the local copy to drain it: {exc.strerror or exc}") from exc
+    with f:
         while True:
             if pace is not None:
                 pace()
-            data = f.read(block)
+            try:
+                data = f.read(block)
+            except OSError as exc:
+                raise DrainError(f"{path}: reading the local copy at offset {at} to drain it: {exc.strerror or exc}") from exc
             if not data:
                 break
             view = memoryview(data)
@@ -275,6 +282,13 @@ def commit_durable(
     committed_there = store.size(meta_key) is not None
     if committed_there and store.read(meta_key) == blob:
         return stamp  # committed already, this very save (a drain repeated after its commit)
+    if committed_there:
+        there = durable_commit_stamp(store, step_dir)
+        if there is not None and stamp is not None and there.sequence > stamp.sequence:
+            raise DrainError(
+                f"{store.where(step_dir)} holds a newer save of this step (commit sequence {there.sequence}, "
+                f"{local_dir}'s is {stamp.sequence}): the run went on from the tier elsewhere; not replaced"
+            )
     _check_bases_durable(layout, step_dir, store)
     expected = {r.rank: [*r.data_files(), r.index_file] for r in layout.own_ranks}
     deadline = time.monotonic() + timeout_s
