@@ -225,3 +225,24 @@ def test_bad_writer_arguments():
         DataStatesWriter("/tmp/x", host_cache_bytes=1 << 20, window_bytes=1 << 20)
     with pytest.raises(ValueError, match="multiple of 4096"):
         DataStatesReader("/tmp/x", window_bytes=1000)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda url: DataStatesWriter(url),
+        lambda url: dcp.save({"w": torch.zeros(3)}, storage_writer=DataStatesWriter(), checkpoint_id=url, no_dist=True),
+        lambda url: DataStatesReader(url),
+        lambda url: dcp.load({"w": torch.zeros(3)}, storage_reader=DataStatesReader(), checkpoint_id=url, no_dist=True),
+        lambda url: __import__("dcp_datastates").CheckpointManager(url),
+    ],
+    ids=["writer", "dcp.save checkpoint_id", "reader", "dcp.load checkpoint_id", "manager"],
+)
+@pytest.mark.parametrize("url", ["s3://bucket/ckpt/step_1", "gs://bucket/ckpt", "S3://bucket/ckpt"])
+def test_a_url_is_never_taken_for_a_local_folder(tmp_path, monkeypatch, make, url):
+    """Before, DataStatesWriter("s3://bucket/ckpt/step_1") saved into ./s3:/bucket/ckpt/step_1."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"'{url}' is a .*:// URL") as info:
+        make(url)
+    assert "durable=URL" in str(info.value) or "StoreReader(URL)" in str(info.value)
+    assert os.listdir(tmp_path) == []

@@ -36,7 +36,7 @@ from dcp_datastates.errors import (
     IncompleteCheckpointError,
     UnsupportedFormatError,
 )
-from dcp_datastates.format.file_names import METADATA_FILE, checkpoint_file, is_save_file
+from dcp_datastates.format.file_names import METADATA_FILE, checkpoint_file, is_save_file, refuse_url
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout, RankFiles, object_entries
 from dcp_datastates.format.rank_index import IndexLimits, RankIndex
 from dcp_datastates.format.checkpoint_files import read_rank_index
@@ -44,6 +44,8 @@ from dcp_datastates.format.metadata_file import read_metadata_file
 from dcp_datastates.format.safe_objects import plain_object_stream
 
 TEMP_BUDGET_BYTES = 512 << 20  # temporaries alive at once while reading non-direct items
+
+_READER_URL_HINT = "Load a checkpoint in object storage with StoreReader(URL) (s3://bucket/prefix/step_...)."
 
 
 class DataStatesReader(StorageReader):
@@ -64,6 +66,8 @@ class DataStatesReader(StorageReader):
         window_bytes: the largest single read; also the write window size.
     """
 
+    _LOCAL_ONLY = True  # a URL is refused (StoreReader, which reads stores, says False)
+
     def __init__(
         self,
         path: str | os.PathLike | None = None,
@@ -74,6 +78,8 @@ class DataStatesReader(StorageReader):
         window_bytes: int = _native.DEFAULT_WINDOW_BYTES,
     ) -> None:
         super().__init__()
+        if self._LOCAL_ONLY:
+            refuse_url(path, type(self).__name__, _READER_URL_HINT)
         self.path = os.fspath(path) if path is not None else None
         self.verify = verify
         self.allow_pickle = allow_pickle
@@ -109,6 +115,8 @@ class DataStatesReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.load_id = str(uuid.uuid4())
         if checkpoint_id is not None:
+            if self._LOCAL_ONLY:
+                refuse_url(checkpoint_id, type(self).__name__, _READER_URL_HINT)
             self.path = os.fspath(checkpoint_id)
         self._metadata = None
         self._layout = None

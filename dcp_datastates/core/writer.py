@@ -68,11 +68,17 @@ from dcp_datastates.core.stager import WriterSnapshots
 from dcp_datastates.core.staging import StagingFuture
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.metadata_file import encode_metadata
-from dcp_datastates.format.file_names import MAX_STRIPES, METADATA_FILE, layout_files
+from dcp_datastates.format.file_names import MAX_STRIPES, METADATA_FILE, layout_files, refuse_url
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout, RankFiles
 from dcp_datastates.native import engine as _native
 
 __all__ = ["DataStatesWriter", "SaveStats"]
+
+# Until saves go straight to object storage: where a URL a writer refuses should go instead.
+_WRITER_URL_HINT = (
+    "To keep checkpoints in object storage, save them to a local directory and have them copied there "
+    "in the background: CheckpointManager(local_root, durable=URL) (docs/tiers.md)."
+)
 
 
 class DataStatesWriter(StorageWriter, AsyncStager):
@@ -168,6 +174,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self.record_digests = bool(record_digests) or base is not None
         self.change_tracker = change_tracker
         self._io_threads = io_threads
+        refuse_url(path, "DataStatesWriter", _WRITER_URL_HINT)
         self.path = os.fspath(path) if path is not None else None
         self.overwrite = overwrite
         self.direct_io = direct_io
@@ -309,6 +316,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         """
         self.save_id = _new_dcp_id()
         if checkpoint_id is not None:
+            refuse_url(checkpoint_id, "DataStatesWriter", _WRITER_URL_HINT)
             self.path = os.fspath(checkpoint_id)
             with self._lock:
                 self._reset_paths[threading.get_ident()] = self.path

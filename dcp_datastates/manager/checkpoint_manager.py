@@ -82,7 +82,7 @@ from dcp_datastates.manager.checkpoint_root import (
 from dcp_datastates.manager.durable_tier import RETRY_S, DrainStatus, DurableTier
 from dcp_datastates.tiers.store import StoreError
 from dcp_datastates.tiers.store_reader import StoreReader
-from dcp_datastates.format.file_names import METADATA_FILE
+from dcp_datastates.format.file_names import METADATA_FILE, refuse_url
 from dcp_datastates.format.metadata_file import CommitStamp, read_commit_sequence, read_commit_stamp
 from dcp_datastates.tiers.drain import DrainError
 from dcp_datastates.manager.cleanup import (
@@ -264,6 +264,8 @@ class CheckpointManager:
             raise ValueError(f"durable_resume must be 'load' or 'fetch', got {durable_resume!r}")
         if not isinstance(full_every, int) or isinstance(full_every, bool) or full_every < 1:
             raise ValueError(f"full_every must be a positive int, got {full_every!r}")
+        refuse_url(root, "CheckpointManager", "Give it a local directory, and the object storage as its durable "
+                   "tier: CheckpointManager(local_root, durable=URL) (docs/tiers.md).")
         self.root = os.path.abspath(os.fspath(root))
         self.durable_resume = durable_resume
         self.keep_last = keep_last

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, wait
 
 from dcp_datastates.errors import CheckpointError
+from dcp_datastates.format.file_names import url_scheme
 
 Progress = Callable[[int], None]  # called with the bytes handed on since the last call
 
@@ -171,7 +172,7 @@ def is_object_store_url(url: str | os.PathLike) -> bool:
 def check_url_scheme(url: str | os.PathLike) -> None:
     """A ValueError for a URL of a scheme no store serves (``gs://``, ``S3://``, ``file://``):
     never taken for a directory whose name holds ``:``."""
-    if isinstance(url, str) and "://" in url and not is_object_store_url(url):
+    if url_scheme(url) is not None and not is_object_store_url(url):
         raise ValueError(f"unsupported durable tier URL {url!r}: use a directory path or s3://bucket/prefix")
 
 

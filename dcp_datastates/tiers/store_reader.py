@@ -87,6 +87,8 @@ class StoreReader(DataStatesReader):
         range_bytes: the largest single ranged read.
     """
 
+    _LOCAL_ONLY = False  # its paths are URLs (or directories, through a PosixStore)
+
     def __init__(
         self,
         path: str | os.PathLike | None = None,
