@@ -72,6 +72,7 @@ from dcp_datastates.manager.checkpoint_root import (
     is_committed,
     newest_sequence,
     given_up,
+    newest_pointer,
     point_latest_at,
     read_pointer,
     resume_order,
@@ -298,7 +299,11 @@ class CheckpointManager:
             os.makedirs(self.root, exist_ok=True)
             if self._take_ownership() and cleanup:
                 recover_root(self.root, self.allow_pickle, _warn)
-            return self._lock_fd is not None, newest_sequence(self.root), resume_order(self.root).rollbacks
+            try:
+                pointer = read_pointer(self.root)  # the run's rollbacks on record
+            except ValueError:  # rewritten by recover_root (owner), or by the next commit
+                pointer = None
+            return self._lock_fd is not None, newest_sequence(self.root), pointer.rollbacks if pointer else ()
 
         self.delete_undrained = delete_undrained
         self._tier: DurableTier | None = None
@@ -613,12 +618,7 @@ class CheckpointManager:
             local_pointer = read_pointer(self.root)
         except ValueError:
             local_pointer = None
-        pointers = [p for p in (local_pointer, tier_pointer) if p is not None]
-        pointer = None
-        if pointers:
-            newest = max(pointers, key=lambda p: p.sequence or 0)
-            rollbacks = set(self._rollbacks).union(*(p.rollbacks for p in pointers))
-            pointer = dataclasses.replace(newest, rollbacks=tuple(sorted(rollbacks)))
+        pointer = newest_pointer(local_pointer, tier_pointer, rollbacks=self._rollbacks)
         sequences = {**order.sequences, **{s: there[s].sequence for s in durable_only if there.get(s) is not None}}
         gave_up = [s for s in given_up(sequences, pointer) if s in durable_only]
         same = set()
@@ -772,9 +772,10 @@ class CheckpointManager:
         with a durable tier, only steps whose durable copy committed (unless ``delete_undrained``);
         never a step that a step left on disk (or a save in flight) refers to."""
         in_flight = {p.step for p in self._pending if not p.done.done()}
-        victims = retention_victims(self.root, committed_step, self.keep_last, self.keep_every, in_flight)
+        order = resume_order(self.root)  # one listing of the root for the whole pass
+        victims = retention_victims(self.root, committed_step, self.keep_last, self.keep_every, in_flight, order)
         if self._tier is not None and not self.delete_undrained:
-            gone = set(resume_order(self.root).abandoned)  # given up: no durable copy is wanted
+            gone = set(order.abandoned)  # given up: no durable copy is wanted
             victims = [name for name in victims if step_of(name) in gone or self._settled_locally(name)]
         if victims:  # after every other rule: what stays may refer to what would go
             victims = self._without_bases(victims, committed_step)
@@ -898,10 +899,8 @@ class CheckpointManager:
         sequences = [st.sequence for st in there.values() if st is not None]
         newest_sequence = max([*sequences, (tier_pointer.sequence or 0) if tier_pointer else 0])
         rollbacks = tuple(tier_pointer.rollbacks) if tier_pointer else ()
-        mirror = None
-        if local_pointer is not None and not behind:
-            merged = tuple(sorted(set(local_pointer.rollbacks) | set(rollbacks)))
-            mirror = dataclasses.replace(local_pointer, rollbacks=merged)
+        # Ours, with the tier's rollbacks too (not behind: ours names the newest commit)
+        mirror = newest_pointer(local_pointer, tier_pointer) if local_pointer is not None and not behind else None
         return _TierSurvey(missing, settled, rollbacks, newest_sequence, mirror, None)
 
     def _read_tier_pointer(self):

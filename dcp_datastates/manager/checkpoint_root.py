@@ -274,6 +274,18 @@ def _rolled_back_past(step: int, sequence: int, rollbacks) -> bool:
     return bool(sequence) and any(step > r and sequence < q for r, q in rollbacks)
 
 
+def newest_pointer(*pointers: Pointer | None, rollbacks=()) -> Pointer | None:
+    """Of the run's pointers on several tiers (None where a tier has none), the one naming the
+    newest commit, with every rollback any of them (or ``rollbacks``) records: the run's one view
+    of where it stands and which trajectories it gave up."""
+    found = [p for p in pointers if p is not None]
+    if not found:
+        return None
+    newest = max(found, key=lambda p: p.sequence or 0)
+    merged = set(rollbacks).union(*(p.rollbacks for p in found))
+    return dataclasses.replace(newest, rollbacks=tuple(sorted(merged)))
+
+
 def given_up(sequences: dict[int, int | None], pointer: Pointer | None) -> list[int]:
     """The steps of ``sequences`` (``{step: commit sequence}`` of the copies on a tier without a
     pointer of its own, such as a durable tier) whose copies belong to a trajectory the run gave

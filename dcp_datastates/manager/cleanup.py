@@ -37,6 +37,7 @@ from dcp_datastates.manager.checkpoint_root import (
     LATEST_TMP_RE,
     is_committed,
     is_link,
+    ResumeOrder,
     point_latest_at,
     resume_order,
     step_dirs,
@@ -174,6 +175,7 @@ def retention_victims(
     keep_last: int | None,
     keep_every: int | None,
     in_flight: Collection[int] = (),
+    order: ResumeOrder | None = None,
 ) -> list[str]:
     """Directory names under ``root`` to delete now that ``committed_step`` is committed.
 
@@ -182,13 +184,15 @@ def retention_victims(
     ``committed_step``, so steps of an abandoned trajectory above it take
     no slot; every multiple of ``keep_every`` is kept) and uncommitted ones
     (failed saves), except steps in ``in_flight`` (saves still writing).
-    Symbolic links are never followed into.
+    Symbolic links are never followed into. ``order``: the root's :func:`resume_order`, when
+    the caller has it already (one listing of the root for a retention pass).
     """
     dirs = step_dirs(root)
-    committed = sorted(s for s, name in dirs.items() if is_committed(os.path.join(root, name)))
+    order = order if order is not None else resume_order(root)
+    committed = sorted([*order.candidates, *order.abandoned])
     # Steps below S that a rollback went back past belong to a trajectory given up: they take
     # no slot (and so go), as the abandoned steps above S take none (and stay, to be replaced).
-    gone = {s for s in resume_order(root).abandoned if s < committed_step}
+    gone = {s for s in order.abandoned if s < committed_step}
     keep = retention_keeps([s for s in committed if s not in gone], committed_step, keep_last, keep_every)
     return [
         name for s, name in sorted(dirs.items())

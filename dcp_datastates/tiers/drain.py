@@ -279,11 +279,12 @@ def commit_durable(
     layout = metadata.storage_data
     meta_key = f"{step_dir}/{METADATA_FILE}"
     stamp = stamp_in_tail(blob[-TRAILER_BYTES:], len(blob), meta_path)
-    committed_there = store.size(meta_key) is not None
-    if committed_there and store.read(meta_key) == blob:
+    there_blob = store.read(meta_key) if store.size(meta_key) is not None else None
+    committed_there = there_blob is not None
+    if there_blob == blob:
         return stamp  # committed already, this very save (a drain repeated after its commit)
     if committed_there:
-        there = durable_commit_stamp(store, step_dir)
+        there = stamp_in_tail(there_blob[-TRAILER_BYTES:], len(there_blob), store.where(meta_key))
         if there is not None and stamp is not None and there.sequence > stamp.sequence:
             raise DrainError(
                 f"{store.where(step_dir)} holds a newer save of this step (commit sequence {there.sequence}, "
@@ -390,12 +391,6 @@ def durable_commit_stamp(store: DurableStore, step_dir: str) -> CommitStamp | No
         return None
     at = max(0, size - TRAILER_BYTES)
     return stamp_in_tail(bytes(store.read_range(key, at, size - at)), size, store.where(key))
-
-
-def durable_commit_sequence(store: DurableStore, step_dir: str) -> int | None:
-    """The commit sequence a durable copy's ``.metadata`` records; None: not committed, or none recorded."""
-    stamp = durable_commit_stamp(store, step_dir)
-    return stamp.sequence or None if stamp is not None else None
 
 
 def delete_durable_step(store: DurableStore, step_dir: str) -> None:
