@@ -110,10 +110,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import logging
 import os
-import shutil
 import sys
 import threading
 import time
@@ -137,11 +135,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter  # noqa: E402
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
+from torch.distributed.checkpoint.staging import DefaultStager  # noqa: E402
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType  # noqa: E402
 
 from bench_common import (  # noqa: E402
-    add_common_args, fmt, init_gloo, make_scratch, median, mem_available, remove_scratch,
+    add_common_args, dcp_staging_options, device_info, fmt, init_gloo, make_scratch, median, mem_available,
+    pick_device, remove, remove_scratch, write_json,
 )
 from bench_save_load import BLOCK, GB, GiB, MiB, check_equal, machine_info, make_big_state, state_bytes  # noqa: E402
 from dcp_datastates import DataStatesReader, DataStatesWriter  # noqa: E402
@@ -288,14 +287,6 @@ class RssSampler:
 # ---------------------------------------------------------------- helpers
 
 
-def remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.remove(path)
-    os.sync()  # flush the unlink (and ext4's discards) before the next timed op
-
-
 def make_sized_state(total_bytes: int, count: int, seed: int = 7) -> dict[str, torch.Tensor]:
     """`count` 2-D tensors of about total_bytes/count each, alternating float32/bf16:
     two calls with the same count differ only in bytes."""
@@ -346,28 +337,9 @@ def close_writer(writer) -> None:
 # ---------------------------------------------------------------- device, state, budget
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise SystemExit(f"--device cuda: torch.cuda.is_available() is False here (torch {torch.__version__}, "
-                         f"CUDA build: {torch.version.cuda or 'none'}); run on a machine with a CUDA GPU, "
-                         f"or use --device cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def device_info(device: torch.device) -> dict:
-    info = {"type": str(device), "torch_cuda": torch.version.cuda}
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(name=torch.cuda.get_device_name(device), total_memory=props.total_memory,
-                    capability=f"{props.major}.{props.minor}")
-    return info
 
 
 def build_state(make, device: torch.device, *args) -> dict[str, torch.Tensor]:
@@ -439,23 +411,6 @@ class Budget:
 # ---------------------------------------------------------------- runner
 
 
-def stager_options(variant: str, device: torch.device) -> StagingOptions:
-    """The DefaultStager configuration of each stager variant on this device: pinning
-    needs CUDA (torch ignores it otherwise) and non-blocking copies an accelerator
-    (DefaultStager refuses them otherwise)."""
-    cuda = device.type == "cuda"
-    if variant == "dcp_stager":
-        return StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                              use_async_staging=True, use_non_blocking_copy=cuda)
-    if variant == "dcp_pinned":  # torchtitan's async_with_pinned_mem: StagingOptions(True, True, True, True)
-        return StagingOptions(use_pinned_memory=True, use_shared_memory=True,
-                              use_async_staging=True, use_non_blocking_copy=cuda)
-    if variant == "dcp_process_stager":
-        return StagingOptions(use_pinned_memory=False, use_shared_memory=True,
-                              use_async_staging=True, use_non_blocking_copy=False)
-    raise ValueError(variant)
-
-
 class Runner:
     def __init__(self, root: str, cache_bytes: int, device: torch.device) -> None:
         self.root = root
@@ -480,7 +435,7 @@ class Runner:
 
     def _stager(self, variant: str) -> DefaultStager:
         if variant not in self.stagers:
-            self.stagers[variant] = DefaultStager(stager_options(variant, self.device))
+            self.stagers[variant] = DefaultStager(dcp_staging_options(variant, self.device.type == "cuda"))
             if variant == "dcp_pinned" and self.device.type != "cuda":
                 self.notes.add("dcp_pinned on cpu: torch ignores use_pinned_memory without CUDA and "
                                "DefaultStager refuses use_non_blocking_copy without an accelerator (it is "
@@ -931,14 +886,6 @@ def print_report(meta: dict, summary: dict, first: dict, rat: list[dict], reps: 
 # ---------------------------------------------------------------- main
 
 
-def write_report(path: str, report: dict) -> None:
-    """Write the JSON report through a temporary file renamed over it: a kill mid-write leaves the last one."""
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    os.replace(tmp, path)
-
-
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(ap, "256 MiB state, 1 rep, stage sizes 100 MB vs 1 GB")
@@ -1085,7 +1032,7 @@ def main() -> int:
           f"mount: {info.get('mount', '?')}")
     if device.type == "cuda":
         print(f"GPU: {dev['name']} ({dev['total_memory'] / GiB:.0f} GiB, capability {dev['capability']}), "
-              f"torch CUDA {dev['torch_cuda']}")
+              f"torch CUDA {dev['cuda']}")
 
     init_gloo()  # DCP's PROCESS executor needs a default process group; all variants run under it
     runner = Runner(root, cache, device)
@@ -1093,13 +1040,13 @@ def main() -> int:
                          "default_cache_bytes": DEFAULT_HOST_CACHE_BYTES, "window_bytes": DEFAULT_WINDOW_BYTES,
                          "device": str(device), "budget_s": args.budget_s, "state_target_bytes": nbytes_target,
                          "stage_tensors": args.stage_tensors, "stage_big_mb": args.stage_big_mb,
-                         "stager_options": {v: vars(stager_options(v, device)) for v in STAGER_VARIANTS},
+                         "stager_options": {v: vars(dcp_staging_options(v, device.type == "cuda")) for v in STAGER_VARIANTS},
                          "variants": variants, "argv": sys.argv, "block": BLOCK},
               "machine": info, "device": dev, "targets": TARGETS}
     def progress(complete: bool = False) -> None:
         if args.json:  # the figures so far, in case the process is killed before the end
             report.update(complete=complete, wall_s=time.perf_counter() - t_start, process_wall_s=budget.elapsed())
-            write_report(args.json, report)
+            write_json(args.json, report, announce=False)
 
     try:
         if not args.stage_sizes_only:

@@ -26,10 +26,65 @@ def add_common_args(ap, quick_help: str, reps_help: str = "repetitions (default 
     ap.add_argument("--json", default=None, help="write every figure to this JSON file")
 
 
-def write_json(path: str, report: dict) -> None:
-    with open(path, "w") as f:
+def write_json(path: str, report: dict, announce: bool = True) -> None:
+    """Write ``report`` through a temporary file renamed over ``path``: a run killed mid-write
+    (a device check's time limit) leaves the previous version whole."""
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp")
+    with open(tmp, "w") as f:
         json.dump(report, f, indent=1, default=str)
-    print(f"wrote {path}")
+    os.replace(tmp, path)
+    if announce:
+        print(f"wrote {path}")
+
+
+def pick_device(name: str):
+    """The ``torch.device`` a benchmark's ``--device`` names; ``cuda`` without a GPU exits with
+    a message (before anything is set up)."""
+    import torch
+
+    device = torch.device(name)
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: torch.cuda.is_available() is False here (torch {torch.__version__}, "
+                         f"CUDA build: {torch.version.cuda or 'none'}); run on a machine with a CUDA GPU, "
+                         f"or use --device cpu")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def device_info(device) -> dict:
+    """The device a benchmark ran on (and /dev/shm's size: DCP's shared-memory staging lives there)."""
+    import torch
+
+    info = {"type": device.type, "cuda": torch.version.cuda}
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        info.update(name=p.name, total_memory=p.total_memory, capability=f"{p.major}.{p.minor}",
+                    count=torch.cuda.device_count())
+    try:
+        info["dev_shm_bytes"] = shutil.disk_usage("/dev/shm").total
+    except OSError:
+        pass
+    return info
+
+
+def dcp_staging_options(variant: str, cuda: bool):
+    """The ``DefaultStager`` options of a DCP variant that brings its own stager (None: it does
+    not). ``dcp_pinned`` is torchtitan's ``async_with_pinned_mem``, ``StagingOptions(True, True,
+    True, True)``: without CUDA torch ignores the pinning, and DefaultStager refuses
+    non-blocking copies, so those are off there."""
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    if variant == "dcp_stager":
+        return StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                              use_async_staging=True, use_non_blocking_copy=cuda)
+    if variant == "dcp_pinned":
+        return StagingOptions(use_pinned_memory=True, use_shared_memory=True,
+                              use_async_staging=True, use_non_blocking_copy=cuda)
+    if variant == "dcp_process_stager":
+        return StagingOptions(use_pinned_memory=False, use_shared_memory=True,
+                              use_async_staging=True, use_non_blocking_copy=False)
+    return None
 
 
 def make_scratch(directory: str | None, prefix: str) -> tuple[str, str, bool]:

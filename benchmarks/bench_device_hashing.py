@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from bench_common import machine_info, write_json
+from bench_common import machine_info, pick_device, write_json
 from dcp_datastates import _dcp_compat
 from dcp_datastates.core import incremental
 
@@ -106,9 +106,7 @@ def main() -> int:
                     help="length of the caller's kernel in the busy-stream case (CUDA only)")
     ap.add_argument("--json", default=None, help="write every figure to this JSON file")
     args = ap.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: this torch sees no CUDA device")
+    device = pick_device(args.device)
     threads = [int(x) for x in args.threads.split(",")]
     results: dict = {}
     # written however the measurements end: an assertion in the last case keeps the figures before it

@@ -56,9 +56,9 @@ Variants
   dcp_pinned    (not in the default list) torchtitan's async_with_pinned_mem, DCP's
                 best for GPUs: DefaultStager(StagingOptions(True, True, True,
                 True)) with AsyncCheckpointerType.PROCESS, one stager per run,
-                fence as dcp_stager. On the CPU pinned memory and non-blocking
-                copies cannot work (bench_async_save.py), so StagingOptions(False,
-                True, True, False) there; the output says so.
+                fence as dcp_stager. On the CPU torch ignores the pinning and
+                non-blocking copies cannot work (bench_async_save.py), so
+                StagingOptions(True, True, True, False) there; the output says so.
   dcp_process   (not in the default list) DCP default stager with
                 AsyncCheckpointerType.PROCESS.
   ours          DataStatesWriter(p, host_cache_bytes=--cache-mib: 256 MiB on the
@@ -126,7 +126,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
 import shutil
@@ -159,7 +158,8 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from bench_common import (  # noqa: E402
-    add_common_args, fmt, free_port, init_gloo, machine_info, make_scratch, median, remove_scratch,
+    add_common_args, dcp_staging_options, device_info, fmt, free_port, init_gloo, machine_info, make_scratch,
+    median, pick_device, remove_scratch, write_json,
 )
 
 try:
@@ -265,17 +265,6 @@ def mean(xs):
 
 def ms(x):
     return None if x is None else x * 1e3
-
-
-def staging_options(variant: str, cuda: bool) -> StagingOptions | None:
-    """The DefaultStager options of a dcp_* variant that brings its own stager (None: it does not)."""
-    if variant == "dcp_stager":
-        return StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                              use_async_staging=True, use_non_blocking_copy=cuda)
-    if variant == "dcp_pinned":  # pinning and non-blocking copies need CUDA
-        return StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
-                              use_async_staging=True, use_non_blocking_copy=cuda)
-    return None
 
 
 def describe_options(o: StagingOptions) -> str:
@@ -440,7 +429,7 @@ class Bench:
         a = self.args
         ctx = {"pending": [], "inflight_staging": None, "stager": None, "manager": None, "hook": None,
                "first": None, "dirs": [], "durable": False, "manual_fence": variant is not None}
-        options = staging_options(variant or "", self.cuda)
+        options = dcp_staging_options(variant or "", self.cuda)
         if options is not None:
             ctx["stager"] = DefaultStager(options)
         if variant in MANAGER_VARIANTS:
@@ -611,9 +600,7 @@ def parse_args():
     for k, default in DEFAULT_SHAPE.items():
         if getattr(args, k) is None:
             setattr(args, k, preset.get(k, quick.get(k, default)))
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device cuda: no CUDA device is available (torch {torch.__version__}, "
-                         f"built with CUDA {torch.version.cuda}); run with --device cpu")
+    pick_device(args.device)  # cuda without a GPU exits here, before anything is set up
     cuda = args.device == "cuda"
     args.fsdp = cuda if args.fsdp is None else args.fsdp
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
@@ -633,19 +620,6 @@ def init_dist(args) -> tuple[torch.device, object]:
     init_gloo()
     # FSDP's collectives use the default group: checkpoints get their own, as a trainer would do
     return torch.device("cpu"), (dist.new_group(backend="gloo") if args.fsdp else None)
-
-
-def device_info(device: torch.device) -> dict:
-    info = {"type": device.type}
-    if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        info.update(name=p.name, total_gib=p.total_memory / GiB, capability=f"{p.major}.{p.minor}",
-                    cuda=torch.version.cuda, count=torch.cuda.device_count())
-    try:
-        info["dev_shm_gib"] = shutil.disk_usage("/dev/shm").total / GiB  # DCP's shared-memory staging lives there
-    except OSError:
-        pass
-    return info
 
 
 def describe_model(bench: Bench) -> dict:
@@ -694,9 +668,9 @@ def print_header(args, root, info, dev, model, variants, skipped) -> None:
           + (f" budget={args.budget_s:.0f}s" if args.budget_s else ""))
     print(f"nproc={info['nproc']} cpu={info.get('cpu', '?')} torch={info['torch']} "
           f"loadavg={' '.join(info.get('loadavg_start', []))}"
-          + (f" /dev/shm={dev['dev_shm_gib']:.1f} GiB" if "dev_shm_gib" in dev else ""))
+          + (f" /dev/shm={dev['dev_shm_bytes'] / GiB:.1f} GiB" if "dev_shm_bytes" in dev else ""))
     if dev["type"] == "cuda":
-        print(f"device: cuda:0 {dev['name']} ({dev['total_gib']:.1f} GiB, sm {dev['capability']}), "
+        print(f"device: cuda:0 {dev['name']} ({dev['total_memory'] / GiB:.1f} GiB, sm {dev['capability']}), "
               f"CUDA {dev['cuda']}; NCCL group for training, gloo groups for checkpoints")
     else:
         print("device: cpu; gloo group" + (" (a second one for checkpoints)" if args.fsdp else ""))
@@ -706,10 +680,10 @@ def print_header(args, root, info, dev, model, variants, skipped) -> None:
           f"{model['params']:,} params ({model['params'] / 1e6:.2f}M), AdamW; "
           f"checkpoint {model['ckpt_tensors']} tensors, {model['ckpt_bytes'] / GB:.3f} GB")
     for v in variants:
-        options = staging_options(v, dev["type"] == "cuda")
+        options = dcp_staging_options(v, dev["type"] == "cuda")
         if options is not None:
             note = "" if dev["type"] == "cuda" or v != "dcp_pinned" else (
-                " (on the CPU: pinned memory and non-blocking copies need CUDA, so both are off)")
+                " (on the CPU torch ignores the pinning, and non-blocking copies need CUDA: off)")
             print(f"{v}: DefaultStager({describe_options(options)})"
                   f"{' + AsyncCheckpointerType.PROCESS' if v == 'dcp_pinned' else ''}{note}")
     for v, why in skipped.items():
@@ -884,14 +858,6 @@ def print_targets(targets: list[dict], rows: list[dict]) -> None:
 # ---------------------------------------------------------------- main
 
 
-def write_report(path: str, report: dict) -> None:
-    """Write the JSON report through a temporary file renamed over it: a kill mid-write leaves the last one."""
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    os.replace(tmp, path)
-
-
 def main() -> int:
     args = parse_args()
     everies = [int(x) for x in args.every.split(",") if x]
@@ -921,7 +887,7 @@ def main() -> int:
                     "device": dev, "model": model, "rows": rows, "targets": check_targets(rows),
                     "fence": bench.fence_kind,
                     "staging_options": {v: describe_options(o) for v in used
-                                        if (o := staging_options(v, device.type == "cuda")) is not None},
+                                        if (o := dcp_staging_options(v, device.type == "cuda")) is not None},
                     "verified": sorted(bench.verified), "failed": bench.failed, "skipped": skipped,
                     "not_run_disk": bench.no_room, "not_run_budget": bench.no_budget,
                     "budget": {"budget_s": args.budget_s, "reps_done": reps_done, "stopped": stopped},
@@ -931,7 +897,7 @@ def main() -> int:
 
         def progress(results: dict, reps_done: int) -> None:
             if args.json:  # the figures so far, in case the process is killed before the end
-                write_report(args.json, report(results, reps_done, None, False))
+                write_json(args.json, report(results, reps_done, None, False))
 
         results, reps_done, stopped = run_all(bench, runs, args, progress)
         rows = make_rows(runs, results)
@@ -948,7 +914,7 @@ def main() -> int:
             print(stopped)
         print(f"total wall time {time.perf_counter() - t_start:.0f}s ({time.perf_counter() - _T0:.0f}s since start)")
         if args.json:
-            write_report(args.json, report(results, reps_done, stopped, True))
+            write_json(args.json, report(results, reps_done, stopped, True))
             print(f"wrote {args.json}")
     finally:
         remove_scratch(base, root, created_base)
