@@ -58,7 +58,7 @@ def main() -> int:
     import dcp_datastates
     from dcp_datastates.manager.checkpoint_manager import CheckpointManager
     from dcp_datastates.manager.checkpoint_root import read_pointer
-    from dcp_datastates.tiers import open_store
+    from dcp_datastates.storage import open_store
 
     results = {"code": os.path.dirname(dcp_datastates.__file__)}
     scratch = tempfile.mkdtemp(prefix="tier_start-", dir="/dev/shm")

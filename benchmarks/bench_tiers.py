@@ -62,7 +62,7 @@ from bench_common import add_common_args, filesystem_type, make_scratch, median,
 from bench_common import machine_info  # noqa: E402
 from dcp_datastates import CheckpointManager  # noqa: E402
 from dcp_datastates.core.fence import wait_for_snapshots  # noqa: E402
-from dcp_datastates.tiers import open_store  # noqa: E402
+from dcp_datastates.storage import open_store  # noqa: E402
 
 MiB = 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -20,7 +20,7 @@
     mgr.save(step, state)             # asynchronous; optimizer.step() waits only while copying
 
     # straight from object storage, with ranged reads (no local copy)
-    dcp.load(state, storage_reader=dcp_datastates.StoreReader("s3://bucket/run/step_00000100"))
+    dcp.load(state, storage_reader=dcp_datastates.DataStatesReader("s3://bucket/run/step_00000100"))
 """
 
 try:
@@ -52,8 +52,9 @@ from dcp_datastates.core.planner import DataStatesSavePlanner
 from dcp_datastates.core.reader import DataStatesReader
 from dcp_datastates.core.verify import VerifyReport, verify
 from dcp_datastates.core.writer import DataStatesWriter, SaveStats
-from dcp_datastates.tiers.store_reader import StoreReader
 from dcp_datastates.native.engine import EngineBusyError, release_engines
+
+StoreReader = DataStatesReader  # its earlier name for loads from object storage: the same reader
 
 __version__ = "0.1.0"
 

@@ -247,7 +247,7 @@ class FailingReads:
 
     def _check(self, key: str, offset: int) -> None:
         if self._fails(key, offset):
-            from dcp_datastates.tiers import StoreError
+            from dcp_datastates.storage import StoreError
 
             raise StoreError(f"{self._store.where(key)}: {self._why}")
 
@@ -258,6 +258,11 @@ class FailingReads:
     def read_into(self, key, offset, out):
         self._check(key, offset)
         return self._store.read_into(key, offset, out)
+
+    def read_batch(self, reads, threads=None):  # the ranged reads, through the failing ones
+        from dcp_datastates.storage.store import Store
+
+        return Store.read_batch(self, reads, threads=threads)
 
 
 def new_durable_url(request, kind: str) -> str:

@@ -84,7 +84,7 @@ class WeedServer:
         return self
 
     def _wait_ready(self) -> None:
-        from dcp_datastates.tiers.s3_store import S3Store
+        from dcp_datastates.storage.s3 import S3Store
 
         deadline = time.monotonic() + READY_TIMEOUT_S
         last = None

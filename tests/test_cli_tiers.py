@@ -11,7 +11,7 @@ import os
 import pytest
 
 from dcp_datastates.manager.checkpoint_manager import CheckpointManager
-from dcp_datastates.tiers import open_store
+from dcp_datastates.storage import open_store
 from dcp_datastates.tools.cli import main
 from manager_workers import state_at
 

@@ -12,7 +12,7 @@ from conftest import FailingReads, assert_same, load, save
 from dcp_datastates import DataStatesReader, verify
 from dcp_datastates.errors import CorruptCheckpointError
 from dcp_datastates.manager.checkpoint_root import step_of
-from dcp_datastates.tiers import StoreError, open_store
+from dcp_datastates.storage import StoreError, open_store
 from dcp_datastates.tiers.drain import (
     DrainError,
     clear_incomplete_step,

@@ -582,7 +582,7 @@ def test_writers_and_readers_get_a_fresh_engine_after_a_release(tmp_path, privat
     dcp.save(state, storage_writer=writer, no_dist=True)
     out = {"w": torch.zeros(64, 64), "step": 0}
     dcp.load(out, storage_reader=reader, no_dist=True)
-    old_writer_engine, old_reader_engine = writer._engine, reader._engine
+    old_writer_engine, old_reader_engine = writer._engine, reader.store.engine
     refs = [weakref.ref(old_writer_engine), weakref.ref(old_reader_engine)]
     pools = [(e.pool_address, e.pool_bytes) for e in (old_writer_engine, old_reader_engine)]
     del old_writer_engine, old_reader_engine

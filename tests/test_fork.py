@@ -170,7 +170,7 @@ def _work_in_child(root: str, tag: str, parent_writer, parent_reader) -> None:
     _save_async(state, f"{root}/{tag}_old_async", parent_writer)
     _check_load(state, f"{root}/{tag}_old_async", parent_reader)
     assert parent_writer._engine.owner_pid == os.getpid()
-    assert parent_reader._engine.owner_pid == os.getpid()
+    assert parent_reader.store.engine.owner_pid == os.getpid()
 
 
 def _check_child_output(root: str, tag: str) -> None:

@@ -540,7 +540,7 @@ def test_a_step_whose_base_is_not_durable_stays_uncommitted_there(tmp_path, shar
     mgr.wait_durable()
     assert mgr.durable_steps() == [1, 2]  # 1 first, then 2 after it
     mgr.close()
-    from dcp_datastates.tiers import open_store
+    from dcp_datastates.storage import open_store
     from dcp_datastates.tiers.drain import delete_durable_step
 
     with CheckpointManager(root, async_save=False, durable=shared, keep_last=None) as mgr:

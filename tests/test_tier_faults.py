@@ -15,7 +15,7 @@ from dcp_datastates import CheckpointError
 from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning
 from dcp_datastates.manager.checkpoint_root import step_of
 from dcp_datastates.manager.durable_tier import DURABLE, FAILED
-from dcp_datastates.tiers import open_store
+from dcp_datastates.storage import open_store
 from dcp_datastates.tiers.drain import DrainError, durable_steps
 from manager_workers import state_at
 

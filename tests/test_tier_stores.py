@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from dcp_datastates.tiers import StoreError, open_store
-from dcp_datastates.tiers.posix_store import PosixStore
+from dcp_datastates.storage import StoreError, open_store
+from dcp_datastates.storage.local import LocalStore
 
 
 @pytest.fixture
@@ -60,7 +60,7 @@ def test_errors_name_the_store_and_the_key(store, tmp_path):
 
 
 def test_posix_objects_are_never_replaced_and_partials_are_hidden(shared_mount):
-    st = PosixStore(os.path.join(shared_mount, "norepl"))
+    st = LocalStore(os.path.join(shared_mount, "norepl"))
     st.put_bytes("a/b", b"1")
     with pytest.raises(StoreError, match="already exists"):
         st.put_bytes("a/b", b"2")
@@ -89,7 +89,7 @@ def test_a_server_that_is_down_fails_with_the_key_named(tmp_path):
 def test_a_step_directory_removed_under_a_writer_is_made_again(tmp_path, monkeypatch):
     """Two ranks drain into one step directory: one rank's delete() takes the directory away while
     it is empty, between the other's mkdir and its create. The writer makes it again."""
-    store = PosixStore(str(tmp_path / "tier"))
+    store = LocalStore(str(tmp_path / "tier"))
     real, raced = store._make_dirs, set()
 
     def racing(directory):

@@ -23,7 +23,7 @@ from dcp_datastates import CheckpointError
 from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning
 from dcp_datastates.manager.checkpoint_root import read_pointer, step_dirs, step_of
 from dcp_datastates.manager.durable_tier import DURABLE, read_tier_pointer
-from dcp_datastates.tiers import open_store
+from dcp_datastates.storage import open_store
 from dcp_datastates.tiers.drain import DrainError, durable_commit_stamp, durable_steps
 from dcp_datastates.format.metadata_file import read_commit_stamp
 from manager_workers import TRAJECTORY, state_at
@@ -334,7 +334,7 @@ def test_a_base_of_a_step_drained_on_start_is_drained_too(tmp_path, shared_mount
 def test_a_refusing_tier_stops_the_start_and_releases_the_root(tmp_path):
     """A tier the store refuses (here a file where the directory should be: the listing fails
     with ENOTDIR, no outage) is a misconfiguration: raised at start, not warned and trained past."""
-    from dcp_datastates.tiers import StoreError
+    from dcp_datastates.storage import StoreError
 
     root, durable = tmp_path / "run", tmp_path / "not_a_directory"
     durable.write_bytes(b"")

@@ -6,9 +6,13 @@ such ReadItem this reader reads only the bytes it needs: a slice of a saved
 chunk along dim 0 (or the whole chunk) is one contiguous range, read by the
 engine straight into the destination tensor when that is a contiguous CPU
 tensor of the saved dtype. Other slices read their bounding range into a
-temporary buffer and copy the slice out. Reads run in parallel on the
-engine's I/O threads, and every checksum segment a read covers is verified
-(``verify=False`` skips that).
+temporary buffer and copy the slice out. Every checksum segment a read covers
+is verified (``verify=False`` skips that).
+
+The reader composes a :class:`storage.Store`, as DCP's ``FileSystemReader``
+composes ``self.fs``: a directory's (the engine's I/O threads read in parallel
+and verify natively) or an object store's (``s3://``: ranged reads, merged and
+in flight together). Everything above the store is the same code for both.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import io
 import logging
 import math
 import os
-import stat
+import posixpath
 import uuid
 from typing import Any, Callable
 
@@ -36,23 +40,32 @@ from dcp_datastates.errors import (
     IncompleteCheckpointError,
     UnsupportedFormatError,
 )
-from dcp_datastates.format.file_names import METADATA_FILE, checkpoint_file, is_save_file, refuse_url
+from dcp_datastates.format.file_names import METADATA_FILE, is_save_file
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout, RankFiles, object_entries
 from dcp_datastates.format.rank_index import IndexLimits, RankIndex
 from dcp_datastates.format.checkpoint_files import read_rank_index
-from dcp_datastates.format.metadata_file import read_metadata_file
+from dcp_datastates.format.metadata_file import TRAILER_BYTES, read_metadata_file, sequence_in_tail
 from dcp_datastates.format.safe_objects import plain_object_stream
+from dcp_datastates.storage import RangeRead, Store, StoreError, open_store
+from dcp_datastates.storage.url import check_location, is_store_url, split_parent, url_scheme
 
 TEMP_BUDGET_BYTES = 512 << 20  # temporaries alive at once while reading non-direct items
-
-_READER_URL_HINT = "Load a checkpoint in object storage with StoreReader(URL) (s3://bucket/prefix/step_...)."
 
 
 class DataStatesReader(StorageReader):
     """Read dcp_datastates checkpoints, resharding to any world size through DCP.
 
     Args:
-        path: checkpoint directory (or pass ``checkpoint_id`` to ``dcp.load``).
+        path: the checkpoint: a directory, or a URL of object storage
+            (``s3://bucket/run/step_00000100``; endpoint and credentials as
+            :mod:`storage.s3` takes them); or pass ``checkpoint_id`` to ``dcp.load``.
+            With ``store``, the checkpoint's key prefix in that store.
+        store: an open :class:`storage.Store` to read through (a manager passes its
+            durable tier's); the reader does not close it. Without it, the reader opens
+            the store at ``path``'s parent (so that an incremental checkpoint's bases,
+            its siblings, can be read) and closes it in :meth:`close`.
+        store_options: options of the store the reader opens (an S3 store's
+            ``endpoint``, ``region``, retries; see :func:`storage.open_store`).
         verify: verify the CRC32C of every byte read (reads are widened to whole
             checksum segments; a byte no checksum covers is an error).
         allow_pickle: unpickle anything the checkpoint holds. By default (safe
@@ -62,36 +75,47 @@ class DataStatesReader(StorageReader):
             checkpoint from someone else cannot run code; anything else raises
             :class:`UnsafeCheckpointError` naming the key. Pass ``True`` only
             for checkpoints you trust.
-        io_threads: engine threads reading (and verifying) in parallel.
-        window_bytes: the largest single read; also the write window size.
+        io_threads: engine threads reading (and verifying) a directory in parallel.
+        window_bytes: the largest single read of a directory; also the write window size.
+        concurrency: ranged reads of object storage in flight (None: the store's).
     """
-
-    _LOCAL_ONLY = True  # a URL is refused (StoreReader, which reads stores, says False)
 
     def __init__(
         self,
         path: str | os.PathLike | None = None,
         *,
+        store: Store | None = None,
+        store_options: dict | None = None,
         verify: bool = True,
         allow_pickle: bool = False,
         io_threads: int = _native.DEFAULT_READ_THREADS,
         window_bytes: int = _native.DEFAULT_WINDOW_BYTES,
+        concurrency: int | None = None,
     ) -> None:
         super().__init__()
-        if self._LOCAL_ONLY:
-            refuse_url(path, type(self).__name__, _READER_URL_HINT)
+        if path is not None and store is None:
+            check_location(path, type(self).__name__)
+        if concurrency is not None and concurrency < 1:
+            raise ValueError(f"concurrency must be positive, got {concurrency}")
         self.path = os.fspath(path) if path is not None else None
         self.verify = verify
         self.allow_pickle = allow_pickle
-        # Reads go straight into destinations: the engine's pool is not used,
-        # so the reader's engine gets the smallest one (two windows).
-        self._engine_ref = _native.ProcessEngine(2 * window_bytes, io_threads, window_bytes)
+        self.concurrency = concurrency
+        self._given_store = store
+        # A directory's store reads through the engine with these settings.
+        self._local_options = {"io_threads": io_threads, "window_bytes": window_bytes}
+        self._store_options = dict(store_options or {})
+        _native.ProcessEngine(2 * window_bytes, io_threads, window_bytes)  # bad settings fail here
+        self._opened: Store | None = None
+        self._opened_for: str | None = None
+        self._split_of: tuple[str, str, str] | None = None  # (path, store root, key prefix)
         _dcp_compat.quiet_discarded_dcp_debug_records()  # see README, "Performance"
         self._metadata: Metadata | None = None
         self._layout: CheckpointLayout | None = None
-        # The last .metadata decoded, by the file's identity: reading the same file again
-        # (a CheckpointManager check, then dcp.load's read_metadata) does not decode it again.
-        self._decoded: tuple[tuple, Metadata] | None = None
+        # The last .metadata decoded, by the object's identity (Store.identity): reading the same
+        # one again (a CheckpointManager check, then dcp.load's read_metadata) does not decode it.
+        self._decoded: tuple[tuple, Metadata, int | None] | None = None
+        self.commit_sequence: int | None = None  # what the decoded .metadata's trailer records
         self._indexes: dict[str, RankIndex] = {}
         self._chunks: dict[str, dict[tuple, Any]] = {}
         # DCP's id of this reader's load (StorageMeta.load_id), as FileSystemReader keeps it:
@@ -104,32 +128,88 @@ class DataStatesReader(StorageReader):
         stored); None before :meth:`read_metadata`. Read-only: the reader relies on it."""
         return self._layout
 
+    # -- where the checkpoint is: a key prefix in a store --------------------------------
+
     @property
-    def _engine(self) -> _native._engine.Engine:
-        """This process's engine for the reader's settings (a reader made before a
-        fork gets the child's own engine there: the parent's has no threads in it)."""
-        return self._engine_ref.get()
+    def store(self) -> Store:
+        """The store the checkpoint's files are read from."""
+        if self._given_store is not None:
+            return self._given_store
+        root, _ = self._split()
+        if self._opened is None or self._opened_for != self.path:
+            self.close()
+            options = self._store_options if is_store_url(root) else {**self._local_options, **self._store_options}
+            self._opened, self._opened_for = open_store(root, **options), self.path
+        return self._opened
+
+    def _split(self) -> tuple[str, str]:
+        """``split_parent(path)``, once per path (a relative directory is resolved against the
+        working directory once, at the path's first use, not at every read)."""
+        if self.path is None:
+            raise ValueError(f"{type(self).__name__} has no path: pass one or give dcp.load a checkpoint_id")
+        if self._split_of is None or self._split_of[0] != self.path:
+            self._split_of = (self.path, *split_parent(self.path))
+        return self._split_of[1], self._split_of[2]
+
+    @property
+    def prefix(self) -> str:
+        """The checkpoint's key prefix in :attr:`store` (``""``: the store's root)."""
+        if self._given_store is not None:
+            if self.path is None:
+                raise ValueError(f"{type(self).__name__} has no path: pass one or give dcp.load a checkpoint_id")
+            prefix = posixpath.normpath(self.path.strip("/") or ".")
+            return "" if prefix == "." else prefix
+        return self._split()[1]
+
+    def key(self, name: str) -> str:
+        """The store key of the checkpoint's file ``name``; a base checkpoint's file
+        (``../<base>/<name>``, format 8) is a sibling under the same parent, resolved lexically,
+        never through a symbolic link's target."""
+        prefix = self.prefix
+        key = posixpath.normpath(f"{prefix}/{name}" if prefix else name)
+        if key.startswith("../") or key == "..":
+            raise CorruptCheckpointError(f"{self.location} refers to {name}, outside the store's root")
+        return key
+
+    def _where(self, name: str) -> str:
+        """The checkpoint file ``name`` as errors name it."""
+        return self.store.where(self.key(name))
+
+    @property
+    def location(self) -> str:
+        """The checkpoint as errors name it (its directory, or its URL)."""
+        prefix = self.prefix
+        return self.store.where(prefix) if prefix else self.store.url
+
+    def close(self) -> None:
+        """Close the store this reader opened (not one it was given)."""
+        if self._opened is not None:
+            self._opened.close()
+            self._opened = self._opened_for = None
 
     # -- StorageReader protocol -------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.load_id = str(uuid.uuid4())
         if checkpoint_id is not None:
-            if self._LOCAL_ONLY:
-                refuse_url(checkpoint_id, type(self).__name__, _READER_URL_HINT)
+            if self._given_store is None:
+                check_location(checkpoint_id, type(self).__name__)
             self.path = os.fspath(checkpoint_id)
         self._metadata = None
         self._layout = None
         self._indexes = {}
         self._chunks = {}
+        self.commit_sequence = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        if is_store_url(checkpoint_id):
+            return True
         try:
             path = os.fspath(checkpoint_id)
         except TypeError:
             return False
-        return isinstance(path, str) and os.path.isfile(os.path.join(path, METADATA_FILE))
+        return isinstance(path, str) and url_scheme(path) is None and os.path.isfile(os.path.join(path, METADATA_FILE))
 
     def read_metadata(self, *args: Any, **_options: Any) -> Metadata:
         """Decode and check ``.metadata``; every failure is a typed error naming the file.
@@ -149,9 +229,8 @@ class DataStatesReader(StorageReader):
 
     def load_metadata(self) -> Metadata:
         """Decode and check ``.metadata`` (once per file), raising a typed error naming the file:
-        :meth:`read_metadata` for callers other than DCP. Sets :attr:`layout`."""
-        if self.path is None:
-            raise ValueError(f"{type(self).__name__} has no path: pass one or give dcp.load a checkpoint_id")
+        :meth:`read_metadata` for callers other than DCP. Sets :attr:`layout` and
+        :attr:`commit_sequence`."""
         md_path = self._where(METADATA_FILE)
         metadata = self._fetch_metadata()
         layout = metadata.storage_data  # validated by the decoding, with the trailer and every item
@@ -166,75 +245,51 @@ class DataStatesReader(StorageReader):
         self._metadata, self._layout = metadata, layout
         return metadata
 
-    # -- where the files are: a directory here, a durable store in tiers.store_reader --------
-
-    def _where(self, name: str) -> str:
-        """The checkpoint file ``name`` as errors name it (and as it is opened). A base
-        checkpoint's file (``../<base>/<name>``, format 8) is resolved lexically against the
-        checkpoint's path, never through a symbolic link's target."""
-        return checkpoint_file(self.path, name)
-
-    @property
-    def location(self) -> str:
-        """The checkpoint as errors name it (its directory; a store reader's URL)."""
-        return self.path
+    # -- the files, from the store ------------------------------------------------
 
     def _fetch_metadata(self) -> Metadata:
-        """The decoded ``.metadata``; a missing one is the checkpoint's absence or incompleteness."""
+        """The decoded ``.metadata``, decoded once per object, not once per call: the object is
+        known by its identity (a checkpoint saved again over the same path has a new
+        ``.metadata``), taken before and after decoding; one that changed meanwhile is not
+        remembered. A missing one is the checkpoint's absence or incompleteness."""
+        key = self.key(METADATA_FILE)
+        store = self.store
+        before = store.identity(key)
+        if before is None:
+            raise missing_checkpoint_error(store, self.prefix)
+        cached = self._decoded
+        if cached is not None and cached[0] == (before, self.allow_pickle):
+            self.commit_sequence = cached[2]
+            return cached[1]
         try:
-            return self._decode_metadata(self._where(METADATA_FILE))
+            with store.open_file(key) as f:
+                metadata, _ = read_metadata_file(f, self.allow_pickle)
+                at = max(0, f.size - TRAILER_BYTES)
+                sequence = sequence_in_tail(f.pread(f.size - at, at), f.size, f.path) if f.size >= TRAILER_BYTES else None
         except FileNotFoundError:
-            raise missing_checkpoint_error(self.path) from None
+            raise missing_checkpoint_error(store, self.prefix) from None
+        self._decoded = ((before, self.allow_pickle), metadata, sequence) if store.identity(key) == before else None
+        self.commit_sequence = sequence
+        return metadata
 
     def data_file_sizes(self, files: RankFiles) -> list[int]:
         """The sizes of the rank's data files (one per stripe); a missing one is an error."""
         sizes = []
         for name in files.data_paths():
-            data_path = self._where(name)
-            try:
-                st = os.lstat(data_path)
-            except FileNotFoundError:
-                raise missing_rank_file(self.location, files, "data", data_path) from None
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptCheckpointError(f"{data_path} is not a regular file; checkpoint files must be regular files")
-            sizes.append(st.st_size)
+            size = self.store.size(self.key(name))
+            if size is None:
+                raise missing_rank_file(self.location, files, "data", self._where(name))
+            sizes.append(size)
         return sizes
 
     def _read_index(self, files: RankFiles, limits: IndexLimits) -> RankIndex:
         """The rank's index, its header and checksum checked against ``limits`` before it is
         read whole."""
-        index_path = self._where(files.index_path)
-        missing = missing_rank_file(self.location, files, "index", index_path)
-        if not os.path.lexists(index_path):
-            raise missing
         try:
-            return read_rank_index(index_path, limits)
+            with self.store.open_file(self.key(files.index_path)) as f:
+                return read_rank_index(f, limits)
         except FileNotFoundError:
-            raise missing from None
-
-    def _new_batch(self) -> _ReadBatch:
-        return _ReadBatch(self)
-
-    def _decode_metadata(self, md_path: str) -> Metadata:
-        """The decoded ``.metadata`` at ``md_path``: decoded once per file, not once per call.
-
-        The file is known by its identity (device, inode, size, change and
-        modification times): a checkpoint saved again over the same path has
-        a new ``.metadata`` (renamed into place), so it is decoded anew. The
-        identity is taken before and after decoding; a file that changed
-        meanwhile is not remembered.
-        """
-
-        def identity() -> tuple:
-            st = os.stat(md_path, follow_symlinks=False)
-            return (md_path, self.allow_pickle, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-        before = identity()
-        if self._decoded is not None and self._decoded[0] == before:
-            return self._decoded[1]
-        metadata, _ = read_metadata_file(md_path, self.allow_pickle)
-        self._decoded = (before, metadata) if identity() == before else None
-        return metadata
+            raise missing_rank_file(self.location, files, "index", self._where(files.index_path)) from None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata is not self._metadata:
@@ -254,12 +309,12 @@ class DataStatesReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         with _native.gc_paused():
-            batch = self._new_batch()
+            batch = _ReadBatch(self)
             for item in plan.items:
                 batch.add(item, planner)
                 if batch.temp_bytes >= TEMP_BUDGET_BYTES:
                     batch.run()
-                    batch = self._new_batch()
+                    batch = _ReadBatch(self)
             batch.run()
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -354,18 +409,21 @@ def missing_rank_file(location: str, files: RankFiles, kind: str, path: str) -> 
     return CorruptCheckpointError(f"rank {files.rank}'s {kind} file {path} is missing; the checkpoint is damaged")
 
 
-def missing_checkpoint_error(path: str) -> Exception:
-    """The error for a directory without ``.metadata``: none at all, or an interrupted save's files."""
-    if not os.path.isdir(path):
-        return CheckpointNotFoundError(f"no checkpoint at {path}: the directory does not exist")
-    ours = [n for n in os.listdir(path) if is_save_file(n)]
+def missing_checkpoint_error(store: Store, prefix: str) -> Exception:
+    """The error for a checkpoint without ``.metadata``: none at all, or an interrupted save's
+    files (a save into a directory, or a drain into a store, that never committed)."""
+    where = store.where(prefix)
+    if store.missing_prefix(prefix):
+        return CheckpointNotFoundError(f"no checkpoint at {where}: the directory does not exist")
+    names = [k[len(prefix) + 1 :] for k in store.list(f"{prefix}/")] if prefix else store.list()
+    ours = [n for n in names if is_save_file(n)]
     if ours:
         return IncompleteCheckpointError(
-            f"checkpoint at {path} is incomplete: it has {len(ours)} data/index file(s) "
+            f"checkpoint at {where} is incomplete: it has {len(ours)} data/index file(s) "
             f"but no {METADATA_FILE}, so it was never committed (the save was interrupted or "
-            "failed); its data cannot be trusted"
+            "failed, or a copy there is still being made); its data cannot be trusted"
         )
-    return CheckpointNotFoundError(f"no checkpoint at {path}: {METADATA_FILE} is missing")
+    return CheckpointNotFoundError(f"no checkpoint at {where}: {METADATA_FILE} is missing")
 
 
 def _contiguous_range(sizes, offsets, lengths) -> tuple[int, int, bool]:
@@ -395,29 +453,22 @@ def _contiguous_range(sizes, offsets, lengths) -> tuple[int, int, bool]:
 
 
 class _ReadBatch:
-    """A set of reads submitted to the engine together, then committed to DCP."""
+    """A set of reads handed to the store together (:meth:`Store.read_batch`: the engine's
+    threads for a directory, ranged reads in flight for object storage), then committed to DCP."""
 
     def __init__(self, reader: DataStatesReader) -> None:
         self.reader = reader
-        self.files: dict[str, int] = {}  # relative path -> index into paths
-        self.paths: list[str] = []  # full paths of the files read
-        self.requests: list[_native.ReadRequest] = []
+        self.reads: list[RangeRead] = []
         self.keys: list[str] = []
         self.keep: list[Any] = []
         self.after: list[Callable[[], None]] = []
         self.decode: list[Callable[[], None]] = []  # decompressions, run in parallel before ``after``
         self.temp_bytes = 0
 
-    def _file(self, relative_path: str) -> int:
-        i = self.files.get(relative_path)
-        if i is None:
-            i = self.files[relative_path] = len(self.paths)
-            self.paths.append(self.reader._where(relative_path))
-        return i
-
     def _request(self, key: str, relative_path: str, offset: int, nbytes: int, pointer: int, idx: RankIndex) -> None:
         """Read ``nbytes`` at data offset ``offset`` of the rank whose data file is ``relative_path``
-        (from the stripe's file that holds them) into ``pointer``."""
+        (from the stripe's file that holds them) into ``pointer``, verified against the rank's
+        segments unless the reader's ``verify`` is off."""
         stripe, base, end = idx.stripe_of(offset) if idx.stripes else (0, 0, None)
         if stripe:
             relative_path = idx.stripe_files[stripe]
@@ -426,21 +477,10 @@ class _ReadBatch:
                 f"{self.reader._where(relative_path)}: {key!r} (bytes {offset}..{offset + nbytes}) "
                 f"crosses the end of its stripe at {end} (the metadata is damaged)"
             )
-        file = self._file(relative_path)
-        if not self.reader.verify:
-            request = _native.ReadRequest(file_index=file, offset=offset - base, nbytes=nbytes, address=pointer)
-        else:
-            # The engine takes the range's checks from the index's table: they must tile it,
-            # since every stored byte has a segment (a gap: the index or the metadata is damaged).
-            try:
-                request = _native.ReadRequest(
-                    file_index=file, offset=offset - base, nbytes=nbytes, address=pointer,
-                    verify_with=idx.segment_table(stripe),
-                )
-            except ValueError:
-                idx.check_tiled(offset, nbytes, self.paths[file], key)  # names the untiled bytes and key
-                raise
-        self.requests.append(request)
+        self.reads.append(RangeRead(
+            self.reader.key(relative_path), offset - base, nbytes, pointer,
+            index=idx if self.reader.verify else None, stripe=stripe, data_offset=offset,
+        ))
         self.keys.append(key)
 
     def add(self, item: ReadItem, planner: LoadPlanner) -> None:
@@ -527,12 +567,18 @@ class _ReadBatch:
             fn()
 
     def _read(self) -> None:
-        """Carry out every request (the engine reads the files in parallel and verifies them)."""
-        if self.requests:
-            job = self.reader._engine.read(self.paths, self.requests, self.keep)
-            failures = job.wait()
-            if failures:
-                raise _read_error(failures[0], self.keys, len(failures))
+        """Carry out every read (in parallel, verified); the first failure is raised, naming the
+        file and the key."""
+        if not self.reads:
+            return
+        try:
+            failures = self.reader.store.read_batch(self.reads, threads=self.reader.concurrency)
+        except StoreError as exc:
+            keys = sorted(set(self.keys))
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            raise StoreError(f"{exc} (loading {', '.join(map(repr, keys[:3]))}{more})", transient=exc.transient) from exc
+        if failures:
+            raise _read_error(failures[0], self.keys, len(failures))
 
 
 def copy_box_out(buffer: torch.Tensor, lead: int, nbytes: int, dtype, sizes, item: ReadItem, target, planner):

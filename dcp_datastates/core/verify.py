@@ -1,6 +1,8 @@
 """``dcp_datastates.verify(path)``: check every checksum of a checkpoint, report what is wrong.
 
-A load verifies only the bytes it reads; ``verify`` reads them all. It checks,
+A load verifies only the bytes it reads; ``verify`` reads them all, through the
+reader's store: the same checks for a directory and for a copy in object storage
+(``s3://bucket/run/step_00000100``). It checks,
 and reports every problem it finds rather than stopping at the first:
 
 * the checkpoint is committed (``.metadata`` present) and its metadata is
@@ -19,7 +21,7 @@ and reports every problem it finds rather than stopping at the first:
 * unless ``allow_pickle``, every saved Python object loads as plain data
   (what a load in safe mode requires).
 
-Files in the directory that the checkpoint does not name (rank files of an
+Files (objects) beside it that the checkpoint does not name (rank files of an
 interrupted save, a leftover ``.metadata.<id>.tmp``) are listed as notes:
 they are harmless to the checkpoint and safe to delete.
 """
@@ -38,11 +40,11 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from dcp_datastates.native import engine as _native
 from dcp_datastates.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from dcp_datastates.format.file_names import checkpoint_file, is_metadata_temporary, layout_files, stray_files
-from dcp_datastates.format.file_names import METADATA_FILE
+from dcp_datastates.format.file_names import METADATA_FILE, is_metadata_temporary, layout_files, stray_files
 from dcp_datastates.format.checkpoint_layout import compressed_blocks
 from dcp_datastates.format.rank_index import RankIndex
 from dcp_datastates.core.reader import DataStatesReader
+from dcp_datastates.storage import RangeRead, StoreError
 from dcp_datastates.format.safe_objects import check_object_is_plain
 
 VERIFY_BUFFER_BYTES = 64 << 20  # bytes read (and checked) per engine job
@@ -102,9 +104,11 @@ def verify(
     reader: DataStatesReader | None = None,
     digests: bool = False,
 ) -> VerifyReport:
-    """Verify the checkpoint at ``path`` and return a :class:`VerifyReport`.
+    """Verify the checkpoint at ``path`` (a directory, or an ``s3://`` URL) and return a
+    :class:`VerifyReport`.
 
-    Never raises for a damaged checkpoint (call ``report.raise_if_bad()`` for
+    Never raises for a damaged checkpoint (nor for a store that did not answer: a
+    :class:`StoreError` is raised, since it says nothing about the checkpoint) (call ``report.raise_if_bad()`` for
     that); ``progress(bytes_done, bytes_total)`` is called as data is checked.
     ``reader``: a :class:`DataStatesReader` of ``path`` to verify through (its
     ``allow_pickle`` and threads apply), so that a load with the same reader
@@ -125,8 +129,14 @@ def verify(
     except IncompleteCheckpointError as exc:
         report.problems.append(str(exc))
         return report
+    except StoreError as exc:
+        if exc.transient:
+            raise
+        report.committed = _has_metadata(reader)
+        report.problems.append(str(exc))
+        return report
     except (CheckpointError, OSError, MemoryError) as exc:
-        report.committed = os.path.lexists(os.path.join(path, METADATA_FILE))
+        report.committed = _has_metadata(reader)
         report.problems.append(str(exc) if isinstance(exc, CheckpointError) else f"{path}: {type(exc).__name__}: {exc}")
         return report
     report.committed = True
@@ -141,14 +151,18 @@ def verify(
     for files in layout.ranks:
         try:
             indexes[files.data_path] = reader.rank_index(files.data_path)
+        except StoreError as exc:
+            if exc.transient:
+                raise
+            report.problems.append(str(exc))
         except (CheckpointError, OSError, MemoryError) as exc:
             report.problems.append(str(exc) if isinstance(exc, CheckpointError) else f"{files.index_path}: {exc}")
     report.ranks = len(layout.own_ranks)
     report.bases = layout.bases
-    _check_object_entries(path, layout, indexes, report)
+    _check_object_entries(reader, layout, indexes, report)
     spans = _spans_by_file(layout, indexes)
     for rel, idx in indexes.items():
-        _check_tiling(path, rel, idx, spans.get(rel, []), report)
+        _check_tiling(reader, rel, idx, spans.get(rel, []), report)
     rows = {rel: _referred_segments(idx, spans.get(rel, [])) if rel in base_paths else None for rel, idx in indexes.items()}
     total = sum(
         sum(idx.seg_lengths) if rows[rel] is None else sum(idx.seg_lengths[i] for i in rows[rel])
@@ -161,13 +175,20 @@ def verify(
             if rows[rel] is None:
                 _check_padding(reader, rel, idx, stripe, spans.get(rel, []), report)
     if layout.compression is not None and not report.problems:
-        _check_frames_decompress(path, layout, indexes, report)
+        _check_frames_decompress(reader, layout, indexes, report)
     if digests and layout.digests and not report.problems:
-        _check_digests(path, layout, indexes, report)
+        _check_digests(reader, layout, indexes, report)
     if not allow_pickle and not report.problems:
-        _check_objects_are_plain(path, layout, indexes, report)
-    _note_strays(path, layout, report)
+        _check_objects_are_plain(reader, layout, indexes, report)
+    _note_strays(reader, layout, report)
     return report
+
+
+def _has_metadata(reader: DataStatesReader) -> bool:
+    try:
+        return reader.store.size(reader.key(METADATA_FILE)) is not None
+    except (CheckpointError, OSError):
+        return True  # there, but not a regular file
 
 
 def _referred_segments(idx: RankIndex, spans) -> set[int]:
@@ -182,7 +203,7 @@ def _referred_segments(idx: RankIndex, spans) -> set[int]:
     return out
 
 
-def _check_digests(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
+def _check_digests(reader: DataStatesReader, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
     """Every recorded content digest is the XXH3-128 of its chunk's bytes (read in pieces of at
     most ``VERIFY_BUFFER_BYTES``, from the stripe and file that hold them)."""
     from dcp_datastates.core.incremental import load_xxhash
@@ -194,19 +215,19 @@ def _check_digests(path: str, layout, indexes: dict[str, RankIndex], report: Ver
         state = xxhash.xxh3_128()
         for start in range(loc.offset, loc.offset + loc.length, VERIFY_BUFFER_BYTES):
             n = min(VERIFY_BUFFER_BYTES, loc.offset + loc.length - start)
-            data_path, at = _in_stripe(path, indexes[rel], rel, start)
-            state.update(_read_range(data_path, at, n))
+            stored, at = _in_stripe(reader, indexes[rel], rel, start)
+            state.update(reader.store.read_range(stored, at, n))
         report.digests_checked += 1
         if state.hexdigest() != digest:
             fqn, off = key
             report.problems.append(
-                f"{os.path.join(path, METADATA_FILE)}: the content digest recorded for {fqn!r} (chunk at {off}) is "
-                f"{digest}, its bytes in {checkpoint_file(path, rel)} hash to {state.hexdigest()}: a later incremental "
+                f"{reader._where(METADATA_FILE)}: the content digest recorded for {fqn!r} (chunk at {off}) is "
+                f"{digest}, its bytes in {reader._where(rel)} hash to {state.hexdigest()}: a later incremental "
                 "save would refer to these bytes for other ones"
             )
 
 
-def _check_objects_are_plain(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
+def _check_objects_are_plain(reader: DataStatesReader, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
     """Safe mode: the objects a load would refuse (they need arbitrary unpickling) are problems."""
     files = layout.slot_paths()
     for fqn, _off, rank, _offset, length, ordinal in layout.entries:
@@ -214,31 +235,23 @@ def _check_objects_are_plain(path: str, layout, indexes: dict[str, RankIndex], r
             continue
         rel = files[rank]
         offset, length = indexes[rel].objects[ordinal]
-        data_path, offset = _in_stripe(path, indexes[rel], rel, offset)
+        key, offset = _in_stripe(reader, indexes[rel], rel, offset)
         try:
-            check_object_is_plain(_read_range(data_path, offset, length), fqn, data_path)
+            check_object_is_plain(bytes(reader.store.read_range(key, offset, length)), fqn, reader.store.where(key))
         except CheckpointError as exc:
             report.problems.append(str(exc))
 
 
-def _in_stripe(path: str, idx: RankIndex, rel: str, offset: int) -> tuple[str, int]:
-    """The file holding data offset ``offset`` of the rank whose data file is ``rel``, and the offset in it."""
+def _in_stripe(reader: DataStatesReader, idx: RankIndex, rel: str, offset: int) -> tuple[str, int]:
+    """The store key of the file holding data offset ``offset`` of the rank whose data file is
+    ``rel``, and the offset in it."""
     if not idx.stripes:
-        return checkpoint_file(path, rel), offset
+        return reader.key(rel), offset
     stripe, base, _ = idx.stripe_of(offset)
-    return checkpoint_file(path, idx.stripe_files[stripe]), offset - base
+    return reader.key(idx.stripe_files[stripe]), offset - base
 
 
-def _read_range(data_path: str, offset: int, length: int) -> bytes:
-    """``length`` bytes at ``offset`` of a data file whose checksums already passed."""
-    fd = os.open(data_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        return os.pread(fd, length, offset)
-    finally:
-        os.close(fd)
-
-
-def _check_frames_decompress(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
+def _check_frames_decompress(reader: DataStatesReader, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
     """Every frame of every compressed chunk decompresses to its block's raw size.
 
     Their checksums already passed; this catches a frame that was written wrong.
@@ -253,20 +266,20 @@ def _check_frames_decompress(path: str, layout, indexes: dict[str, RankIndex], r
         return
     block = layout.compression[1]
     files = layout.slot_paths()
-    frames = []  # (data path, offset, length, raw bytes, what)
+    frames = []  # (store key, offset, length, raw bytes, what)
     for fqn, _off, rank, _offset, length, ordinal in layout.entries:
         if ordinal < 0 or length < 0:
             continue
         rel = files[rank]
         entries = indexes[rel].objects[ordinal : ordinal + compressed_blocks(length, block)]
         for b, (o, n) in enumerate(entries):
-            data_path, o = _in_stripe(path, indexes[rel], rel, o)
-            frames.append((data_path, o, n, min(block, length - b * block), f"{data_path}: block {b} of {fqn!r}"))
+            key, o = _in_stripe(reader, indexes[rel], rel, o)
+            frames.append((key, o, n, min(block, length - b * block), f"{reader.store.where(key)}: block {b} of {fqn!r}"))
 
     def check(frame) -> None:
-        data_path, offset, length, raw, what = frame
+        key, offset, length, raw, what = frame
         try:
-            decompress_block(_read_range(data_path, offset, length), raw, what)
+            decompress_block(bytes(reader.store.read_range(key, offset, length)), raw, what)
         except CheckpointError as exc:
             report.problems.append(str(exc))
 
@@ -296,7 +309,7 @@ def _check_items(reader: DataStatesReader, metadata, report: VerifyReport) -> No
                 )
 
 
-def _check_object_entries(path: str, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
+def _check_object_entries(reader: DataStatesReader, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
     files = layout.slots()
     for fqn, _off, rank, _offset, length, ordinal in layout.entries:
         if ordinal < 0 or rank not in files:
@@ -306,13 +319,13 @@ def _check_object_entries(path: str, layout, indexes: dict[str, RankIndex], repo
             last = ordinal + compressed_blocks(length, layout.compression[1]) - 1
             if idx is not None and last >= len(idx.objects):
                 report.problems.append(
-                    f"{os.path.join(path, files[rank].index_file)}: {fqn!r} is stored as blocks {ordinal}..{last} "
+                    f"{reader._where(files[rank].index_path)}: {fqn!r} is stored as blocks {ordinal}..{last} "
                     f"of an object table with {len(idx.objects)} entries"
                 )
             continue
         if idx is not None and ordinal >= len(idx.objects):
             report.problems.append(
-                f"{os.path.join(path, files[rank].index_file)}: object {fqn!r} refers to entry {ordinal} "
+                f"{reader._where(files[rank].index_path)}: object {fqn!r} refers to entry {ordinal} "
                 f"of an object table with {len(idx.objects)} entries"
             )
 
@@ -342,8 +355,8 @@ def _spans_by_file(layout, indexes: dict[str, RankIndex]) -> dict[str, list[tupl
     return out
 
 
-def _check_tiling(path: str, rel: str, idx: RankIndex, spans, report: VerifyReport) -> None:
-    where = checkpoint_file(path, rel)
+def _check_tiling(reader: DataStatesReader, rel: str, idx: RankIndex, spans, report: VerifyReport) -> None:
+    where = reader._where(rel)
     for start, end, key in spans:
         try:
             idx.check_tiled(start, end - start, where, key)
@@ -380,33 +393,30 @@ def _batches(offsets, lengths, cap: int):
 
 
 def _stripe_file(reader, rel: str, idx: RankIndex, stripe: int) -> tuple[str, int, int]:
-    """``(path, start, end)``: the file of ``stripe`` of the rank whose data file is ``rel`` and
-    the data offsets it holds (the whole data without stripes)."""
+    """``(store key, start, end)``: the file of ``stripe`` of the rank whose data file is ``rel``
+    and the data offsets it holds (the whole data without stripes)."""
     start, end = idx.stripe_bounds()[stripe]
     name = idx.stripe_files[stripe] if idx.stripes else rel
-    return reader._where(name), start, end
+    return reader.key(name), start, end
 
 
 def _check_segments(reader, rel, idx: RankIndex, stripe: int, spans, report, done, total, progress, only=None) -> int:
     """Read every segment of one data file (a stripe) through a bounded buffer and verify its CRC
     (``only``: just these segments, by index)."""
-    path, base, _end = _stripe_file(reader, rel, idx, stripe)
+    key, base, _end = _stripe_file(reader, rel, idx, stripe)
     rows = [i for i in idx.stripe_segments(stripe) if only is None or i in only]
     offsets = [idx.seg_offsets[i] - base for i in rows]
     lengths = [idx.seg_lengths[i] for i in rows]
-    table = idx.segment_table(stripe)  # a run of adjacent segments is tiled by them: its checks come from here
+    report.segments_checked += len(rows)
     largest = max(lengths, default=0)
     buf = torch.empty(max(min(VERIFY_BUFFER_BYTES, sum(lengths)), largest), dtype=torch.uint8)
     for batch, used in _batches(offsets, lengths, buf.numel()):
-        requests, pos = [], 0
-        for start, n in batch:
-            address = buf.data_ptr() + pos
-            request = _native.ReadRequest(file_index=0, offset=start, nbytes=n, address=address, verify_with=table)
-            requests.append(request)
+        reads, pos = [], 0
+        for start, n in batch:  # a run of adjacent segments, tiled by them: checked against the index
+            reads.append(RangeRead(key, start, n, buf.data_ptr() + pos, index=idx, stripe=stripe, data_offset=base + start))
             pos += n
-            report.segments_checked += len(request.checks)
-        failures = reader._engine.read([path], requests, [buf]).wait()
-        _report_failures(failures, [r.offset for r in requests], spans, report, base)
+        failures = reader.store.read_batch(reads)
+        _report_failures(failures, [r.offset for r in reads], spans, report, base)
         report.bytes_checked += used
         done += used
         if progress is not None:
@@ -451,8 +461,9 @@ def _check_padding(reader, rel, idx: RankIndex, stripe: int, spans, report: Veri
     engine, checked against the CRC of zeros; a piece that fails is read
     again here to name its first non-zero byte.
     """
-    path, base, end = _stripe_file(reader, rel, idx, stripe)
-    size = os.lstat(path).st_size
+    key, base, end = _stripe_file(reader, rel, idx, stripe)
+    path = reader.store.where(key)
+    size = reader.store.size(key) or 0
     if size > end - base:
         report.problems.append(
             f"{path}: {size - (end - base)} bytes past offset {end - base}, where its index says the "
@@ -466,17 +477,14 @@ def _check_padding(reader, rel, idx: RankIndex, stripe: int, spans, report: Veri
     used = 0
     for piece in pieces + [None]:
         if piece is None or used + piece[1] > buf.numel():
-            requests, pos = [], 0
+            reads, pos = [], 0
             for o, n in batch:
-                zeros = _native.SegmentCheck(offset_in_request=0, nbytes=n, crc32c=_zeros_crc(n))
-                requests.append(
-                    _native.ReadRequest(file_index=0, offset=o, nbytes=n, address=buf.data_ptr() + pos, checks=[zeros])
-                )
+                reads.append(RangeRead(key, o, n, buf.data_ptr() + pos, checks=[(0, n, _zeros_crc(n))]))
                 pos += n
-            for failure in reader._engine.read([path], requests, [buf]).wait():
+            for failure in reader.store.read_batch(reads):
                 o, n = batch[failure.request]
                 if failure.kind == "checksum":
-                    report.problems.append(_nonzero_padding(path, o, n, spans, base))
+                    report.problems.append(_nonzero_padding(reader.store, key, o, n, spans, base))
                 else:
                     report.problems.append(f"{failure.path}: reading the padding at offset {o} failed: {failure.message}")
             report.padding_bytes_checked += used
@@ -486,24 +494,17 @@ def _check_padding(reader, rel, idx: RankIndex, stripe: int, spans, report: Veri
             used += piece[1]
 
 
-def _nonzero_padding(path: str, offset: int, nbytes: int, spans, base: int = 0) -> str:
+def _nonzero_padding(store, key: str, offset: int, nbytes: int, spans, base: int = 0) -> str:
     """The problem for a padding piece that is not all zeros: its first non-zero byte and the key before
     (``spans`` are at data offsets, the file's offsets start at data offset ``base``)."""
     found, value = offset + nbytes, None
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        pos = offset
-        while pos < offset + nbytes:
-            block = os.pread(fd, min(len(_ZEROS), offset + nbytes - pos), pos)
-            if not block:
-                break
-            zeros = len(block) - len(block.lstrip(b"\0"))
-            if zeros < len(block):
-                found, value = pos + zeros, block[zeros]
-                break
-            pos += len(block)
-    finally:
-        os.close(fd)
+    for pos, block in store.read_blocks(key, nbytes, len(_ZEROS), offset):
+        block = bytes(block)
+        zeros = len(block) - len(block.lstrip(b"\0"))
+        if zeros < len(block):
+            found, value = pos + zeros, block[zeros]
+            break
+    path = store.where(key)
     i = bisect.bisect_left(spans, (found + base,)) - 1
     where = f"after {spans[i][2]!r}" if i >= 0 else "before the first item"
     what = f"is {value:#04x}, not zero" if value is not None else "is not zero (it changed while read)"
@@ -527,9 +528,11 @@ def _report_failures(failures: list[_native.ReadFailure], starts, spans, report:
             report.problems.append(f"{f.path}{what}: read failed: {f.message}")
 
 
-def _note_strays(path: str, layout, report: VerifyReport) -> None:
+def _note_strays(reader: DataStatesReader, layout, report: VerifyReport) -> None:
     """Files a save left that the checkpoint does not name are notes, not problems (format/file_names.py)."""
-    for name in stray_files(os.listdir(path), layout_files(layout)):
+    prefix = reader.prefix
+    names = [k[len(prefix) + 1 :] for k in reader.store.list(f"{prefix}/")] if prefix else reader.store.list()
+    for name in stray_files(names, layout_files(layout)):
         if is_metadata_temporary(name):
             report.notes.append(f"{name} is a leftover temporary of an interrupted commit (safe to delete)")
         else:

@@ -68,7 +68,8 @@ from dcp_datastates.core.stager import WriterSnapshots
 from dcp_datastates.core.staging import StagingFuture
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.metadata_file import encode_metadata
-from dcp_datastates.format.file_names import MAX_STRIPES, METADATA_FILE, layout_files, refuse_url
+from dcp_datastates.format.file_names import MAX_STRIPES, METADATA_FILE, layout_files
+from dcp_datastates.storage.url import refuse_url
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout, RankFiles
 from dcp_datastates.native import engine as _native
 

@@ -19,6 +19,7 @@ can hold) and by its checksum before reading it whole.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -105,8 +106,9 @@ def open_checkpoint_file(path: str) -> CheckpointFile:
     return CheckpointFile(path, fd, st.st_size)
 
 
-def read_rank_index(index_path: str, limits: IndexLimits) -> RankIndex:
-    """Read and validate the rank index at ``index_path``, refusing a hostile one in bounded memory.
+def read_rank_index(index_path, limits: IndexLimits) -> RankIndex:
+    """Read and validate the rank index at ``index_path`` (a local path, or an opened file of any
+    store: ``storage.Store.open_file``), refusing a hostile one in bounded memory.
 
     In order, before the file is held in memory: its 56-byte header must
     describe a file of exactly its size, with counts within ``limits`` (see
@@ -114,7 +116,8 @@ def read_rank_index(index_path: str, limits: IndexLimits) -> RankIndex:
     a ``READ_BLOCK_BYTES`` buffer. Only then is it read whole, once, and
     decoded. Memory for a refused file: the header and one block.
     """
-    with open_checkpoint_file(index_path) as f:
+    with open_checkpoint_file(index_path) if isinstance(index_path, str) else contextlib.nullcontext(index_path) as f:
+        index_path = f.path
         if f.size < INDEX_HEADER.size + INDEX_TRAILER.size:
             raise CorruptCheckpointError(f"rank index {index_path} is corrupt: {f.size} bytes is shorter than the header")
         header = INDEX_HEADER.unpack(f.pread(INDEX_HEADER.size, 0))

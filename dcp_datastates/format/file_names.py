@@ -35,32 +35,6 @@ DATA_FILE_RE = re.compile(r"^rank(\d{5,})-([0-9a-f]{12})(?:\.s([1-9]\d{0,2}))?\.
 MAX_STRIPES = 256  # stripe numbers have at most three digits
 
 
-_URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def url_scheme(path) -> str | None:
-    """The scheme of ``path`` when it is a URL (``"s3"`` for ``s3://bucket/run``), else None:
-    the one rule that tells a URL from a directory, so that a URL is never taken for a
-    folder whose name holds ``:``."""
-    try:
-        path = os.fspath(path)
-    except TypeError:
-        return None
-    m = _URL_RE.match(path) if isinstance(path, str) else None
-    return m.group(1) if m else None
-
-
-def refuse_url(path, who: str, instead: str) -> None:
-    """A ValueError when ``path`` is a URL: ``who`` works on local directories, and nothing may
-    be written (or looked for) in a folder named after the URL. ``instead``: what to use."""
-    scheme = url_scheme(path)
-    if scheme is not None:
-        raise ValueError(
-            f"{who} takes a local directory, and {os.fspath(path)!r} is a {scheme}:// URL (it is never "
-            f"taken for a folder of that name). {instead}"
-        )
-
-
 def data_file_name(rank: int, save_id: str) -> str:
     return f"rank{rank:05d}-{save_id}.data"
 

@@ -43,6 +43,7 @@ Two things are added around the pickle:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -358,9 +359,10 @@ def _check_pickle_shape(first: bytes, last: int | None, where: str) -> None:
         raise bad(f"it ends with byte {last:#04x} and has no checksum trailer")
 
 
-def read_metadata_file(path: str, allow_pickle: bool = False) -> tuple[Metadata, bool]:
-    """Read, verify and unpickle the ``.metadata`` at ``path``: :func:`decode_metadata` for a
-    file, in memory bounded by its structure, not its size.
+def read_metadata_file(path, allow_pickle: bool = False) -> tuple[Metadata, bool]:
+    """Read, verify and unpickle the ``.metadata`` at ``path`` (a local path, or an opened file of
+    any store: ``storage.Store.open_file``): :func:`decode_metadata` for a file, in memory bounded
+    by its structure, not its size.
 
     Before the file is held in memory: its first bytes must be a pickle's
     header (a file of zeros or of anything else is refused after reading 2
@@ -374,7 +376,8 @@ def read_metadata_file(path: str, allow_pickle: bool = False) -> tuple[Metadata,
     memory once before the unpickler judges it.
     FileNotFoundError when it does not exist.
     """
-    with open_checkpoint_file(path) as f:
+    with open_checkpoint_file(path) if isinstance(path, str) else contextlib.nullcontext(path) as f:  # a given file stays open
+        path = f.path
         first = f.pread(min(f.size, 2), 0)
         _check_pickle_shape(first, None, path)
         tail = f.pread(min(f.size, _TRAILER.size), f.size - min(f.size, _TRAILER.size))

@@ -81,9 +81,9 @@ from dcp_datastates.manager.checkpoint_root import (
     step_of,
 )
 from dcp_datastates.manager.durable_tier import RETRY_S, DrainStatus, DurableTier
-from dcp_datastates.tiers.store import StoreError
-from dcp_datastates.tiers.store_reader import StoreReader
-from dcp_datastates.format.file_names import METADATA_FILE, refuse_url
+from dcp_datastates.storage import StoreError
+from dcp_datastates.format.file_names import METADATA_FILE
+from dcp_datastates.storage.url import refuse_url
 from dcp_datastates.format.metadata_file import CommitStamp, read_commit_sequence, read_commit_stamp
 from dcp_datastates.tiers.drain import DrainError
 from dcp_datastates.manager.cleanup import (
@@ -1007,10 +1007,8 @@ class CheckpointManager:
         if verdict is None:
             verdict = self._try_load(state, reader)
         if verdict is None:
-            seq = (reader.commit_sequence if isinstance(reader, StoreReader)  # read with .metadata
-                   else read_commit_sequence(os.path.join(reader.path, METADATA_FILE)))
-            with self._lock:
-                self._seq = max(self._seq, seq or 0)
+            with self._lock:  # the sequence read with .metadata
+                self._seq = max(self._seq, reader.commit_sequence or 0)
         return verdict
 
     def _load_local(self, state: dict, step: int, full_verify: bool):
@@ -1050,14 +1048,9 @@ class CheckpointManager:
         ``full_verify`` rank 0 reads every byte."""
         try:
             if full_verify and self._rank == 0:
-                if isinstance(reader, StoreReader):
-                    from dcp_datastates.tools.durable_view import verify_durable
+                from dcp_datastates.core.verify import verify
 
-                    report = verify_durable(reader.store, reader.path, allow_pickle=self.allow_pickle)
-                else:
-                    from dcp_datastates.core.verify import verify
-
-                    report = verify(reader.path, reader=reader)
+                report = verify(reader.path, reader=reader)
                 if not report.ok:
                     return "; ".join(report.problems[:3]) or "not committed", True
             reader.load_metadata()

@@ -52,10 +52,7 @@ from dcp_datastates.format.metadata_file import CommitStamp
 from dcp_datastates.manager.checkpoint_root import LATEST_FILE, POINTER_LIMIT, Pointer, step_dir_name, step_of
 from dcp_datastates.manager.cleanup import retention_keeps, spare_referred
 from dcp_datastates.manager.drain_pacing import DrainPacer
-from dcp_datastates.tiers import open_store
-from dcp_datastates.tiers.posix_store import PosixStore
-from dcp_datastates.tiers.store import StoreError
-from dcp_datastates.tiers.store_reader import StoreReader
+from dcp_datastates.storage import StoreError, open_store
 from dcp_datastates.tiers.drain import (
     DrainError,
     clear_incomplete_step,
@@ -495,11 +492,9 @@ class DurableTier:
         return cleared
 
     def reader(self, step: int, allow_pickle: bool = False):
-        """A reader that loads the durable copy of ``step`` in place (no local copy): the local
-        reader on its directory for a directory tier, ranged reads otherwise (:class:`StoreReader`)."""
-        if isinstance(self.store, PosixStore):
-            return DataStatesReader(os.path.join(self.store.root, step_dir_name(step)), allow_pickle=allow_pickle)
-        return StoreReader(step_dir_name(step), store=self.store, allow_pickle=allow_pickle)
+        """A reader that loads the durable copy of ``step`` in place (no local copy), through the
+        tier's store (a directory's reads are the engine's, an object store's ranged reads)."""
+        return DataStatesReader(step_dir_name(step), store=self.store, allow_pickle=allow_pickle)
 
     def fetch(self, step: int, local_dir: str) -> int:
         """Copy the committed durable copy of ``step`` into ``local_dir`` (``.metadata`` last),

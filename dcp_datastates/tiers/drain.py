@@ -1,7 +1,7 @@
 """Copying a committed checkpoint to a durable tier, verified, with ``.metadata`` last.
 
 The local tier holds committed checkpoints (``ROOT/step_<N>/``); the durable
-tier (:class:`DurableStore`) holds copies under the same names
+tier (:class:`Store`) holds copies under the same names
 (``step_<N>/...``). A copy is a checkpoint on the durable tier only once its
 ``.metadata`` is there, and that object is written last, after every rank's
 files are confirmed:
@@ -35,14 +35,15 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from dcp_datastates.errors import CheckpointError, CorruptCheckpointError
+from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_files import read_rank_index
-from dcp_datastates.format.checkpoint_layout import RankFiles
+from dcp_datastates.format.checkpoint_layout import CheckpointLayout, RankFiles
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_file import TRAILER_BYTES, CommitStamp, read_metadata_file, stamp_in_tail
-from dcp_datastates.format.rank_index import IndexLimits, RankIndex
+from dcp_datastates.format.rank_index import IndexLimits
 from dcp_datastates.native.engine import crc32c
-from dcp_datastates.tiers.store import DurableStore, StoreError, run_all
+from dcp_datastates.storage.segments import SegmentChecker
+from dcp_datastates.storage.store import Store, StoreError, run_all
 
 BLOCK_BYTES = 8 << 20  # bytes a fetch or verify reads from the store at a time
 # Bytes the drain reads from the local tier, checks and hands to the store at a time: small, so
@@ -105,51 +106,6 @@ def failure_key(step_dir: str, rank: int) -> str:
 # -- one rank's files ----------------------------------------------------------------
 
 
-class SegmentChecker:
-    """Checks a data file's bytes, fed in order, against the rank index's segments that lie in
-    it; every segment must be seen whole and match."""
-
-    def __init__(self, index: RankIndex, stripe: int, path: str,
-                 consequence: str = "the local copy is damaged and is not drained") -> None:
-        rows = index.stripe_segments(stripe)
-        base = index.stripe_bounds()[stripe][0]
-        self.offsets = [index.seg_offsets[i] - base for i in rows]
-        self.lengths = index.seg_lengths[rows.start : rows.stop]
-        self.crcs = index.seg_crcs[rows.start : rows.stop]
-        self.path = path
-        self.consequence = consequence  # what a mismatch means, for its message
-        self.next = 0
-        self.partial: int | None = None  # the running CRC of a segment cut by a block's end
-
-    def feed(self, view: memoryview, at: int) -> None:
-        end = at + len(view)
-        offs, lens = self.offsets, self.lengths
-        while self.next < len(offs) and offs[self.next] < end:
-            i = self.next
-            seg_end = offs[i] + lens[i]
-            lo = max(offs[i], at)
-            hi = min(seg_end, end)
-            seed = self.partial if offs[i] < at and self.partial is not None else 0
-            crc = crc32c(view[lo - at : hi - at], seed)
-            if hi < seg_end:
-                self.partial = crc
-                return
-            self.partial = None
-            if crc != self.crcs[i]:
-                raise CorruptCheckpointError(
-                    f"{self.path}: checksum mismatch in the segment at offset {offs[i]} ({lens[i]} bytes): "
-                    f"{crc:08x} != {self.crcs[i]:08x}; {self.consequence}"
-                )
-            self.next += 1
-
-    def finish(self, size: int) -> None:
-        if self.next < len(self.offsets):
-            i = self.next
-            raise CorruptCheckpointError(
-                f"{self.path}: the file ends at {size}, before the segment at offset {self.offsets[i]} ({self.lengths[i]} bytes)"
-            )
-
-
 def _local_blocks(path: str, checker: SegmentChecker | None, crc_box: list, block: int, pace=None) -> Iterator[bytes]:
     """The file's bytes in blocks, each checked (``checker``) before it is yielded; the
     whole file's CRC-32C ends in ``crc_box[0]``. ``pace()`` runs before each block."""
@@ -180,7 +136,7 @@ def _local_blocks(path: str, checker: SegmentChecker | None, crc_box: list, bloc
     crc_box[0] = crc
 
 
-def _read_back_crc(store: DurableStore, key: str, size: int, block: int, pace=None) -> int:
+def _read_back_crc(store: Store, key: str, size: int, block: int, pace=None) -> int:
     crc = 0
     if pace is not None:
         pace()
@@ -195,7 +151,7 @@ def drain_rank(
     local_dir: str,
     step_dir: str,
     files: RankFiles,
-    store: DurableStore,
+    store: Store,
     *,
     read_back: bool = True,
     progress: Callable[[int], None] | None = None,
@@ -235,7 +191,7 @@ def drain_rank(
     for stripe, name in enumerate((*names, files.index_file)):
         path = os.path.join(local_dir, name)
         key = f"{step_dir}/{name}"
-        checker = SegmentChecker(index, stripe, path) if stripe < len(names) else None
+        checker = SegmentChecker.of_stripe(index, stripe, path) if stripe < len(names) else None
         crc_box = [0]
         size = os.path.getsize(path)
         store.put_stream(key, _local_blocks(path, checker, crc_box, block, pace), size, progress)
@@ -258,7 +214,7 @@ def drain_rank(
 def commit_durable(
     local_dir: str,
     step_dir: str,
-    store: DurableStore,
+    store: Store,
     *,
     timeout_s: float = 3600.0,
     poll_s: float = 0.2,
@@ -336,7 +292,7 @@ def commit_durable(
 # -- the durable tier's steps ------------------------------------------------------------
 
 
-def _check_bases_durable(layout, step_dir: str, store: DurableStore) -> None:
+def _check_bases_durable(layout, step_dir: str, store: Store) -> None:
     """An incremental checkpoint commits on the durable tier only after its bases did: each one's
     ``.metadata``, and every rank file it refers to there, the same files (names carry the save
     id). Drains run in commit order, so a base is normally durable first; one that is not (its
@@ -353,19 +309,19 @@ def _check_bases_durable(layout, step_dir: str, store: DurableStore) -> None:
             )
 
 
-def step_bases(store: DurableStore, step_dir: str) -> set[str] | None:
-    """The base directories a committed durable copy refers to (None: not committed or unreadable)."""
-    from dcp_datastates.tiers.store_reader import StoreReader
-
+def step_bases(store: Store, step_dir: str) -> set[str] | None:
+    """The base directories a committed durable copy refers to (None: not committed, unreadable,
+    or not ours): its ``.metadata`` decoded, nothing else read."""
     try:
-        reader = StoreReader(step_dir, store=store)
-        reader.load_metadata()
-        return set(reader.layout.bases)
+        with store.open_file(f"{step_dir}/{METADATA_FILE}") as f:
+            metadata, _ = read_metadata_file(f)
     except (CheckpointError, OSError):
         return None
+    layout = metadata.storage_data
+    return set(layout.bases) if isinstance(layout, CheckpointLayout) else None
 
 
-def keys_by_step(store: DurableStore, step_of: Callable[[str], int | None]) -> dict[int, tuple[str, list[str]]]:
+def keys_by_step(store: Store, step_of: Callable[[str], int | None]) -> dict[int, tuple[str, list[str]]]:
     """``{step: (directory, names under it)}`` of every step under the store's root (one listing)."""
     out: dict[int, tuple[str, list[str]]] = {}
     for key in store.list():
@@ -376,12 +332,12 @@ def keys_by_step(store: DurableStore, step_of: Callable[[str], int | None]) -> d
     return out
 
 
-def durable_steps(store: DurableStore, step_of: Callable[[str], int | None]) -> dict[int, tuple[str, bool]]:
+def durable_steps(store: Store, step_of: Callable[[str], int | None]) -> dict[int, tuple[str, bool]]:
     """``{step: (directory, committed)}`` of every step under the store's root."""
     return {step: (name, METADATA_FILE in rests) for step, (name, rests) in keys_by_step(store, step_of).items()}
 
 
-def durable_commit_stamp(store: DurableStore, step_dir: str) -> CommitStamp | None:
+def durable_commit_stamp(store: Store, step_dir: str) -> CommitStamp | None:
     """Which save a durable copy holds: the :class:`CommitStamp` of its ``.metadata`` (one
     ranged read of its tail; unverified, as a local root's ordering reads it); None: not
     committed, or no trailer to tell."""
@@ -393,7 +349,7 @@ def durable_commit_stamp(store: DurableStore, step_dir: str) -> CommitStamp | No
     return stamp_in_tail(bytes(store.read_range(key, at, size - at)), size, store.where(key))
 
 
-def delete_durable_step(store: DurableStore, step_dir: str) -> None:
+def delete_durable_step(store: Store, step_dir: str) -> None:
     """Remove a step from the durable tier, ``.metadata`` first (a crash in between leaves an
     incomplete copy, never a committed one with objects missing)."""
     meta = f"{step_dir}/{METADATA_FILE}"
@@ -401,7 +357,7 @@ def delete_durable_step(store: DurableStore, step_dir: str) -> None:
     store.delete([k for k in store.list(step_prefix(step_dir)) if k != meta])
 
 
-def clear_incomplete_step(store: DurableStore, step_dir: str) -> bool:
+def clear_incomplete_step(store: Store, step_dir: str) -> bool:
     """Remove what an interrupted drain left of an uncommitted step; False if it is committed."""
     if store.size(f"{step_dir}/{METADATA_FILE}") is not None:
         return False
@@ -412,7 +368,7 @@ def clear_incomplete_step(store: DurableStore, step_dir: str) -> bool:
 FETCH_CONCURRENCY = 8  # ranged reads in flight while fetching a file (an object store serves each slowly)
 
 
-def fetch_step(store: DurableStore, step_dir: str, local_dir: str, *, block: int = BLOCK_BYTES,
+def fetch_step(store: Store, step_dir: str, local_dir: str, *, block: int = BLOCK_BYTES,
                concurrency: int = FETCH_CONCURRENCY) -> int:
     """Copy a committed step from the durable tier into ``local_dir`` (created; it must not hold a
     ``.metadata``), ``.metadata`` last, each file fsynced before it is renamed into place; return
@@ -453,7 +409,7 @@ def fetch_step(store: DurableStore, step_dir: str, local_dir: str, *, block: int
     return total
 
 
-def _fetch_ranges(store: DurableStore, key: str, size: int, fd: int, block: int, pool: ThreadPoolExecutor) -> None:
+def _fetch_ranges(store: Store, key: str, size: int, fd: int, block: int, pool: ThreadPoolExecutor) -> None:
     """Read ``key``'s ``size`` bytes in ``block``-byte ranges on ``pool`` and write each at its offset
     of ``fd``; the first failure cancels the ranges not begun and is raised."""
 

@@ -80,7 +80,7 @@ class CheckpointView:
         try:
             metadata, _ = read_metadata_file(md_path, allow_pickle)  # bounded by its structure, not its size
         except FileNotFoundError:
-            raise missing_checkpoint_error(self.path) from None
+            raise missing_checkpoint_error(ours.store, ours.prefix) from None
         if isinstance(metadata.storage_data, CheckpointLayout):
             self.format = FORMAT_OURS
             self.reader = ours

@@ -203,9 +203,9 @@ def list_checkpoints(root: str) -> Listing:
 
 
 def run_ls(args) -> int:
-    from dcp_datastates.tools import durable_view
+    from dcp_datastates.storage.url import is_store_url
 
-    if durable_view.is_url(args.root):
+    if is_store_url(args.root):
         return _ls_durable(args.root, args.json)
     listing = list_checkpoints(args.root)
     tiers = _tier_states(args.durable) if getattr(args, "durable", None) else None
@@ -250,14 +250,14 @@ def run_ls(args) -> int:
 
 def _tier_states(url: str) -> dict[int, str]:
     """``{step: state on the durable tier at url}`` (committed, draining, incomplete)."""
-    from dcp_datastates.tiers import open_store
+    from dcp_datastates.storage import open_store
     from dcp_datastates.tools import durable_view
 
     return {s.step: s.state for s in durable_view.list_durable(open_store(url))}
 
 
 def _ls_durable(url: str, as_json: bool) -> int:
-    from dcp_datastates.tiers import open_store
+    from dcp_datastates.storage import open_store
     from dcp_datastates.tools import durable_view
 
     steps = durable_view.list_durable(open_store(url))
@@ -473,13 +473,14 @@ def verify_one(path: str, *, allow_pickle: bool = False, quiet: bool = True, dig
 
 
 def run_verify(args) -> int:
+    from dcp_datastates.storage.url import is_store_url
     from dcp_datastates.tools import durable_view
 
     failed = n = 0
     for path in args.ckpts:
-        if durable_view.is_url(path):
+        if is_store_url(path):
             try:
-                results = durable_view.verify_url(path, allow_pickle=args.allow_pickle)
+                results = durable_view.verify_url(path, allow_pickle=args.allow_pickle, digests=args.digests)
             except Exception as exc:  # noqa: BLE001 - the store could not be reached: this path fails
                 results = [(False, f"FAILED: {path}: {one_line(exc)}")]
         else:
@@ -575,7 +576,7 @@ def durable_usage(url: str) -> list[Usage]:
     """``du`` of the steps on a durable tier: objects a committed step's layout names, and the
     rest (incomplete and draining copies, leftovers: safe to delete)."""
     from dcp_datastates.format.metadata_file import decode_metadata
-    from dcp_datastates.tiers import open_store
+    from dcp_datastates.storage import open_store
     from dcp_datastates.tiers.drain import step_prefix
     from dcp_datastates.tools import durable_view
 
@@ -604,11 +605,11 @@ def durable_usage(url: str) -> list[Usage]:
 
 
 def run_du(args) -> int:
-    from dcp_datastates.tools import durable_view
+    from dcp_datastates.storage.url import is_store_url
 
-    local = [p for p in args.paths if not durable_view.is_url(p)]
+    local = [p for p in args.paths if not is_store_url(p)]
     usages = disk_usage(local, warn=lambda m: print(f"{PROG} du: warning: {m}", file=sys.stderr)) if local else []
-    for url in (p for p in args.paths if durable_view.is_url(p)):
+    for url in (p for p in args.paths if is_store_url(p)):
         usages += durable_usage(url)
     total = {k: sum(getattr(u, k) for u in usages) for k in _SUMMED}
     if args.json:

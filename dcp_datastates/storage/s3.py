@@ -1,4 +1,4 @@
-"""A durable tier in S3-compatible object storage, through obstore.
+"""A store in S3-compatible object storage, through obstore.
 
 ``s3://bucket/prefix`` names the root. Endpoint, region and credentials come
 from the usual environment variables (``AWS_ENDPOINT_URL`` or
@@ -25,7 +25,8 @@ import os
 from datetime import timedelta
 
 from dcp_datastates.errors import CheckpointError
-from dcp_datastates.tiers.store import DurableStore, Progress, StoreError, check_key
+from dcp_datastates.storage.store import Progress, ShortObjectError, Store, StoreError, check_key
+from dcp_datastates.storage.url import parse_s3_url
 
 PART_BYTES = 64 << 20  # multipart part size (S3: 5 MiB to 5 GiB, at most 10,000 parts)
 MAX_PARTS = 10_000
@@ -50,20 +51,7 @@ def _obstore():
     return obstore, _S3
 
 
-def parse_s3_url(url: str) -> tuple[str, str]:
-    """``(bucket, prefix)`` of ``s3://bucket/prefix``; a ValueError for no bucket or a prefix
-    with empty, ``.`` or ``..`` parts (a key would not mean what the URL says)."""
-    rest = url[len("s3://"):]
-    bucket, _, prefix = rest.partition("/")
-    if not bucket:
-        raise ValueError(f"{url!r} names no bucket: use s3://bucket/prefix")
-    prefix = prefix.strip("/")
-    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
-        raise ValueError(f"{url!r}: the prefix may not hold empty, '.' or '..' parts")
-    return bucket, prefix
-
-
-class S3Store(DurableStore):
+class S3Store(Store):
     read_block = 8 << 20  # a ranged GET each: larger than a file system's, to keep requests few
 
     def __init__(
@@ -169,8 +157,18 @@ class S3Store(DurableStore):
         except Exception as exc:
             raise self._fail("reading", key, exc) from exc
         if len(data) != length:
-            raise StoreError(f"{self.where(key)}: {length} bytes asked at offset {offset}, {len(data)} returned")
+            raise ShortObjectError(f"{self.where(key)}: {length} bytes asked at offset {offset}, {len(data)} returned")
         return data
+
+    def identity(self, key: str):
+        check_key(key)
+        try:
+            meta = self._obs.head(self._store, key)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            raise self._fail("asking about", key, exc) from exc
+        return (self.where(key), int(meta["size"]), meta.get("e_tag"), str(meta.get("last_modified")))
 
     def size(self, key: str) -> int | None:
         check_key(key)

@@ -1,6 +1,13 @@
-"""A durable tier on a (shared) file system: a directory tree, files renamed into place.
+"""A store on a file system: a directory tree (a checkpoint's own directory, a run's root, a
+durable tier on a shared file system), files renamed into place.
 
-Each object is written to a temporary name in its directory, fsynced, and
+Loads read through the engine: :meth:`LocalStore.read_batch` hands every range
+to its I/O threads, which read in parallel without the GIL and verify each
+range against its checksum segments natively. Only regular files are objects:
+a symbolic link, FIFO or device under a checkpoint's name is refused, never
+followed or blocked on (a checkpoint may come from someone else).
+
+Each object written is written to a temporary name in its directory, fsynced, and
 renamed to its key without replacing an existing file (``replace_bytes``
 alone replaces, for the mirrored pointer); then the directory is fsynced. A crash leaves a temporary file (``.<name>.part-<pid>``) that
 :meth:`PosixStore.list` does not report and :meth:`PosixStore.sweep_partials`
@@ -11,9 +18,13 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 
 from dcp_datastates.core import durable
-from dcp_datastates.tiers.store import DurableStore, Progress, StoreError, check_key
+from dcp_datastates.errors import CorruptCheckpointError
+from dcp_datastates.format.checkpoint_files import CheckpointFile, open_checkpoint_file
+from dcp_datastates.native import engine as _native
+from dcp_datastates.storage.store import Progress, RangeRead, ShortObjectError, Store, StoreError, check_key
 
 _PART_MARK = ".part-"
 
@@ -25,10 +36,24 @@ def _is_partial(name: str) -> bool:
 _DIR_RACE_RETRIES = 5
 
 
-class PosixStore(DurableStore):
-    def __init__(self, root: str) -> None:
+class LocalStore(Store):
+    def __init__(self, root: str, *, io_threads: int = _native.DEFAULT_READ_THREADS,
+                 window_bytes: int = _native.DEFAULT_WINDOW_BYTES) -> None:
         self.url = os.path.abspath(root)
         self.root = self.url
+        self._engine_settings = (2 * window_bytes, io_threads, window_bytes)  # reads go straight into place
+        self._engine_ref: _native.ProcessEngine | None = None
+
+    @property
+    def engine(self):
+        """This process's engine for the store's read settings (made at the first read)."""
+        if self._engine_ref is None:
+            self._engine_ref = _native.ProcessEngine(*self._engine_settings)
+        return self._engine_ref.get()
+
+    def path(self, key: str) -> str:
+        """The file of ``key``."""
+        return self._path(key)
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
@@ -150,7 +175,7 @@ class PosixStore(DurableStore):
             while got < length:
                 n = os.preadv(fd, [out[got:]], offset + got)
                 if n == 0:
-                    raise StoreError(
+                    raise ShortObjectError(
                         f"{self.where(key)}: {length} bytes asked at offset {offset}, the object ends at {offset + got}"
                     )
                 got += n
@@ -161,13 +186,48 @@ class PosixStore(DurableStore):
         finally:
             os.close(fd)
 
-    def size(self, key: str) -> int | None:
+    def _lstat(self, key: str) -> os.stat_result | None:
+        """The file's status, None when there is none; anything but a regular file is refused."""
+        path = self._path(key)
         try:
-            return os.stat(self._path(key)).st_size
-        except FileNotFoundError:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
             raise StoreError(f"{self.where(key)}: {exc.strerror or exc}") from exc
+        if not stat.S_ISREG(st.st_mode):
+            what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+            raise CorruptCheckpointError(f"{path} is {what}; checkpoint files must be regular files")
+        return st
+
+    def size(self, key: str) -> int | None:
+        st = self._lstat(key)
+        return None if st is None else st.st_size
+
+    def identity(self, key: str):
+        st = self._lstat(key)
+        return None if st is None else (self._path(key), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def missing_prefix(self, prefix: str) -> bool:
+        return not os.path.isdir(self._dir(prefix))
+
+    def open_file(self, key: str) -> CheckpointFile:
+        return open_checkpoint_file(self._path(key))
+
+    def read_batch(self, reads: list[RangeRead], *, threads: int | None = None) -> list:
+        """Every read on the engine's I/O threads, verified natively (``threads`` is the engine's)."""
+        paths: list[str] = []
+        files: dict[str, int] = {}
+        requests = []
+        for read in reads:
+            i = files.get(read.key)
+            if i is None:
+                i = files[read.key] = len(paths)
+                paths.append(self._path(read.key))
+            requests.append(_engine_request(read, i, paths[i]))
+        if not requests:
+            return []
+        return self.engine.read(paths, requests, []).wait()
 
     def list(self, prefix: str = "") -> list[str]:
         if prefix and not prefix.endswith("/"):
@@ -214,6 +274,21 @@ class PosixStore(DurableStore):
                     removed.append(os.path.join(dirpath, name))
         durable.remove_if_present(removed)
         return removed
+
+
+def _engine_request(read: RangeRead, file_index: int, path: str):
+    where = dict(file_index=file_index, offset=read.offset, nbytes=read.nbytes, address=read.address)
+    if read.checks is not None:
+        return _native.ReadRequest(**where, checks=_native.segment_checks(read.checks))
+    if read.index is None:
+        return _native.ReadRequest(**where)
+    # The engine takes the range's checks from the index's table: they must tile it, since
+    # every stored byte has a segment (a gap: the index or the metadata is damaged).
+    try:
+        return _native.ReadRequest(**where, verify_with=read.index.segment_table(read.stripe))
+    except ValueError:
+        read.index.check_tiled(read.data_offset, read.nbytes, path, read.key)  # names the untiled bytes
+        raise
 
 
 def _raise(exc: OSError) -> None:

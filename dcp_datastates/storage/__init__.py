@@ -1,0 +1,31 @@
+"""Where a checkpoint's bytes live: the storage layer every reader, verifier and tier composes.
+
+:mod:`url` tells a URL from a directory and takes it apart; :mod:`store` is the
+protocol (:class:`Store`); :mod:`local` a directory tree (the engine's batched,
+verified reads), :mod:`s3` S3-compatible object storage; :mod:`segments`
+checks streamed bytes against a rank index's checksum segments.
+"""
+
+from __future__ import annotations
+
+import os
+
+from dcp_datastates.storage.store import RangeRead, ShortObjectError, Store, StoreError, StoredFile
+from dcp_datastates.storage.url import check_location, is_store_url
+
+__all__ = ["RangeRead", "ShortObjectError", "Store", "StoreError", "StoredFile", "open_store"]
+
+
+def open_store(location: str | os.PathLike, **options) -> Store:
+    """The store at ``location``: ``s3://bucket/prefix`` (S3-compatible object storage, see
+    :mod:`storage.s3` for the endpoint and credentials and ``options``) or a directory path
+    (:mod:`storage.local`; ``options``: ``io_threads``). Another scheme is a ValueError naming
+    the supported ones."""
+    check_location(location, "a store")
+    if is_store_url(location):
+        from dcp_datastates.storage.s3 import S3Store  # obstore is imported only for a URL
+
+        return S3Store(os.fspath(location), **options)
+    from dcp_datastates.storage.local import LocalStore
+
+    return LocalStore(os.fspath(location), **options)

@@ -1,0 +1,67 @@
+"""Checking bytes against a rank index's checksum segments as they arrive, in order: a file
+streamed to a store by the drain, a range an object store returned. The one check besides the
+engine's own (which verifies the ranges it reads natively)."""
+
+from __future__ import annotations
+
+from dcp_datastates.errors import CorruptCheckpointError
+from dcp_datastates.format.rank_index import RankIndex
+from dcp_datastates.native.engine import crc32c
+
+
+class SegmentMismatch(CorruptCheckpointError):
+    """A segment whose bytes do not have its CRC-32C; ``detail`` says which, without the path."""
+
+    def __init__(self, message: str, detail: str, offset: int) -> None:
+        super().__init__(message)
+        self.detail, self.offset = detail, offset
+
+
+class SegmentChecker:
+    """Checks bytes fed in order (``feed(view, at)``, ``at`` the offset of ``view``) against the
+    segments at ``offsets``, ``lengths`` and ``crcs`` (sorted, at the same offsets); every
+    segment must be seen whole (``finish``) and match. ``consequence``: what a mismatch means,
+    for its message."""
+
+    def __init__(self, offsets, lengths, crcs, path: str, consequence: str) -> None:
+        self.offsets, self.lengths, self.crcs = offsets, lengths, crcs
+        self.path = path
+        self.consequence = consequence
+        self.next = 0
+        self.partial: int | None = None  # the running CRC of a segment cut by a block's end
+
+    @classmethod
+    def of_stripe(cls, index: RankIndex, stripe: int, path: str,
+                  consequence: str = "the local copy is damaged and is not drained") -> SegmentChecker:
+        """The segments of a data file (``stripe`` of the rank), at offsets in that file."""
+        rows = index.stripe_segments(stripe)
+        base = index.stripe_bounds()[stripe][0]
+        return cls([index.seg_offsets[i] - base for i in rows], index.seg_lengths[rows.start : rows.stop],
+                   index.seg_crcs[rows.start : rows.stop], path, consequence)
+
+    def feed(self, view: memoryview, at: int) -> None:
+        end = at + len(view)
+        offs, lens = self.offsets, self.lengths
+        while self.next < len(offs) and offs[self.next] < end:
+            i = self.next
+            seg_end = offs[i] + lens[i]
+            lo = max(offs[i], at)
+            hi = min(seg_end, end)
+            seed = self.partial if offs[i] < at and self.partial is not None else 0
+            crc = crc32c(view[lo - at : hi - at], seed)
+            if hi < seg_end:
+                self.partial = crc
+                return
+            self.partial = None
+            if crc != self.crcs[i]:
+                detail = (f"checksum mismatch for {lens[i]} bytes at offset {offs[i]}: stored crc32c "
+                          f"{self.crcs[i]:08x}, data has {crc:08x}")
+                raise SegmentMismatch(f"{self.path}: {detail}; {self.consequence}", detail, offs[i])
+            self.next += 1
+
+    def finish(self, size: int) -> None:
+        if self.next < len(self.offsets):
+            i = self.next
+            raise CorruptCheckpointError(
+                f"{self.path}: the file ends at {size}, before the segment at offset {self.offsets[i]} ({self.lengths[i]} bytes)"
+            )
