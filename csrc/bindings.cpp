@@ -55,6 +55,7 @@ class PyWriteJob {
     if (engine_ && !job_->done()) {
       job_->cancel("write job for " + job_->path() + " was dropped before it finished");
       engine_->seal(job_);
+      engine_->stream_abandon(job_);  // a streamed job's windows nobody will take
       py::gil_scoped_release nogil;
       try {
         job_->wait();
@@ -118,6 +119,23 @@ class PyWriteJob {
   void cancel(const std::string& why) {
     owned("cancelling a write");
     job_->cancel(why);
+    if (engine_) engine_->stream_abandon(job_);
+  }
+  // A streamed job's next window: (file offset, read-only view of its bytes), valid until the
+  // next call; None once every window was handed out (the job is then finished).
+  py::object next_chunk() {
+    owned("taking a streamed window");
+    if (!engine_) return py::none();
+    StreamChunk c;
+    {
+      py::gil_scoped_release nogil;
+      c = engine_->stream_next(job_);  // a failure leaves the job to its owner's seal() and wait()
+    }
+    if (c.end) {
+      finished();
+      return py::none();
+    }
+    return py::make_tuple(c.offset, py::memoryview::from_memory(const_cast<uint8_t*>(c.data), static_cast<py::ssize_t>(c.len), true));
   }
   bool done() {
     owned("asking whether a write is done");
@@ -125,6 +143,7 @@ class PyWriteJob {
   }
   bool direct() { return job_->direct(); }
   bool borrows() { return job_->borrows(); }
+  bool streams() { return job_->streams(); }
   uint64_t windows_from_source() { return job_->windows_from_source(); }
   const std::string& path() { return job_->path(); }
 
@@ -219,6 +238,11 @@ PYBIND11_MODULE(_engine, m) {
                              "Whether the job was started with borrow=True.")
       .def_property_readonly("windows_from_source", &PyWriteJob::windows_from_source,
                              "Windows written straight from the caller's memory so far (borrow=True).")
+      .def("next_chunk", &PyWriteJob::next_chunk,
+           "A streamed job's next window in file order: (offset, read-only memoryview), valid until "
+           "the next call, which gives its pool slot back; None when all were handed out. Raises the "
+           "job's error (OSError) if it failed.")
+      .def_property_readonly("streams", &PyWriteJob::streams, "Whether the job has no file (stream=True).")
       .def_property_readonly("path", &PyWriteJob::path);
 
   py::class_<PyReadJob>(m, "ReadJob", "Reads running in the engine (Engine.read()).")
@@ -242,26 +266,28 @@ PYBIND11_MODULE(_engine, m) {
           "write",
           [](std::shared_ptr<Engine> self, const std::string& path, const py::object& regions,
              const py::object& keep, const std::string& direct_io, uint64_t preallocate, bool durable,
-             bool borrow) {
+             bool borrow, bool stream) {
             auto r = regions_from(regions);
             auto mode = parse_mode(direct_io);
             std::shared_ptr<WriteJob> job;
             {
               py::gil_scoped_release nogil;
-              job = self->start_write(path, std::move(r), mode, preallocate, durable, borrow);
+              job = self->start_write(path, std::move(r), mode, preallocate, durable, borrow, stream);
             }
             return std::make_unique<PyWriteJob>(self, job, keep_list(keep));
           },
           py::arg("path"), py::arg("regions"), py::arg("keep") = py::list(), py::kw_only(),
           py::arg("direct_io") = "auto", py::arg("preallocate") = 0, py::arg("durable") = true,
-          py::arg("borrow") = false,
+          py::arg("borrow") = false, py::arg("stream") = false,
           "Create `path` (it must not exist) and start writing `regions` (HostRegion, StridedRegion, "
           "DeviceRegion; non-overlapping). `keep` holds what their memory belongs to. "
           "`preallocate` bytes are reserved first (a full disk fails here); durable=False skips the "
           "final fsync (scratch files only). borrow=True promises that the caller leaves the host "
           "memory of every region (and of later appends) unchanged until the job is done: windows "
           "of contiguous host memory are then written from it without a copy where the file "
-          "allows (buffered, or page-aligned for O_DIRECT), and count as staged once written.")
+          "allows (buffered, or page-aligned for O_DIRECT), and count as staged once written. "
+          "stream=True opens no file (`path` names the destination in errors): the windows are "
+          "taken in file order with WriteJob.next_chunk().")
       .def(
           "read",
           [](std::shared_ptr<Engine> self, std::vector<std::string> paths, const py::object& requests,

@@ -104,8 +104,10 @@ void StridedLayout::gather(uint8_t* dst, const uint8_t* base, uint64_t logical,
 
 // ---------------------------------------------------------------- WriteJob
 
-WriteJob::WriteJob(std::string path, DirectMode mode, uint64_t preallocate, bool durable, bool borrow)
-    : path_(std::move(path)), mode_(mode), durable_(durable), borrow_(borrow) {
+WriteJob::WriteJob(std::string path, DirectMode mode, uint64_t preallocate, bool durable, bool borrow,
+                   bool stream)
+    : path_(std::move(path)), mode_(mode), durable_(durable), borrow_(borrow), stream_(stream) {
+  if (stream_) return;  // no file: the windows go to the caller (stream_next)
   const int base = O_WRONLY | O_CREAT | O_EXCL;
   if (mode != DirectMode::kBuffered) {
     int err = 0;
@@ -243,7 +245,7 @@ std::vector<iovec> window_buffers(const WriteJob::Window& w) {
 }  // namespace
 
 bool WriteJob::writable_from_source(const Window& w) const {
-  if (!borrow_) return false;
+  if (!borrow_ || stream_) return false;  // a streamed window is handed out from its slot
   const bool direct = direct_.load();
   for (const auto& p : w.pieces) {
     if (p.device >= 0 || p.strided != nullptr) return false;
@@ -290,7 +292,7 @@ bool WriteJob::on_flushed(std::vector<Segment>&& segs) {
 }
 
 void WriteJob::finalize() {
-  if (!failed_.load()) {
+  if (!failed_.load() && !stream_) {
     try {
       if (durable_) fd_.fsync();
       if (buffered_fd_.valid()) {
@@ -501,9 +503,9 @@ void Engine::enqueue_windows(const std::shared_ptr<WriteJob>& job, std::vector<R
 
 std::shared_ptr<WriteJob> Engine::start_write(const std::string& path, std::vector<Region> regions,
                                               DirectMode mode, uint64_t preallocate, bool durable,
-                                              bool borrow) {
+                                              bool borrow, bool stream) {
   require_owner("writing", path);
-  auto job = std::make_shared<WriteJob>(path, mode, preallocate, durable, borrow);
+  auto job = std::make_shared<WriteJob>(path, mode, preallocate, durable, borrow, stream);
   enqueue_windows(job, regions);  // throws before any window reaches the stager
   // Counted only now: a job that failed to start is never finalized. Nothing
   // can finalize it before this either, since it is not sealed yet.
@@ -702,6 +704,18 @@ void Engine::finish_device_copies(WriteJob& job, WriteJob::Window& w) {
 
 void Engine::flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w) {
   if (!w->copies_done.empty()) finish_device_copies(*job, *w);
+  if (job->stream_ && w->slot != nullptr && !job->failed()) {
+    // Checksummed here, handed to the caller by stream_next(), which gives the slot back.
+    std::vector<Segment> segs;
+    segs.reserve(w->pieces.size());
+    for (const auto& p : w->pieces)
+      segs.push_back({w->start + p.rel, p.len, crc32c_extend(0, w->slot + p.rel, p.len)});
+    std::lock_guard<std::mutex> lk(job->mu_);
+    job->segments_.insert(job->segments_.end(), segs.begin(), segs.end());
+    w->ready = true;
+    job->cv_.notify_all();
+    return;
+  }
   std::vector<Segment> segs;
   if ((w->slot != nullptr || w->from_source) && !job->failed()) {
     segs.reserve(w->pieces.size());
@@ -722,6 +736,78 @@ void Engine::flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w) {
     w->slot = nullptr;
   }
   if (job->on_flushed(std::move(segs))) job->finalize();
+}
+
+StreamChunk Engine::stream_next(const std::shared_ptr<WriteJob>& job) {
+  require_owner("taking a streamed window", job->path());
+  WriteJob& j = *job;
+  if (!j.stream_) throw std::logic_error("write job for " + j.path_ + " is not streamed");
+  for (;;) {
+    uint8_t* given_back = nullptr;
+    bool last = false, failed = false, ended = false;
+    StreamChunk out;
+    {
+      std::unique_lock<std::mutex> lk(j.mu_);
+      if (j.current_ != nullptr) {  // the caller is done with the window it holds
+        given_back = j.current_->slot;
+        j.current_->slot = nullptr;
+        j.current_ = nullptr;
+        ++j.flushed_;
+        last = j.sealed_ && j.flushed_ == j.windows_.size();
+      } else {
+        j.cv_.wait(lk, [&] {
+          return j.failed_.load() || (j.taken_ < j.windows_.size() && j.windows_[j.taken_].ready) ||
+                 (j.sealed_ && j.taken_ == j.windows_.size());
+        });
+        if (j.failed_.load()) {
+          failed = true;
+        } else if (j.taken_ < j.windows_.size()) {
+          WriteJob::Window& w = j.windows_[j.taken_++];
+          j.current_ = &w;
+          out = {false, w.start, w.slot, w.padded()};
+          return out;
+        } else {
+          ended = true;
+        }
+      }
+    }
+    if (given_back != nullptr) pool_.release(given_back);
+    if (last) j.finalize();
+    if (failed) {
+      // Every slot the caller could still take goes back; windows not flushed yet give theirs
+      // back in flush(). The job ends when its owner seals it (or drops it).
+      stream_abandon(job);
+      std::lock_guard<std::mutex> lk(j.mu_);
+      if (j.error_) throw *j.error_;
+      throw IoError(ECANCELED, j.path_, -1, "the streamed write failed");
+    }
+    if (ended) {
+      j.wait();  // finalized by whoever gave the last window back; throws on failure
+      return StreamChunk{};
+    }
+  }
+}
+
+void Engine::stream_abandon(const std::shared_ptr<WriteJob>& job) {
+  WriteJob& j = *job;
+  if (!j.stream_) return;
+  std::vector<uint8_t*> slots;
+  bool last;
+  {
+    std::lock_guard<std::mutex> lk(j.mu_);
+    for (auto& w : j.windows_) {
+      if (w.ready && w.slot != nullptr) {  // checksummed, never to be taken (or held by the caller)
+        slots.push_back(w.slot);
+        w.slot = nullptr;
+        ++j.flushed_;
+      }
+    }
+    j.current_ = nullptr;
+    j.taken_ = j.windows_.size();
+    last = !slots.empty() && j.sealed_ && j.flushed_ == j.windows_.size();
+  }
+  for (auto* s : slots) pool_.release(s);
+  if (last) j.finalize();
 }
 
 void Engine::io_loop() {

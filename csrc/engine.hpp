@@ -32,6 +32,12 @@
 // pool, which is pinned on first use; the window counts as staged once that
 // copy has completed).
 //
+// A streamed job (`stream`) has no file: its windows are staged and
+// checksummed as for a file, then handed, in file order, to the caller
+// (Engine::stream_next), who sends them on (an object store's multipart
+// upload) and gives each slot back by asking for the next. Memory stays
+// within the pool, and the caller's pace is the job's back-pressure.
+//
 // The engine never sees torch objects: callers pass raw pointers and keep the
 // memory alive until the job has finished.
 #pragma once
@@ -123,6 +129,7 @@ class WriteJob {
     bool staged = false;
     std::vector<void*> copies_done;  // CUDA events, one per device copied from
     bool from_source = false;  // written straight from the pieces (no slot): see borrow
+    bool ready = false;        // streamed: checksummed, its slot waiting for the caller
     uint64_t padded() const { return align_up(used); }
   };
 
@@ -130,12 +137,14 @@ class WriteJob {
   // that are read back and removed, never part of a checkpoint). `borrow`: the
   // caller keeps every source unchanged and alive until the job is done, so
   // windows may be written from them without a copy (see the top of this file).
+  // `stream`: no file is opened; `path` only names the destination in errors.
   WriteJob(std::string path, DirectMode mode, uint64_t preallocate, bool durable = true,
-           bool borrow = false);
+           bool borrow = false, bool stream = false);
 
   const std::string& path() const { return path_; }
   bool direct() const { return direct_.load(); }
   bool borrows() const { return borrow_; }
+  bool streams() const { return stream_; }
   // Windows written straight from the caller's memory so far (no pool copy).
   uint64_t windows_from_source() const { return from_source_.load(); }
   bool done();
@@ -164,6 +173,9 @@ class WriteJob {
   DirectMode mode_;
   bool durable_ = true;
   bool borrow_ = false;
+  bool stream_ = false;
+  size_t taken_ = 0;            // streamed: windows [0, taken_) were handed to the caller
+  Window* current_ = nullptr;   // streamed: the window the caller holds now
   std::atomic<uint64_t> from_source_{0};
   uint64_t preallocate_ = 0;  // bytes to reserve before the first window is written
   std::once_flag reserved_;
@@ -186,6 +198,15 @@ class WriteJob {
   bool done_ = false;
   std::optional<IoError> error_;
   std::vector<Segment> segments_;
+};
+
+// The next window of a streamed job, in file order; `end` once every window
+// has been handed out. `data` stays valid until the next stream_next() call.
+struct StreamChunk {
+  bool end = true;
+  uint64_t offset = 0;
+  const uint8_t* data = nullptr;
+  uint64_t len = 0;
 };
 
 struct ReadCheck {
@@ -269,11 +290,21 @@ class Engine {
 
   // Creates `path` (it must not exist) and starts writing `regions` (sorted by
   // offset, non-overlapping). More regions may be appended until seal().
+  // `stream`: no file; the caller takes the windows with stream_next().
   std::shared_ptr<WriteJob> start_write(const std::string& path, std::vector<Region> regions,
                                         DirectMode mode, uint64_t preallocate, bool durable = true,
-                                        bool borrow = false);
+                                        bool borrow = false, bool stream = false);
   void append(const std::shared_ptr<WriteJob>& job, std::vector<Region> regions);
   void seal(const std::shared_ptr<WriteJob>& job);
+  // A streamed job's next window in file order, once it is staged and
+  // checksummed; the window handed out by the previous call goes back to the
+  // pool first. Blocks (call it without the GIL). {end: true} once the job is
+  // sealed and every window was handed out and given back; throws the job's
+  // IoError if it failed (after giving back every window it held).
+  StreamChunk stream_next(const std::shared_ptr<WriteJob>& job);
+  // A failed or dropped streamed job: give back every slot held by windows
+  // the caller will never take, so that the job can wind down.
+  void stream_abandon(const std::shared_ptr<WriteJob>& job);
 
   std::shared_ptr<ReadJob> start_read(std::vector<std::string> paths,
                                       std::vector<ReadRequest> requests);

@@ -11,6 +11,7 @@ import errno
 import gc
 import os
 import random
+import threading
 import weakref
 
 import pytest
@@ -637,3 +638,75 @@ def test_a_segment_table_gives_a_request_its_checks_and_refuses_gaps(engine, tmp
 def test_a_malformed_segment_table_is_refused(offsets, lengths, crcs, words):
     with pytest.raises(ValueError, match=words):
         _engine.SegmentTable(offsets=offsets, lengths=lengths, crc32cs=crcs)
+
+
+# -- streamed jobs (an object store's upload takes the windows) ------------------------------
+
+
+def _drain_stream(job) -> bytes:
+    out = bytearray()
+    while (chunk := job.next_chunk()) is not None:
+        offset, view = chunk
+        assert offset >= len(out)
+        out += bytes(offset - len(out))
+        out += view
+    return bytes(out)
+
+
+def test_a_streamed_job_hands_out_the_bytes_a_file_would_hold(engine, tmp_path):
+    a, b = _bytes(3 * WINDOW + 123, seed=1), _bytes(WINDOW // 2, seed=2)
+    regions = [host(a, 0), host(b, 5 * WINDOW + 64)]  # a gap between them
+    job = engine.write(str(tmp_path / "f"), regions, [a, b])
+    job.seal()
+    file_segments = [(s.offset, s.nbytes, s.crc32c) for s in job.wait()]
+    streamed = engine.write("s3://bucket/f", regions, [a, b], stream=True)
+    assert streamed.streams and not job.streams
+    streamed.append([host(b, 7 * WINDOW)], [b])  # appended windows come after, in order
+    streamed.seal()
+    data = _drain_stream(streamed)
+    segments = [(s.offset, s.nbytes, s.crc32c) for s in streamed.wait()]
+    on_disk = (tmp_path / "f").read_bytes()
+    assert data[: len(on_disk)] == on_disk
+    assert data[7 * WINDOW : 7 * WINDOW + b.numel()] == bytes(b.numpy())
+    assert segments[: len(file_segments)] == file_segments and len(segments) == len(file_segments) + 1
+    assert engine.jobs_in_flight == 0
+
+
+def test_a_streamed_job_is_bounded_by_the_pool_and_paced_by_its_taker(engine):
+    """Four windows of pool, twelve windows of data: the stager waits for the taker."""
+    a = _bytes(12 * WINDOW, seed=3)
+    job = engine.write("s3://bucket/paced", [host(a, 0)], [a], stream=True)
+    job.seal()
+    staged = threading.Thread(target=job.wait_staged)
+    staged.start()
+    staged.join(0.5)
+    assert staged.is_alive()  # the pool is full of windows nobody took: the rest waits
+    got = _drain_stream(job)
+    staged.join(5)
+    assert not staged.is_alive()
+    assert got == bytes(a.numpy()) and job.wait() and job.done
+
+
+@pytest.mark.parametrize("when", ["after a window", "before any", "dropped"])
+def test_a_cancelled_or_dropped_streamed_job_gives_its_pool_back(engine, when):
+    a = _bytes(10 * WINDOW, seed=4)
+    job = engine.write("s3://bucket/gone", [host(a, 0)], [a], stream=True)
+    if when == "dropped":
+        job.next_chunk()
+        del job  # the binding cancels it and gives back every window nobody will take
+    else:
+        if when == "after a window":
+            job.next_chunk()
+        job.cancel("the upload failed")
+        with pytest.raises(OSError, match="the upload failed"):
+            while job.next_chunk() is not None:
+                pass
+        job.seal()
+        with pytest.raises(OSError, match="the upload failed"):
+            job.wait()
+    assert engine.jobs_in_flight == 0
+    # every slot is free again: a job as large as the pool streams through
+    b = _bytes(8 * WINDOW, seed=5)
+    again = engine.write("s3://bucket/again", [host(b, 0)], [b], stream=True)
+    again.seal()
+    assert _drain_stream(again) == bytes(b.numpy())

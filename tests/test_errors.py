@@ -227,36 +227,32 @@ def test_bad_writer_arguments():
         DataStatesReader("/tmp/x", window_bytes=1000)
 
 
-_WRITERS = {
+_TAKING_URLS = {
     "writer": lambda url: DataStatesWriter(url),
     "dcp.save checkpoint_id": lambda url: dcp.save(
         {"w": torch.zeros(3)}, storage_writer=DataStatesWriter(), checkpoint_id=url, no_dist=True),
-    "manager": lambda url: __import__("dcp_datastates").CheckpointManager(url),
-}
-_READERS = {
     "reader": lambda url: DataStatesReader(url),
     "dcp.load checkpoint_id": lambda url: dcp.load(
         {"w": torch.zeros(3)}, storage_reader=DataStatesReader(), checkpoint_id=url, no_dist=True),
 }
 
 
-@pytest.mark.parametrize("make", list(_WRITERS.values()), ids=list(_WRITERS))
-@pytest.mark.parametrize("url", ["s3://bucket/ckpt/step_1", "gs://bucket/ckpt", "S3://bucket/ckpt"])
-def test_a_url_is_never_taken_for_a_local_folder(tmp_path, monkeypatch, make, url):
-    """Before, DataStatesWriter("s3://bucket/ckpt/step_1") saved into ./s3:/bucket/ckpt/step_1."""
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=f"'{url}' is a .*:// URL") as info:
-        make(url)
-    assert "durable=URL" in str(info.value)
-    assert os.listdir(tmp_path) == []
-
-
-@pytest.mark.parametrize("make", list(_READERS.values()), ids=list(_READERS))
+@pytest.mark.parametrize("make", list(_TAKING_URLS.values()), ids=list(_TAKING_URLS))
 @pytest.mark.parametrize("url", ["gs://bucket/ckpt", "S3://bucket/ckpt", "file:///tmp/ckpt"])
-def test_a_reader_refuses_a_url_no_store_serves_naming_the_ones_served(tmp_path, monkeypatch, make, url):
-    """The reader loads s3:// URLs (tests/test_store_reader.py); any other scheme is refused,
-    never looked for as a folder of that name."""
+def test_a_url_no_store_serves_is_refused_naming_the_ones_served(tmp_path, monkeypatch, make, url):
+    """Before, DataStatesWriter("s3://bucket/ckpt/step_1") saved into ./s3:/bucket/ckpt/step_1. The
+    writer and reader take s3:// URLs (tests/test_store_writer.py, tests/test_store_reader.py); any
+    other scheme is refused, never looked for or written as a folder of that name."""
     monkeypatch.chdir(tmp_path)
     with raises_from_checkpoint((ValueError, AssertionError), match="use a directory path or s3://bucket/prefix"):
         make(url)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run", "gs://bucket/run", "S3://bucket/run"])
+def test_a_manager_root_is_a_local_directory_and_a_url_names_durable(tmp_path, monkeypatch, url):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"'{url}' is a .*:// URL") as info:
+        __import__("dcp_datastates").CheckpointManager(url)
+    assert "durable=URL" in str(info.value)
     assert os.listdir(tmp_path) == []

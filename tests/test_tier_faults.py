@@ -123,3 +123,57 @@ def test_a_full_local_tier_fails_the_save_and_loses_nothing(tmp_path, server):
             mgr.wait_durable()
             assert mgr.durable_steps() == [10, 20]
             assert_resumes(mgr, 20)
+
+
+# -- a save straight into object storage (DataStatesWriter("s3://...")) under the same faults --
+
+
+def _direct_state(seed):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(3 << 20, generator=g), "b": torch.randn(1000, generator=g), "step": seed}
+
+
+def test_a_direct_save_rides_out_a_503_storm(server, proxy):
+    import torch.distributed.checkpoint as dcp
+
+    from conftest import assert_same, zeros_like_state
+    from dcp_datastates import DataStatesReader, DataStatesWriter
+
+    url = f"s3://{server.bucket}/direct-storm/step_00000001"
+    state = _direct_state(1)
+    proxy.storm(5)
+    dcp.save(state, storage_writer=DataStatesWriter(url, store_options=_options(proxy.endpoint)), no_dist=True)
+    assert proxy.rejected == 5
+    out = zeros_like_state(state)
+    dcp.load(out, storage_reader=DataStatesReader(url, store_options={"endpoint": server.endpoint}), no_dist=True)
+    assert_same(out, state)
+
+
+def test_the_server_killed_mid_direct_save_commits_nothing_and_a_new_save_does(server, proxy):
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    from conftest import assert_same, raises_from_checkpoint, zeros_like_state
+    from dcp_datastates import DataStatesReader, DataStatesWriter
+    from dcp_datastates.storage import StoreError
+
+    url = f"s3://{server.bucket}/direct-killed/step_00000001"
+    options = _options(proxy.endpoint, max_retries=1, retry_timeout_s=3, request_timeout_s=5)
+    proxy.throttle(2e6)  # 12 MiB at 2 MB/s: the kill lands mid-upload
+    killer = threading.Timer(1.0, server.kill)
+    killer.start()
+    with raises_from_checkpoint(StoreError, match="direct-killed/step_00000001/rank00000-"):
+        dcp.save(_direct_state(2), storage_writer=DataStatesWriter(url, store_options=options), no_dist=True)
+    killer.join()
+    server.start()
+    proxy.throttle(None)
+    store = open_store(f"s3://{server.bucket}/direct-killed", endpoint=server.endpoint)
+    assert "step_00000001/.metadata" not in store.list()  # never committed
+    state = _direct_state(3)
+    dcp.save(state, storage_writer=DataStatesWriter(url, store_options=_options(server.endpoint)), no_dist=True)
+    out = zeros_like_state(state)
+    dcp.load(out, storage_reader=DataStatesReader(url, store_options={"endpoint": server.endpoint}), no_dist=True)
+    assert_same(out, state)

@@ -179,12 +179,17 @@ class WriteJob:
     def release_staged(self) -> bool: ...
     def wait(self) -> list[Segment]: ...
     def cancel(self, why: str) -> None: ...
+    def next_chunk(self) -> tuple[int, memoryview] | None:
+        """A streamed job's next window in file order: ``(offset, read-only view)``, valid until the
+        next call (which gives its pool slot back); None once all were handed out."""
     @property
     def done(self) -> bool: ...
     @property
     def direct(self) -> bool: ...
     @property
     def borrows(self) -> bool: ...
+    @property
+    def streams(self) -> bool: ...
     @property
     def windows_from_source(self) -> int:
         """Windows written straight from the caller's memory so far (``borrow=True``)."""
@@ -214,10 +219,12 @@ class Engine:
         preallocate: int = 0,
         durable: bool = True,
         borrow: bool = False,
+        stream: bool = False,
     ) -> WriteJob:
         """``borrow=True``: the caller leaves every region's host memory unchanged until the job is
         done, so windows of contiguous host memory are written from it without a copy where the
-        file allows (buffered, or page-aligned for O_DIRECT)."""
+        file allows (buffered, or page-aligned for O_DIRECT). ``stream=True``: no file; the windows
+        are taken in file order with :meth:`WriteJob.next_chunk`."""
     def read(self, paths: Sequence[str], requests: Iterable[ReadRequest], keep: Iterable[object] = []) -> ReadJob: ...
     def pin_pool(self) -> None:
         """cudaHostRegister the pool now; RuntimeError naming the failed call (copies still work unpinned)."""

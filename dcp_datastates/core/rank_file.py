@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import os
 import time
 from typing import Any, Callable
 
@@ -29,7 +28,6 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_datastates.core import incremental, plan_cache
-from dcp_datastates.core.durable import remove_if_present, write_new_file_durably
 from dcp_datastates.core.compression import Compression, descriptor_of
 from dcp_datastates.core.layout import PAGE, SMALL_ALIGN, RankLayout, align_up, staged_locations
 from dcp_datastates.core.providers import check_planned, finish_regions, provide_object, tensor_source
@@ -39,6 +37,7 @@ from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_layout import ItemLocation, location_key, stripe_span
 from dcp_datastates.format.rank_index import encode_index
 from dcp_datastates.native import engine as _native
+from dcp_datastates.storage import StoreError
 
 # The largest batch a ``resolve_creates_tensors`` planner's tensors are resolved in.
 BATCH_BYTES_MAX = 256 << 20
@@ -68,7 +67,7 @@ class RankFile:
     rank: int
     save_id: str  # the id in the file names and the index
     data_file: str
-    index_path: str
+    index_file: str
     objects_base: int
     tensor_end: int
     tensor_spans: Callable[[], list]  # (offset, end, fqn) of every tensor, built only for an error message
@@ -86,16 +85,15 @@ def write_planned(
     stats = save.stats
     stats.items = len(plan.items)
     files = layout.files()
-    data_paths = [os.path.join(save.path, name) for name in files.data_files()]
-    index_path = os.path.join(save.path, layout.index_file)
-    save.written_files = [*data_paths, index_path]
+    data_names = files.data_files()
+    save.written_files = [*data_names, layout.index_file]
     save.report = plan_cache.RankReport(
         layout.data_file, layout.index_file, layout.save_id, layout.compression, layout.stripes
     )
     bases = [0, *layout.stripes]
     t0 = time.perf_counter()
     if getattr(planner, "resolve_creates_tensors", False):
-        job, results = _submit_in_batches(save, plan, planner, layout, data_paths, bases, settings)
+        job, results = _submit_in_batches(save, plan, planner, layout, data_names, bases, settings)
     else:
         placed, results = [], []
         for item in plan.items:
@@ -109,7 +107,7 @@ def write_planned(
         # borrow: the caller's tensors stay as they are until write_data's future completes
         # (dcp.save waits for it), so the engine may write them without a staging copy.
         job = save.job = StripedWrite.start(
-            settings.engine, data_paths, bases, layout.tensor_bytes_end, placed, finish_regions,
+            settings.engine, save.dest, data_names, bases, layout.tensor_bytes_end, placed, finish_regions,
             direct_io=settings.direct_io, borrow=True,
         )
         del placed
@@ -118,7 +116,7 @@ def write_planned(
         blocks, objects_base = _write_compressed(plan, planner, layout, job.tail, results, settings)
     stats.submit_s = time.perf_counter() - t0
     rank_file = RankFile(
-        job, layout.rank, layout.save_id, layout.data_file, index_path, objects_base, layout.tensor_bytes_end,
+        job, layout.rank, layout.save_id, layout.data_file, layout.index_file, objects_base, layout.tensor_bytes_end,
         lambda: [(loc.offset, loc.offset + loc.length, idx.fqn) for idx, loc in layout.locations.items() if loc.object_ordinal < 0],
         blocks,
     )
@@ -157,7 +155,7 @@ def _write_compressed(plan: SavePlan, planner: SavePlanner, layout: RankLayout, 
 
 
 def _submit_in_batches(
-    save: RankSave, plan: SavePlan, planner: SavePlanner, layout: RankLayout, data_paths: list[str], bases: list[int],
+    save: RankSave, plan: SavePlan, planner: SavePlanner, layout: RankLayout, data_names: list[str], bases: list[int],
     settings: WriteSettings,
 ):
     """Resolve, submit and release the tensors a batch at a time (``resolve_creates_tensors``).
@@ -187,7 +185,7 @@ def _submit_in_batches(
         if job is None:
             # Every stripe's job starts with the first batch (only stripe 0's sources in it).
             job = save.job = StripedWrite.start(
-                engine, data_paths, bases, layout.tensor_bytes_end, batch, finish_regions,
+                engine, save.dest, data_names, bases, layout.tensor_bytes_end, batch, finish_regions,
                 direct_io=settings.direct_io, borrow=True,  # a borrowed window is staged once written
             )
         else:
@@ -263,7 +261,7 @@ def write_snapshot(
         results.append(WriteResult(index=item.index, size_in_bytes=placed[1], storage_data=loc))
     locations = save.tensor_locations
     rank_file = RankFile(
-        StripedWrite.of_job(snap.job), save.rank, snap.save_id, snap.data_file, snap.index_path, snap.objects_base,
+        StripedWrite.of_job(snap.job), save.rank, snap.save_id, snap.data_file, snap.index_file, snap.objects_base,
         snap.tensor_bytes_end,
         lambda: [(off, off + n, fqn) for (fqn, _), (off, n) in locations.items()],
     )
@@ -307,12 +305,12 @@ def _write_snapshot_compressed(
         settings.engine, snap, staged_segments, plan, finals, n_objects, settings.direct_io, save
     )
     rank_file = RankFile(
-        StripedWrite.of_job(job), save.rank, snap.save_id, snap.data_file, snap.index_path, end, small_end,
+        StripedWrite.of_job(job), save.rank, snap.save_id, snap.data_file, snap.index_file, end, small_end,
         lambda: [(off, off + n, fqn) for (fqn, _), (off, n, o) in finals.items() if o < 0 and n >= 0],
         blocks,
     )
     finish(save, plan, planner, rank_file, results, t0, while_writing)
-    remove_if_present([snap.staging_path])
+    save.dest.remove([snap.staging_file])
     return results
 
 
@@ -361,6 +359,8 @@ def finish(
         raise save.snapshot.staging_error
     try:
         checksums = job.wait()
+    except StoreError:
+        raise  # the upload failed: it names the object already, and no byte offset applies
     except OSError as exc:
         spans = rank_file.tensor_spans() + [(o, o + n, k) for (o, n), k in zip(object_table, object_keys)]
         spans += [(o, o + n, k) for o, n, k in rank_file.blocks]
@@ -372,8 +372,8 @@ def finish(
     tensor_end = rank_file.tensor_end
     data_size = align_up(max(offset, tensor_end), PAGE) if (tensor_end or objects or rank_file.blocks) else 0
     object_table += [(o, n) for o, n, _ in rank_file.blocks]  # compressed frames: ordinals after the objects'
-    write_new_file_durably(
-        rank_file.index_path, encode_index(rank_file.rank, rank_file.save_id, data_size, checksums, object_table)
+    save.dest.write_index(
+        rank_file.index_file, encode_index(rank_file.rank, rank_file.save_id, data_size, checksums, object_table)
     )
     stats.index_s = time.perf_counter() - t3
     stats.bytes_written = data_size

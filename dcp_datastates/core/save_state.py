@@ -58,6 +58,7 @@ class RankSave:
     """One save on this rank, from DCP's first call (``storage_meta``) to its end."""
 
     path: str
+    dest: Any  # where it writes (core.destination): the directory, or the prefix in a store
     save_id: str  # the id in this save's file names (synchronous saves) and metadata temp name
     thread: threading.Thread
     ticket: Ticket  # its place in the process-wide order of saves
@@ -72,9 +73,9 @@ class RankSave:
     # write_data and by the check of every rank's results.
     rank_layouts: dict = dataclasses.field(default_factory=dict)
     tensor_locations: dict | None = None  # async: location_key -> (offset, nbytes) in the snapshot
-    metadata_tmp: str | None = None
+    metadata_tmp: Any = None  # the metadata staged for the commit (destination.stage_metadata)
     metadata_obj: Metadata | None = None
-    written_files: list[str] = dataclasses.field(default_factory=list)  # sync: this rank's files
+    written_files: list[str] = dataclasses.field(default_factory=list)  # sync: this rank's file names
     job: Any = None  # the engine job writing this rank's data file (stopped if the save fails)
     plan_cached: bool = False  # coordinator: some plans came from DCP's cache; layout from results
     report: Any = None  # the files this rank wrote (plan_cache.RankReport)

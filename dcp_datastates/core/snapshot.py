@@ -54,7 +54,6 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from dcp_datastates import _dcp_compat
-from dcp_datastates.core.durable import remove_if_present
 from dcp_datastates.core import incremental
 from dcp_datastates.core.layout import PAGE, SMALL_TENSOR_BYTES, align_up, new_save_id, place_tensors, tensor_item_nbytes
 from dcp_datastates.core.providers import TensorSource, finish_regions, tensor_source
@@ -75,8 +74,9 @@ def source_key(t: torch.Tensor) -> tuple:
 class Snapshot:
     """One rank's lazy copy of a state dict, on its way into one data file."""
 
-    def __init__(self, directory: str, rank: int, compression=None, increment: incremental.SnapshotIncrement | None = None) -> None:
-        self.directory = directory
+    def __init__(self, dest, rank: int, compression=None, increment: incremental.SnapshotIncrement | None = None) -> None:
+        self.dest = dest  # where the save writes (core.destination)
+        self.directory = dest.location  # as messages name it
         self.increment = increment  # None with compression: the writer refuses both together
         self.references: dict[tuple, incremental.BaseChunk] = {}  # source_key -> the base's identical chunk
         self.digests: dict[tuple, str] = {}  # source_key -> content digest
@@ -111,16 +111,13 @@ class Snapshot:
 
     @property
     def data_path(self) -> str:
-        return os.path.join(self.directory, self.data_file)
-
-    @property
-    def index_path(self) -> str:
-        return os.path.join(self.directory, self.index_file)
+        return self.dest.where(self.data_file)
 
     @property
     def staging_path(self) -> str:
-        """The file the engine writes the snapshot's raw tensors to."""
-        return os.path.join(self.directory, self.staging_file or self.data_file)
+        """The file the engine writes the snapshot's raw tensors to (a compressed save's, which
+        is always a directory's)."""
+        return self.dest.where(self.staging_file or self.data_file)
 
     @property
     def objects_base(self) -> int:
@@ -177,8 +174,8 @@ class Snapshot:
         self.placed = {k: (at[i], sources[i].nbytes) for k, i in index.items() if i in at}
         regions, keep = finish_regions([(sources[i], at[i]) for i in now])
         staging_only = self.compression is not None  # a scratch file, compressed into the data file and removed
-        self.job = engine.write(
-            self.staging_path, regions, keep, preallocate=self.tensor_bytes_end,
+        self.job = self.dest.start_write(
+            engine, self.staging_file or self.data_file, regions, keep, preallocate=self.tensor_bytes_end,
             # Buffered and never fsynced: read back at once (from the page cache) and removed.
             direct_io="off" if staging_only else direct_io, durable=not staging_only,
         )
@@ -363,7 +360,7 @@ class Snapshot:
     def cancel(self, why: str) -> None:
         """Stop the engine job and remove this snapshot's files (the save failed or was given up)."""
         stop_write_job(self.job, why)
-        remove_if_present([self.data_path, self.index_path, self.staging_path])
+        self.dest.remove([self.data_file, self.index_file, self.staging_file or self.data_file])
 
 
 def _copy_structure(obj: Any, on_tensor, name: str) -> Any:

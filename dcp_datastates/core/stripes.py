@@ -15,23 +15,10 @@ translates; a rank of one file is a :class:`StripedWrite` of one job.
 
 from __future__ import annotations
 
-import errno
-import os
 from typing import Any, Callable
 
 from dcp_datastates.format.checkpoint_layout import stripe_span
 from dcp_datastates.native import engine as _native
-
-
-def _check_free_space(path: str, nbytes: int) -> None:
-    """Refuse a striped rank that cannot fit, before any byte moves. Each job checks (or
-    reserves) its own stripe only, so stripes that each fit could together overflow."""
-    st = os.statvfs(os.path.dirname(path) or ".")
-    free = st.f_bavail * st.f_frsize
-    if free < nbytes:
-        raise OSError(
-            errno.ENOSPC, f"reserving space: the rank's stripes need {nbytes} bytes, {free} are free", path
-        )
 
 
 class StripedWrite:
@@ -52,9 +39,11 @@ class StripedWrite:
 
     @classmethod
     def start(
-        cls, engine, paths: list[str], bases: list[int], end: int, placed: list, finish: Callable, **write_options: Any,
+        cls, engine, dest, names: list[str], bases: list[int], end: int, placed: list, finish: Callable,
+        **write_options: Any,
     ) -> StripedWrite:
-        """Start one job per stripe file ``paths[k]`` with the ``placed`` sources that fall in it.
+        """Start one job per stripe file ``names[k]`` of the save's destination ``dest`` (a
+        :mod:`destination`) with the ``placed`` sources that fall in it.
 
         ``placed``: ``(source, data offset)`` pairs; ``finish`` turns a list
         of ``(source, file offset)`` into ``(regions, keep)``
@@ -62,9 +51,9 @@ class StripedWrite:
         tensors (each stripe is preallocated to its share). A failure to
         start any job stops those already started.
         """
-        if len(paths) > 1:
-            _check_free_space(paths[0], max(end, bases[-1]))
-        per_stripe: list[list] = [[] for _ in paths]
+        if len(names) > 1:  # each job reserves its own stripe only: together they must fit
+            dest.check_free_space(max(end, bases[-1]))
+        per_stripe: list[list] = [[] for _ in names]
         starts = tuple(bases[1:])
         for source, offset in placed:
             k, base, _ = stripe_span(starts, offset)
@@ -72,10 +61,10 @@ class StripedWrite:
         ends = bases[1:] + [max(end, bases[-1])]
         jobs: list = []
         try:
-            for path, stripe, base, stripe_end in zip(paths, per_stripe, bases, ends):
+            for name, stripe, base, stripe_end in zip(names, per_stripe, bases, ends):
                 regions, keep = finish(stripe)
                 stripe.clear()
-                jobs.append(engine.write(path, regions, keep, preallocate=stripe_end - base, **write_options))
+                jobs.append(dest.start_write(engine, name, regions, keep, preallocate=stripe_end - base, **write_options))
                 del regions, keep
         except BaseException:
             for job in jobs:

@@ -47,7 +47,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_datastates import _dcp_compat
-from dcp_datastates.core import commit, durable, incremental, plan_cache, rank_file
+from dcp_datastates.core import incremental, plan_cache, rank_file
+from dcp_datastates.core.destination import destination_of
 from dcp_datastates.core.compression import descriptor_of, resolve_compression
 from dcp_datastates.core.layout import (
     AUTO_STRIPE_MIN_BYTES,
@@ -69,17 +70,29 @@ from dcp_datastates.core.staging import StagingFuture
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.metadata_file import encode_metadata
 from dcp_datastates.format.file_names import MAX_STRIPES, METADATA_FILE, layout_files
-from dcp_datastates.storage.url import refuse_url
+from dcp_datastates.storage.url import check_location, is_store_url
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout, RankFiles
 from dcp_datastates.native import engine as _native
 
 __all__ = ["DataStatesWriter", "SaveStats"]
 
-# Until saves go straight to object storage: where a URL a writer refuses should go instead.
-_WRITER_URL_HINT = (
-    "To keep checkpoints in object storage, save them to a local directory and have them copied there "
-    "in the background: CheckpointManager(local_root, durable=URL) (docs/tiers.md)."
-)
+
+def _check_target(path, compression, base) -> None:
+    """A ValueError for a destination no store serves, or for what a save straight into object
+    storage does not do (naming what to use instead)."""
+    if path is None:
+        return
+    check_location(path, "DataStatesWriter")
+    if not is_store_url(path):
+        return
+    unsupported = [what for what, given in (("compression", compression is not None), ("base", base is not None)) if given]
+    if unsupported:
+        raise ValueError(
+            f"DataStatesWriter({os.fspath(path)!r}, {', '.join(unsupported)}=...): a save straight into object "
+            "storage writes raw, full checkpoints; for compressed or incremental checkpoints there, save them "
+            "to a local directory and have them copied in the background: CheckpointManager(local_root, "
+            "durable=URL, ...) (docs/tiers.md)"
+        )
 
 
 class DataStatesWriter(StorageWriter, AsyncStager):
@@ -90,7 +103,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     ``host_cache_bytes`` of reused host memory.
 
     Args:
-        path: checkpoint directory. ``dcp.async_save`` stages before it passes
+        path: checkpoint directory, or a URL of object storage
+            (``s3://bucket/run/step_00000100``: each rank streams its files there
+            by multipart upload from the engine's pool, ``.metadata`` last;
+            endpoint and credentials as :mod:`storage.s3` takes them, or in
+            ``store_options``). ``dcp.async_save`` stages before it passes
             ``checkpoint_id`` on, so asynchronous saves need the path here (or
             set by ``writer.reset(path)`` before ``dcp.async_save``).
         overwrite: allow saving over a committed checkpoint in ``path``.
@@ -132,6 +149,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         change_tracker: an :class:`incremental.ChangeTracker` kept across saves:
             chunks whose tensors changed since its last save are written
             without hashing (``CheckpointManager`` passes its own).
+        store_options: options of the object store a URL names (``endpoint``,
+            ``region``, ``part_bytes``, retries: :class:`storage.s3.S3Store`).
+        verify_upload: read every object of a save into object storage back
+            once uploaded and compare its CRC-32C with the bytes sent (the save
+            fails, uncommitted, if the store kept other bytes). On by default.
 
     A planner may set a truthy attribute ``resolve_creates_tensors`` when its
     ``resolve_data`` materialises a new tensor on every call (as the
@@ -161,6 +183,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         base: str | os.PathLike | None = None,
         record_digests: bool = False,
         change_tracker: incremental.ChangeTracker | None = None,
+        store_options: dict | None = None,
+        verify_upload: bool = True,
     ) -> None:
         super().__init__()
         if direct_io not in _native.DIRECT_IO_MODES:
@@ -168,6 +192,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         # Before the codec is resolved: an impossible combination is named as such, also where
         # the codec's package is not installed.
         incremental.check_options(base, record_digests, compressed=compression is not None or bool(_extensions))
+        _check_target(path, compression if compression is not None else (_extensions or None), base)
         self.compression = resolve_compression(compression, compression_level, _extensions)
         self.base = os.fspath(base) if base is not None else None
         if self.base is not None and path is not None:
@@ -175,8 +200,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self.record_digests = bool(record_digests) or base is not None
         self.change_tracker = change_tracker
         self._io_threads = io_threads
-        refuse_url(path, "DataStatesWriter", _WRITER_URL_HINT)
         self.path = os.fspath(path) if path is not None else None
+        self.store_options = dict(store_options or {})
+        self.verify_upload = verify_upload
+        self._destinations: dict[str, Any] = {}  # path -> its destination (a store is opened once)
         self.overwrite = overwrite
         self.direct_io = direct_io
         if not isinstance(sequence, int) or isinstance(sequence, bool) or not 0 <= sequence < 1 << 64:
@@ -231,10 +258,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 "DataStatesWriter(path) (writers are cheap: they share the process-wide engine), or "
                 "call writer.reset(path) before dcp.async_save"
             )
+        dest = self._destination(self.path)
         if not self.overwrite:
-            commit.refuse_committed(self.path)
-        os.makedirs(self.path, exist_ok=True)
-        snap = Snapshot(self.path, _global_rank(), self.compression, self._snapshot_increment(self.path))
+            dest.refuse_committed()
+        dest.prepare()
+        snap = Snapshot(dest, _global_rank(), self.compression, self._snapshot_increment(self.path))
         return self._snapshots.stage(snap, state_dict, self._engine, self.direct_io)
 
     def _snapshot_increment(self, path: str) -> incremental.SnapshotIncrement | None:
@@ -317,7 +345,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         """
         self.save_id = _new_dcp_id()
         if checkpoint_id is not None:
-            refuse_url(checkpoint_id, "DataStatesWriter", _WRITER_URL_HINT)
+            _check_target(checkpoint_id, self.compression, self.base)
             self.path = os.fspath(checkpoint_id)
             with self._lock:
                 self._reset_paths[threading.get_ident()] = self.path
@@ -328,7 +356,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             path = os.fspath(checkpoint_id)
         except TypeError:
             return False
-        return isinstance(path, str) and "://" not in path
+        return isinstance(path, str) and ("://" not in path or is_store_url(path))
+
+    def _destination(self, path: str):
+        """Where a save into ``path`` writes (a store is opened once per path and writer)."""
+        dest = self._destinations.get(path)
+        if dest is None:
+            dest = self._destinations[path] = destination_of(path, self.store_options, self.verify_upload)
+        return dest
 
     def storage_meta(self) -> StorageMeta | None:
         # DCP's first call of every save: the save begins here.
@@ -346,10 +381,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 )
             save.is_coordinator = self.is_coordinator = is_coordinator
             save.rank = int(kwargs.get("rank", _global_rank()))
-            os.makedirs(save.path, exist_ok=True)
+            save.dest.prepare()
             # Checked again here (stage() did too): an earlier save may have committed since.
             if not self.overwrite:
-                commit.refuse_committed(save.path)
+                save.dest.refuse_committed()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         save = self._current()
@@ -452,7 +487,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 isinstance(layout, CheckpointLayout) and not plan_cache.reports_match(layout, reports)
             ):
                 # Plans from DCP's cache named an earlier save's files: what the ranks wrote decides.
-                where = os.path.join(save.path, METADATA_FILE)
+                where = save.dest.where(METADATA_FILE)
                 layout = save.layout = plan_cache.layout_from_results(results, reports, save.save_id, metadata, where)
                 save.rank_layouts = {}
                 self._discard_metadata_tmp(save)
@@ -463,14 +498,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 # The planner did not expose its metadata early: serialize now.
                 self._discard_metadata_tmp(save)
                 self._write_metadata_tmp(save, metadata, layout)
-            replaced = commit.files_of_committed(save.path) if self.overwrite else []  # read now: another save may have committed
-            commit.commit_metadata(save.path, save.metadata_tmp, self.overwrite)
+            replaced = save.dest.files_of_committed() if self.overwrite else []  # read now: another save may have committed
+            save.dest.commit_metadata(save.metadata_tmp, self.overwrite)
             # Committed from here on: nothing below may remove this checkpoint's files.
             save.metadata_tmp = None
             save.metadata_obj = None
             self._end(save)
         keep = set(layout_files(layout))
-        commit.make_durable_after_commit(save.path, [os.path.join(save.path, f) for f in replaced if f not in keep])
+        save.dest.after_commit([f for f in replaced if f not in keep])
         save.stats.commit_s = time.perf_counter() - t0
         self.last_save_stats = save.stats
 
@@ -502,7 +537,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         stats = SaveStats(asynchronous=snap is not None)
         path = snap.directory if snap is not None else self.path
         save = RankSave(
-            path=path, save_id=new_save_id(), thread=me, ticket=ticket, snapshot=snap, stats=stats,
+            path=path, dest=None, save_id=new_save_id(), thread=me, ticket=ticket, snapshot=snap, stats=stats,
             writer_serial=self._serial,
         )
         self._save = save
@@ -512,7 +547,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         with self._failing(save):
             if path is None:
                 raise ValueError("DataStatesWriter has no path: pass one or give dcp.save a checkpoint_id")
-            if snap is not None and given_path is not None and os.path.abspath(given_path) != os.path.abspath(snap.directory):
+            save.dest = snap.dest if snap is not None else self._destination(path)
+            if snap is not None and given_path is not None and not snap.dest.same_place(given_path):
                 raise ValueError(
                     f"this save was staged into {snap.directory} (the writer's path when dcp.async_save "
                     f"called stage()), but DCP was given checkpoint_id={given_path!r}; set the path on the "
@@ -559,14 +595,15 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def _clean_up(self, save: RankSave) -> None:
         """Remove the files of a save that will not commit."""
-        if commit.renamed_into_place(save.path, save.metadata_tmp):
+        if save.dest is not None and save.dest.committed_by(save.metadata_tmp):
             self._end(save)  # interrupted right after the rename (KeyboardInterrupt): committed, keep it
             return
         if save.snapshot is not None:
             save.snapshot.cancel("save failed")
         _native.stop_write_job(save.job, "save failed")
         self._end(save)
-        durable.remove_if_present(save.written_files)
+        if save.dest is not None:
+            save.dest.remove(save.written_files)
         self._discard_metadata_tmp(save)
 
     # -- placement and metadata -----------------------------------------------------
@@ -612,7 +649,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         version = _dcp_compat.dcp_metadata_version()
         if version is not None:
             metadata.version = version
-        save.metadata_tmp = commit.write_metadata_tmp(save.path, layout.save_id, encode_metadata(metadata, self.sequence))
+        save.metadata_tmp = save.dest.stage_metadata(layout.save_id, encode_metadata(metadata, self.sequence))
         save.metadata_obj = metadata
 
     def _serialize_metadata_early(self, save: RankSave, planner: SavePlanner) -> None:
@@ -651,7 +688,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def _discard_metadata_tmp(self, save: RankSave) -> None:
         if save.metadata_tmp is not None:
-            durable.remove_if_present([save.metadata_tmp])
+            save.dest.discard_metadata(save.metadata_tmp)
             save.metadata_tmp = None
 
     def _forget_parent_saves(self) -> None:

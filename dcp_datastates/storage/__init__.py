@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 
-from dcp_datastates.storage.store import RangeRead, ShortObjectError, Store, StoreError, StoredFile
+from dcp_datastates.storage.store import ObjectExistsError, RangeRead, ShortObjectError, Store, StoreError, StoredFile
 from dcp_datastates.storage.url import check_location, is_store_url
 
-__all__ = ["RangeRead", "ShortObjectError", "Store", "StoreError", "StoredFile", "open_store"]
+__all__ = ["ObjectExistsError", "RangeRead", "ShortObjectError", "Store", "StoreError", "StoredFile", "open_store"]
 
 
 def open_store(location: str | os.PathLike, **options) -> Store:

@@ -24,7 +24,7 @@ from dcp_datastates.core import durable
 from dcp_datastates.errors import CorruptCheckpointError
 from dcp_datastates.format.checkpoint_files import CheckpointFile, open_checkpoint_file
 from dcp_datastates.native import engine as _native
-from dcp_datastates.storage.store import Progress, RangeRead, ShortObjectError, Store, StoreError, check_key
+from dcp_datastates.storage.store import ObjectExistsError, Progress, RangeRead, ShortObjectError, Store, StoreError, check_key
 
 _PART_MARK = ".part-"
 
@@ -73,7 +73,7 @@ class LocalStore(Store):
             durable.fsync_dir(directory)
         except FileExistsError as exc:
             durable.remove_if_present([tmp])
-            raise StoreError(f"{self.where(key)}: already exists (a durable object is never replaced)") from exc
+            raise ObjectExistsError(f"{self.where(key)}: already exists (a durable object is never replaced)") from exc
         except OSError as exc:
             raise StoreError(f"publishing {self.where(key)}: {exc.strerror or exc}") from exc
 
@@ -103,7 +103,7 @@ class LocalStore(Store):
                 if attempt == _DIR_RACE_RETRIES - 1:
                     raise
 
-    def put_stream(self, key: str, blocks, size: int, progress: Progress | None = None) -> None:
+    def put_stream(self, key: str, blocks, size: int | None, progress: Progress | None = None) -> None:
         path = self._path(key)
         tmp = self._tmp(path)
         total = 0
@@ -127,7 +127,7 @@ class LocalStore(Store):
         except BaseException:
             durable.remove_if_present([tmp])
             raise
-        if total != size:
+        if size is not None and total != size:
             durable.remove_if_present([tmp])
             raise StoreError(f"writing {self.where(key)}: {total} bytes came, {size} were announced")
         self._publish(tmp, path, key)
@@ -142,6 +142,13 @@ class LocalStore(Store):
             durable.remove_if_present([tmp])
             raise StoreError(f"writing {self.where(key)}: {exc.strerror or exc}") from exc
         self._publish(tmp, path, key)
+
+    def put_new(self, key: str, data: bytes) -> None:
+        self.put_bytes(key, data)  # never replaces: ObjectExistsError
+
+    def start_write(self, engine, key: str, regions, keep, **options):
+        """An engine job writing the file of ``key`` (its directory exists)."""
+        return engine.write(self._path(key), regions, keep, **options)
 
     def replace_bytes(self, key: str, data: bytes) -> None:
         path = self._path(key)

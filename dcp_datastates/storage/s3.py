@@ -25,7 +25,7 @@ import os
 from datetime import timedelta
 
 from dcp_datastates.errors import CheckpointError
-from dcp_datastates.storage.store import Progress, ShortObjectError, Store, StoreError, check_key
+from dcp_datastates.storage.store import ObjectExistsError, Progress, ShortObjectError, Store, StoreError, check_key
 from dcp_datastates.storage.url import parse_s3_url
 
 PART_BYTES = 64 << 20  # multipart part size (S3: 5 MiB to 5 GiB, at most 10,000 parts)
@@ -106,11 +106,11 @@ class S3Store(Store):
         text = str(exc).split("\n\nDebug source:", 1)[0].strip()  # obstore appends its Rust error's dump
         return StoreError(f"{what} {self.where(key)}: {type(exc).__name__}: {text}", transient=not refused)
 
-    def put_stream(self, key: str, blocks, size: int, progress: Progress | None = None) -> None:
+    def put_stream(self, key: str, blocks, size: int | None, progress: Progress | None = None) -> None:
         """One PUT up to a part's size; above it a multipart upload of ``part`` bytes per part
         (at most ``upload_concurrency`` in flight), which obstore aborts if ``blocks`` raises."""
         check_key(key)
-        part = max(self.part_bytes, -(-size // (MAX_PARTS - 1)))
+        part = self.part_bytes if size is None else max(self.part_bytes, -(-size // (MAX_PARTS - 1)))
 
         def counted():
             total = 0
@@ -119,11 +119,11 @@ class S3Store(Store):
                 if progress is not None:
                     progress(len(data))
                 yield data
-            if total != size:
+            if size is not None and total != size:
                 raise StoreError(f"writing {self.where(key)}: {total} bytes came, {size} were announced")
 
         try:
-            if size <= part:
+            if size is not None and size <= part:
                 self._obs.put(self._store, key, b"".join(counted()), use_multipart=False)
             else:
                 self._obs.put(self._store, key, counted(), chunk_size=part, max_concurrency=self.upload_concurrency)
@@ -140,6 +140,15 @@ class S3Store(Store):
         try:
             self._obs.put(self._store, key, bytes(data), use_multipart=False)
         except Exception as exc:
+            raise self._fail("writing", key, exc) from exc
+
+    def put_new(self, key: str, data: bytes) -> None:
+        check_key(key)
+        try:
+            self._obs.put(self._store, key, bytes(data), use_multipart=False, mode="create")  # If-None-Match: *
+        except Exception as exc:
+            if type(exc).__name__ in ("AlreadyExistsError", "PreconditionError"):
+                raise ObjectExistsError(f"{self.where(key)}: an object is there already") from exc
             raise self._fail("writing", key, exc) from exc
 
     def replace_bytes(self, key: str, data: bytes) -> None:

@@ -64,6 +64,13 @@ class StoreError(CheckpointError, OSError):
         return isinstance(cause, OSError) and not isinstance(cause, StoreError) and cause.errno in _TRANSIENT_ERRNOS
 
 
+class ObjectExistsError(StoreError):
+    """An object is already under the key a write must not replace (``put_new``)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args, transient=False)
+
+
 class ShortObjectError(StoreError):
     """An object ended before the bytes asked of it: the object is damaged (a truncated file), not
     the store away; a load reports it as a truncated checkpoint file."""
@@ -101,9 +108,10 @@ class Store(abc.ABC):
     read_block: int = 1 << 20  # the bytes a streamed read-back asks for at a time (a request each)
 
     @abc.abstractmethod
-    def put_stream(self, key: str, blocks: Iterable[bytes], size: int, progress: Progress | None = None) -> None:
-        """Write ``key`` from ``blocks`` (``size`` bytes in all, in order), visible only once
-        complete. An exception raised by ``blocks`` abandons the object and propagates."""
+    def put_stream(self, key: str, blocks: Iterable[bytes], size: int | None, progress: Progress | None = None) -> None:
+        """Write ``key`` from ``blocks`` (``size`` bytes in all, in order; None: not known
+        beforehand), visible only once complete. An exception raised by ``blocks`` abandons the
+        object and propagates."""
 
     def put_file(self, key: str, local_path: str, progress: Progress | None = None, block: int = 8 << 20) -> int:
         """Copy the local file to ``key`` (visible only once complete); return its size."""
@@ -128,6 +136,19 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def put_bytes(self, key: str, data: bytes) -> None:
         """Write a small object (visible only once complete)."""
+
+    @abc.abstractmethod
+    def put_new(self, key: str, data: bytes) -> None:
+        """Write a small object only if there is none under ``key`` (:class:`ObjectExistsError`
+        otherwise), atomically: of two writers racing, exactly one succeeds (a commit)."""
+
+    def start_write(self, engine, key: str, regions, keep, **options):
+        """An engine write job of the object ``key`` (the engine's ``Engine.write`` interface):
+        here the job's windows are streamed into the object (:class:`upload.StreamUpload`;
+        ``options``: ``verify``, whether it is read back and compared once complete)."""
+        from dcp_datastates.storage.upload import StreamUpload
+
+        return StreamUpload(self, engine, key, regions, keep, verify=options.get("verify", True))
 
     @abc.abstractmethod
     def replace_bytes(self, key: str, data: bytes) -> None:
