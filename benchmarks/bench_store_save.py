@@ -97,13 +97,13 @@ def run_variant(variant: str, args) -> dict:
 
         shutil.rmtree(local)
     elif variant == "dcp_fsspec":
-        from torch.distributed.checkpoint import FsspecWriter
-
         try:
             import s3fs  # noqa: F401
+            # DCP's fsspec writer; torch exports it from this module only
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
         except ImportError:
             return {"variant": variant, "skipped": "s3fs is not installed (pip install s3fs)"}
-        writer = FsspecWriter(url, client_kwargs={"endpoint_url": args.endpoint}, key="x", secret="y",
+        writer = FsspecWriter(url, client_kwargs={"endpoint_url": args.endpoint},
                               thread_count=1, sync_files=False)
         dcp.save(state, storage_writer=writer, no_dist=True)
     out["seconds"] = time.perf_counter() - t0

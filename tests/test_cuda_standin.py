@@ -97,3 +97,7 @@ def test_a_failing_cuda_call_fails_the_job_naming_call_and_file(standin, tmp_pat
 
 def test_without_a_runtime_device_regions_fail_cleanly(standin, tmp_path):
     run_case("no_runtime", standin, tmp_path)
+
+
+def test_a_streamed_job_copies_after_the_event_and_fails_cleanly(standin, tmp_path):
+    run_case("streamed_device", standin, tmp_path)

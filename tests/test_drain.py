@@ -11,7 +11,6 @@ import torch
 from conftest import FailingReads, assert_same, load, save
 from dcp_datastates import DataStatesReader, verify
 from dcp_datastates.errors import CorruptCheckpointError
-from dcp_datastates.manager.checkpoint_root import step_of
 from dcp_datastates.storage import StoreError, open_store
 from dcp_datastates.tiers.drain import (
     DrainError,
@@ -56,7 +55,7 @@ def test_a_drained_checkpoint_is_committed_and_loads_from_the_durable_tier(tmp_p
     seen = []
     drains = _drain(local, "step_00000005", store, progress=seen.append)
     assert sum(seen) == sum(d.bytes for d in drains) == sum(os.path.getsize(local / f) for f in os.listdir(local) if f != ".metadata")
-    assert durable_steps(store, step_of) == {5: ("step_00000005", True)}
+    assert durable_steps(store) == {5: ("step_00000005", True)}
     assert not [k for k in store.list() if "/.drain/" in k]  # confirmations removed after the commit
     assert store.read("step_00000005/.metadata") == (local / ".metadata").read_bytes()
     if not durable_url.startswith("s3://"):  # a shared file system: the copy is a checkpoint as it is
@@ -81,7 +80,7 @@ def test_a_damaged_local_copy_is_never_uploaded(tmp_path, durable_url):
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch.*not drained"):
         drain_rank(str(local), "step_00000001", files, store, block=1 << 20)
     assert store.size(f"step_00000001/{files.data_file}") is None  # the upload was abandoned
-    assert durable_steps(store, step_of) == {}
+    assert durable_steps(store) == {}
 
 
 class _CrashingStore:
@@ -116,7 +115,7 @@ def test_a_crash_mid_drain_leaves_nothing_committed_and_a_new_drain_commits(tmp_
     crashing = _CrashingStore(store, allowed)
     with pytest.raises((StoreError, DrainError)):
         _drain(local, "step_00000002", crashing)
-    assert durable_steps(store, step_of).get(2, ("", False))[1] is False
+    assert durable_steps(store).get(2, ("", False))[1] is False
     with pytest.raises(DrainError, match="not a committed checkpoint"):
         fetch_step(store, "step_00000002", str(tmp_path / "f"))
     if store.list():
@@ -170,7 +169,7 @@ def test_the_commit_stops_waiting_for_a_rank_that_reported_its_failure(tmp_path,
         commit_durable(str(local), "step_00000005", store, timeout_s=60)
     assert time.perf_counter() - t < 10
     _drain(local, "step_00000005", store)  # a new drain of the rank clears its failure and commits
-    assert durable_steps(store, step_of) == {5: ("step_00000005", True)}
+    assert durable_steps(store) == {5: ("step_00000005", True)}
     files = _rank_files(local)[0]  # draining it again once committed changes nothing there
     before = {k: store.size(k) for k in store.list()}
     drain_rank(str(local), "step_00000005", files, store)
@@ -184,7 +183,7 @@ def test_deleting_a_durable_step_removes_the_commit_first(tmp_path, durable_url)
     _drain(local, "step_00000004", store)
     _drain(local, "step_00000008", store)
     delete_durable_step(store, "step_00000004")
-    assert durable_steps(store, step_of) == {8: ("step_00000008", True)}
+    assert durable_steps(store) == {8: ("step_00000008", True)}
     assert not clear_incomplete_step(store, "step_00000008")  # committed: left alone
     assert confirmation_key("step_00000008", 3) == "step_00000008/.drain/rank00003.json"
 

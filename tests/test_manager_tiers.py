@@ -13,7 +13,7 @@ from conftest import FailingReads, assert_resumes, new_durable_url
 from dcp_datastates import CheckpointError, CorruptCheckpointError, verify
 from dcp_datastates.storage import StoreError
 from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning
-from dcp_datastates.manager.checkpoint_root import step_dirs, step_of
+from dcp_datastates.manager.checkpoint_root import step_dirs
 from dcp_datastates.manager.durable_tier import DURABLE, FAILED
 from dcp_datastates.storage import open_store
 from dcp_datastates.tiers.drain import DrainError, durable_steps
@@ -28,7 +28,7 @@ def _steps(root):
 
 
 def _durable(url):
-    return {s: c for s, (_n, c) in durable_steps(open_store(url), step_of).items()}
+    return {s: c for s, (_n, c) in durable_steps(open_store(url)).items()}
 
 
 @pytest.mark.parametrize("async_save", MODES)

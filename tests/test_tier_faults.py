@@ -4,7 +4,6 @@ and a full local tier. Nothing committed is lost; nothing is reported durable be
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 
@@ -13,7 +12,6 @@ import pytest
 from conftest import assert_resumes, mounted_tmpfs
 from dcp_datastates import CheckpointError
 from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning
-from dcp_datastates.manager.checkpoint_root import step_of
 from dcp_datastates.manager.durable_tier import DURABLE, FAILED
 from dcp_datastates.storage import open_store
 from dcp_datastates.tiers.drain import DrainError, durable_steps
@@ -46,7 +44,7 @@ def _options(endpoint, **kw):
 
 
 def _committed(url, endpoint):
-    return {s for s, (_n, c) in durable_steps(open_store(url, endpoint=endpoint), step_of).items() if c}
+    return {s for s, (_n, c) in durable_steps(open_store(url, endpoint=endpoint)).items() if c}
 
 
 def _wait_for(cond, timeout=60.0):

@@ -21,7 +21,7 @@ import pytest
 from conftest import assert_resumes
 from dcp_datastates import CheckpointError
 from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning
-from dcp_datastates.manager.checkpoint_root import read_pointer, step_dirs, step_of
+from dcp_datastates.manager.checkpoint_root import read_pointer, step_dirs
 from dcp_datastates.manager.durable_tier import DURABLE, read_tier_pointer
 from dcp_datastates.storage import open_store
 from dcp_datastates.tiers.drain import DrainError, durable_commit_stamp, durable_steps
@@ -51,7 +51,7 @@ def _local(root) -> list[int]:
 
 
 def _committed(url, **options) -> list[int]:
-    return sorted(s for s, (_n, c) in durable_steps(open_store(url, **options), step_of).items() if c)
+    return sorted(s for s, (_n, c) in durable_steps(open_store(url, **options)).items() if c)
 
 
 def _trajectory_0(root, url, options, keep_last=3):

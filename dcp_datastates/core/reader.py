@@ -44,7 +44,7 @@ from dcp_datastates.format.file_names import METADATA_FILE, is_save_file
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout, RankFiles, object_entries
 from dcp_datastates.format.rank_index import IndexLimits, RankIndex
 from dcp_datastates.format.checkpoint_files import read_rank_index
-from dcp_datastates.format.metadata_file import TRAILER_BYTES, read_metadata_file, sequence_in_tail
+from dcp_datastates.format.metadata_file import read_commit_stamp, read_metadata_file
 from dcp_datastates.format.safe_objects import plain_object_stream
 from dcp_datastates.storage import RangeRead, Store, StoreError, open_store
 from dcp_datastates.storage.url import check_location, is_store_url, split_parent, url_scheme
@@ -264,8 +264,8 @@ class DataStatesReader(StorageReader):
         try:
             with store.open_file(key) as f:
                 metadata, _ = read_metadata_file(f, self.allow_pickle)
-                at = max(0, f.size - TRAILER_BYTES)
-                sequence = sequence_in_tail(f.pread(f.size - at, at), f.size, f.path) if f.size >= TRAILER_BYTES else None
+                stamp = read_commit_stamp(f)
+                sequence = stamp.sequence or None if stamp is not None else None
         except FileNotFoundError:
             raise missing_checkpoint_error(store, self.prefix) from None
         self._decoded = ((before, self.allow_pickle), metadata, sequence) if store.identity(key) == before else None

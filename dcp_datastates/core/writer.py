@@ -212,7 +212,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if stripes is not None and (not isinstance(stripes, int) or isinstance(stripes, bool) or not 1 <= stripes < MAX_STRIPES):
             raise ValueError(f"stripes must be None or an integer from 1 to {MAX_STRIPES - 1}, got {stripes!r}")
         # (max stripes, min bytes per stripe) for stripe_starts: the coordinator's reaches every rank.
-        self._striping = (io_threads, AUTO_STRIPE_MIN_BYTES) if stripes is None else (stripes, 0)
+        self._stripes = stripes
         # The engine belongs to a process: see the _engine property (forks).
         self._engine_ref = _native.ProcessEngine(host_cache_bytes, io_threads, window_bytes)
         _dcp_compat.quiet_discarded_dcp_debug_records()  # see README, "Performance"
@@ -358,6 +358,16 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             return False
         return isinstance(path, str) and ("://" not in path or is_store_url(path))
 
+    def _striping_of(self, save: RankSave) -> tuple[int, int]:
+        """(max stripes, min bytes per stripe) for ``layout.stripe_starts``. Into object storage one
+        stripe unless asked: stripes parallelize a file system's writes, and each would be an upload
+        of its own, with its parts in flight in memory; the store's upload has its own parallelism."""
+        if self._stripes is not None:
+            return (self._stripes, 0)
+        if save.dest is not None and not save.dest.is_local:
+            return (1, 0)
+        return (self._io_threads, AUTO_STRIPE_MIN_BYTES)
+
     def _destination(self, path: str):
         """Where a save into ``path`` writes (a store is opened once per path and writer)."""
         dest = self._destinations.get(path)
@@ -417,7 +427,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             if any(isinstance(p.storage_data, StagedRankData) for p in plans):
                 raise CheckpointError("some ranks saved asynchronously and others not; every rank must use the same call")
             compression = descriptor_of(self.compression)
-            plans, save.layout, layouts = assign_checkpoint_layout(plans, save.save_id, compression, self._striping)
+            plans, save.layout, layouts = assign_checkpoint_layout(plans, save.save_id, compression, self._striping_of(save))
             save.rank_layouts = {lay.rank: (lay, [item.index for item in p.items]) for lay, p in zip(layouts, plans)}
             return plans
 
@@ -434,7 +444,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if save.asynchronous:  # each rank's snapshot placed its tensors
             return plans
         sent = [p if p.usable else SavePlan([]) for p in plans]
-        placed, _, _ = assign_checkpoint_layout(sent, save.save_id, descriptor_of(self.compression), self._striping)
+        placed, _, _ = assign_checkpoint_layout(sent, save.save_id, descriptor_of(self.compression), self._striping_of(save))
         return [new if old.usable else old for old, new in zip(plans, placed)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -618,7 +628,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             # This writer's own compression: DCP's cache is per planner class and process, so
             # the cached plan may come from another writer (or from a FileSystemWriter save).
             layout = plan_cache.place_cached_plan(
-                plan, info, save.rank, save.save_id, descriptor_of(self.compression), self._striping
+                plan, info, save.rank, save.save_id, descriptor_of(self.compression), self._striping_of(save)
             )
             save.rank_layouts[layout.rank] = (layout, [item.index for item in plan.items])
             info = layout.plan_data()
@@ -680,7 +690,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             return None
         placed = {rank: lay for rank, (lay, _) in save.rank_layouts.items()}  # this rank's, placed for writing
         _, layout, layouts = assign_checkpoint_layout(
-            plans, save.save_id, descriptor_of(self.compression), self._striping, placed
+            plans, save.save_id, descriptor_of(self.compression), self._striping_of(save), placed
         )
         for lay, plan in zip(layouts, plans):
             save.rank_layouts.setdefault(lay.rank, (lay, [item.index for item in plan.items]))

@@ -100,6 +100,39 @@ def layout_files(layout) -> list[str]:
     return [name for r in layout.ranks if not r.base for name in (*r.data_files(), r.index_file)]
 
 
+# -- a run's step directories (a CheckpointManager root, and its copies on a durable tier) --
+
+STEP_DIR_RE = re.compile(r"^step_(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    """``step_`` and the step, zero-padded to 8 digits (longer numbers get more)."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"a checkpoint step must be a non-negative int, got {step!r}")
+    return f"step_{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a directory named ``name`` holds (``step_00000042`` -> 42), or None for another name."""
+    m = STEP_DIR_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def steps_named(names: Iterable[str], where: str) -> dict[int, str]:
+    """``{step: name}`` of the step directories among ``names`` (a directory's entries, or the
+    first part of a store's keys). Two names for one step (``step_7`` and ``step_00000007``) are
+    a ValueError naming ``where``: tools could not tell which one is meant."""
+    out: dict[int, str] = {}
+    for name in names:
+        step = step_of(name)
+        if step is None:
+            continue
+        if step in out and out[step] != name:
+            raise ValueError(f"{where}: two directories for step {step}: {out[step]} and {name}")
+        out[step] = name
+    return out
+
+
 # A base checkpoint (format 8) is a sibling directory named by one plain path component.
 BASE_NAME_RE = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9._+=@-]{1,255}$")
 

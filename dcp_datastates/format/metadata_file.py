@@ -298,9 +298,10 @@ class CommitStamp:
     size: int
 
 
-def read_commit_stamp(path: str) -> CommitStamp | None:
-    """The :class:`CommitStamp` of the ``.metadata`` at ``path`` (unverified), or None: missing,
-    or no trailer to tell (format 2 and older, stock DCP), or a damaged trailer.
+def read_commit_stamp(path) -> CommitStamp | None:
+    """The :class:`CommitStamp` of the ``.metadata`` at ``path`` (a local path, or an opened file
+    of any store: ``storage.Store.open_file``; unverified), or None: missing, or no trailer to
+    tell (format 2 and older, stock DCP), or a damaged trailer.
 
     Reads only the file's last 32 bytes: ordering the checkpoints of a root
     must not read every checkpoint's metadata. The stamp is covered by the
@@ -308,10 +309,10 @@ def read_commit_stamp(path: str) -> CommitStamp | None:
     loaded.
     """
     try:
-        with open_checkpoint_file(path) as f:
+        with open_checkpoint_file(path) if isinstance(path, str) else contextlib.nullcontext(path) as f:
             if f.size < _TRAILER_V3.size:
                 return None
-            return stamp_in_tail(f.pread(min(f.size, _TRAILER.size), max(0, f.size - _TRAILER.size)), f.size, path)
+            return stamp_in_tail(f.pread(min(f.size, _TRAILER.size), max(0, f.size - _TRAILER.size)), f.size, f.path)
     except (FileNotFoundError, NotADirectoryError, CorruptCheckpointError):  # missing, a link, not a file
         return None
 
@@ -330,13 +331,6 @@ def read_commit_sequence(path: str) -> int | None:
     """The commit sequence in the trailer of the ``.metadata`` at ``path`` (unverified), or None
     when the file is missing, has no trailer of version 4 or later, or carries sequence 0."""
     stamp = read_commit_stamp(path)
-    return stamp.sequence or None if stamp is not None else None
-
-
-def sequence_in_tail(tail: bytes, file_size: int, where: str) -> int | None:
-    """The commit sequence in the last ``TRAILER_BYTES`` of a ``.metadata`` of ``file_size`` bytes
-    (unverified; None: no trailer of version 4 on, sequence 0, or a damaged trailer)."""
-    stamp = stamp_in_tail(tail, file_size, where)
     return stamp.sequence or None if stamp is not None else None
 
 

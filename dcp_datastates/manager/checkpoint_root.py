@@ -38,25 +38,12 @@ import os
 import re
 
 from dcp_datastates.core.durable import fsync_dir, rename_into_place, remove_if_present, write_new_file_durably
-from dcp_datastates.format.file_names import METADATA_FILE
+from dcp_datastates.format.file_names import METADATA_FILE, step_dir_name, step_of, steps_named  # noqa: F401 - the run's names
 from dcp_datastates.format.metadata_file import read_commit_sequence
 
-STEP_DIR_RE = re.compile(r"^step_(\d+)$")
 LATEST_FILE = "latest"
 LATEST_TMP_RE = re.compile(r"^latest\.[0-9a-f]+\.tmp$")
 POINTER_LIMIT = 1 << 20  # a pointer file is a few dozen bytes (a few more per rollback); anything bigger is not one
-
-
-def step_dir_name(step: int) -> str:
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"a checkpoint step must be a non-negative int, got {step!r}")
-    return f"step_{step:08d}"
-
-
-def step_of(name: str) -> int | None:
-    """The step a directory named ``name`` holds (``step_00000042`` -> 42), or None for another name."""
-    m = STEP_DIR_RE.match(name)
-    return int(m.group(1)) if m else None
 
 
 def step_dirs(root: str) -> dict[int, str]:
@@ -65,19 +52,11 @@ def step_dirs(root: str) -> dict[int, str]:
     Two names for one step (``step_7`` and ``step_00000007``) are an error,
     because tools could not tell which one is meant.
     """
-    out: dict[int, str] = {}
     try:
         names = os.listdir(root)
     except FileNotFoundError:
-        return out
-    for name in names:
-        step = step_of(name)
-        if step is None or not os.path.isdir(os.path.join(root, name)):
-            continue
-        if step in out:
-            raise ValueError(f"{root}: two directories for step {step}: {out[step]} and {name}")
-        out[step] = name
-    return out
+        return {}
+    return steps_named((n for n in names if step_of(n) is not None and os.path.isdir(os.path.join(root, n))), root)
 
 
 def is_link(root: str, name: str) -> bool:

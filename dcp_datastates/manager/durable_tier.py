@@ -152,7 +152,7 @@ def apply_durable_retention(store, committed_step: int, keep_last: int | None, k
     never leaves a durable copy whose base is gone."""
     if keep_last is None and keep_every is None:
         return
-    listing = durable_steps(store, step_of)
+    listing = durable_steps(store)
     committed = sorted(s for s, (_name, done) in listing.items() if done)
     keep = retention_keeps(committed, committed_step, keep_last, keep_every)
     read: dict[int, set[int] | None] = {}  # each remaining copy's .metadata is read once
@@ -228,7 +228,7 @@ class DurableTier:
 
     def steps_by_state(self) -> tuple[set[int], set[int]]:
         """Steps committed on the durable tier, and steps there without a commit (one listing)."""
-        listing = durable_steps(self.store, step_of)
+        listing = durable_steps(self.store)
         return {s for s, (_n, c) in listing.items() if c}, {s for s, (_n, c) in listing.items() if not c}
 
     def commit_stamps(self, steps) -> dict[int, CommitStamp | None]:

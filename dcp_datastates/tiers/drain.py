@@ -38,8 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_files import read_rank_index
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout, RankFiles
-from dcp_datastates.format.file_names import METADATA_FILE
-from dcp_datastates.format.metadata_file import TRAILER_BYTES, CommitStamp, read_metadata_file, stamp_in_tail
+from dcp_datastates.format.file_names import METADATA_FILE, step_of, steps_named
+from dcp_datastates.format.metadata_file import TRAILER_BYTES, CommitStamp, read_commit_stamp, read_metadata_file, stamp_in_tail
 from dcp_datastates.format.rank_index import IndexLimits
 from dcp_datastates.native.engine import crc32c
 from dcp_datastates.storage.segments import SegmentChecker
@@ -321,32 +321,31 @@ def step_bases(store: Store, step_dir: str) -> set[str] | None:
     return set(layout.bases) if isinstance(layout, CheckpointLayout) else None
 
 
-def keys_by_step(store: Store, step_of: Callable[[str], int | None]) -> dict[int, tuple[str, list[str]]]:
-    """``{step: (directory, names under it)}`` of every step under the store's root (one listing)."""
-    out: dict[int, tuple[str, list[str]]] = {}
+def keys_by_step(store: Store) -> dict[int, tuple[str, list[str]]]:
+    """``{step: (directory, names under it)}`` of every step under the store's root (one listing;
+    the step names' rule is a local root's, ``file_names.steps_named``)."""
+    under: dict[str, list[str]] = {}
     for key in store.list():
         head, _, rest = key.partition("/")
-        step = step_of(head)
-        if step is not None and rest:
-            out.setdefault(step, (head, []))[1].append(rest)
-    return out
+        if rest and step_of(head) is not None:
+            under.setdefault(head, []).append(rest)
+    return {step: (name, under[name]) for step, name in steps_named(under, store.url).items()}
 
 
-def durable_steps(store: Store, step_of: Callable[[str], int | None]) -> dict[int, tuple[str, bool]]:
+def durable_steps(store: Store) -> dict[int, tuple[str, bool]]:
     """``{step: (directory, committed)}`` of every step under the store's root."""
-    return {step: (name, METADATA_FILE in rests) for step, (name, rests) in keys_by_step(store, step_of).items()}
+    return {step: (name, METADATA_FILE in rests) for step, (name, rests) in keys_by_step(store).items()}
 
 
 def durable_commit_stamp(store: Store, step_dir: str) -> CommitStamp | None:
     """Which save a durable copy holds: the :class:`CommitStamp` of its ``.metadata`` (one
     ranged read of its tail; unverified, as a local root's ordering reads it); None: not
     committed, or no trailer to tell."""
-    key = f"{step_dir}/{METADATA_FILE}"
-    size = store.size(key)
-    if size is None:
+    try:
+        f = store.open_file(f"{step_dir}/{METADATA_FILE}")
+    except FileNotFoundError:
         return None
-    at = max(0, size - TRAILER_BYTES)
-    return stamp_in_tail(bytes(store.read_range(key, at, size - at)), size, store.where(key))
+    return read_commit_stamp(f)
 
 
 def delete_durable_step(store: Store, step_dir: str) -> None:

@@ -33,13 +33,20 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from dcp_datastates.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
+from dcp_datastates.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    UnsupportedFormatError,
+)
 from dcp_datastates.format.file_names import layout_files
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 from dcp_datastates.format.metadata_file import read_metadata_file
 from dcp_datastates.core.reader import DataStatesReader, missing_checkpoint_error
 from dcp_datastates.format.safe_objects import CheckedObject, load_plain_object
+from dcp_datastates.storage.url import is_store_url
 
 T = TypeVar("T")
 
@@ -65,7 +72,8 @@ class CheckpointView:
     """A committed checkpoint, opened for reading key by key.
 
     Args:
-        path: the checkpoint directory (holding ``.metadata``).
+        path: the checkpoint directory (holding ``.metadata``), or its URL in object storage
+            (``s3://bucket/run/step_...``: ours only; read with ranged reads).
         allow_pickle: unpickle saved objects (and stock DCP metadata) without
             restriction. Only for checkpoints you trust.
     """
@@ -73,12 +81,14 @@ class CheckpointView:
     def __init__(self, path: str | os.PathLike, *, allow_pickle: bool = False) -> None:
         self.path = os.fspath(path)
         self.allow_pickle = allow_pickle
-        md_path = os.path.join(self.path, METADATA_FILE)
-        if not os.path.isdir(self.path):
+        remote = is_store_url(self.path)
+        if not remote and not os.path.isdir(self.path):
             raise CheckpointNotFoundError(f"no checkpoint at {self.path}: the directory does not exist")
         ours = DataStatesReader(self.path, allow_pickle=allow_pickle)
+        md_path = ours._where(METADATA_FILE)
         try:
-            metadata, _ = read_metadata_file(md_path, allow_pickle)  # bounded by its structure, not its size
+            with ours.store.open_file(ours.key(METADATA_FILE)) as f:
+                metadata, _ = read_metadata_file(f, allow_pickle)  # bounded by its structure, not its size
         except FileNotFoundError:
             raise missing_checkpoint_error(ours.store, ours.prefix) from None
         if isinstance(metadata.storage_data, CheckpointLayout):
@@ -88,6 +98,11 @@ class CheckpointView:
         else:
             from torch.distributed.checkpoint import FileSystemReader
 
+            if remote:
+                raise UnsupportedFormatError(
+                    f"{md_path}: not a dcp_datastates checkpoint; stock DCP checkpoints are read from a local "
+                    "directory only (copy it there first)"
+                )
             if not isinstance(metadata.storage_data, dict):
                 raise CorruptCheckpointError(
                     f"{md_path}: storage data is a {type(metadata.storage_data).__name__}; "
@@ -141,6 +156,15 @@ class CheckpointView:
             return [METADATA_FILE] + layout_files(self.reader.layout)
         names = sorted({info.relative_path for info in self.metadata.storage_data.values()})
         return [METADATA_FILE] + names
+
+    def file_size(self, name: str) -> int | None:
+        """The size of the checkpoint's file ``name`` (one of :meth:`files`), None if missing."""
+        if self.format == FORMAT_OURS:
+            return self.reader.store.size(self.reader.key(name))
+        try:
+            return os.lstat(os.path.join(self.path, name)).st_size
+        except FileNotFoundError:
+            return None
 
     def training_step(self) -> int | None:
         """The checkpoint's training step: its int ``step`` entry (an object, or an integer
@@ -317,6 +341,8 @@ def check_output_apart(out: str, sources: list[str]) -> None:
     """
     target = os.path.realpath(out)
     for src in sources:
+        if is_store_url(src):
+            continue  # in object storage: no local output can overlap it
         real = os.path.realpath(src)
         if target == real or target.startswith(real.rstrip(os.sep) + os.sep) or real.startswith(target.rstrip(os.sep) + os.sep):
             raise ValueError(f"{out}: the output would overlap the checkpoint {src} being read; choose another output")

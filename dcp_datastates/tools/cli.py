@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     p = add("inspect", "show every key of a checkpoint: dtype, global shape, chunks, bytes, rank files")
-    p.add_argument("ckpt", metavar="CKPT", help="a checkpoint directory (ours or stock DCP)")
+    p.add_argument("ckpt", metavar="CKPT", help="a checkpoint directory (ours or stock DCP), or its s3:// URL (ours)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--chunks", action="store_true", help="list every saved chunk (box, file, offset, bytes)")
 
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         "plus model.safetensors.index.json; --to dcp: DCP's FileSystemWriter format; --to datastates: "
         "a stock DCP checkpoint into ours.",
     )
-    p.add_argument("ckpt", metavar="CKPT", help="the checkpoint to convert")
+    p.add_argument("ckpt", metavar="CKPT", help="the checkpoint to convert (a directory, or its s3:// URL)")
     p.add_argument("--to", required=True, choices=["torch", "safetensors", "dcp", "datastates"], help="output format")
     p.add_argument("out", metavar="OUT", help="output file (torch) or directory (the others)")
     p.add_argument("--max-shard-size", type=_size, default=_size("5GB"), help="safetensors shard size (default 5GB)")
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tensor with its full (unsharded) shape and a leading step axis, written block by block from "
         "the saved shards. bfloat16 and float8 values are stored as their raw bits (see docs/cli.md).",
     )
-    p.add_argument("ckpts", metavar="CKPT", nargs="+", help="checkpoints, in step order")
+    p.add_argument("ckpts", metavar="CKPT", nargs="+", help="checkpoints (directories or s3:// URLs), in step order")
     p.add_argument("--format", required=True, choices=["hdf5", "zarr"], help="output format")
     p.add_argument("--out", "-o", required=True, metavar="OUT", help="output .h5 file or zarr directory")
     p.add_argument("--keys", metavar="GLOB", action="append", help="only keys matching this glob (repeatable)")
@@ -129,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = add("diff", "per-tensor relative change between two checkpoints, top movers, optional plot")
-    p.add_argument("a", metavar="CKPT_A", help="the earlier checkpoint")
-    p.add_argument("b", metavar="CKPT_B", help="the later checkpoint")
+    p.add_argument("a", metavar="CKPT_A", help="the earlier checkpoint (a directory or an s3:// URL)")
+    p.add_argument("b", metavar="CKPT_B", help="the later checkpoint (a directory or an s3:// URL)")
     p.add_argument("--top", type=_positive_int, default=10, metavar="K", help="how many top movers to list (default 10)")
     p.add_argument("--keys", metavar="GLOB", action="append", help="only keys matching this glob (repeatable)")
     p.add_argument("--plot", metavar="PNG", help="write a plot of relative change per layer (needs matplotlib)")

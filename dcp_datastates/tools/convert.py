@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from dcp_datastates.storage.url import absolute
 from dcp_datastates.tools.common import PROG, format_fields, human_bytes
 from dcp_datastates.core.durable import fsync_dir
 from dcp_datastates.tools.progress import ByteCounter
@@ -118,7 +119,7 @@ def convert_checkpoint(
     _check_replaceable(out, overwrite)
     if to == "safetensors":
         _check_safetensors_dtypes(view)
-    summary = ConvertSummary(os.path.abspath(view.path), view.format, out, to)
+    summary = ConvertSummary(absolute(view.path), view.format, out, to)
     tracker = ByteCounter(sum(view.nbytes(k) for k in view.tensors), progress)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)

@@ -37,7 +37,7 @@ def split_step_url(url: str) -> tuple[str, str | None]:
 def list_durable(store: Store) -> list[DurableStep]:
     """Every step under the store's root, with its state and size (one listing, plus sizes)."""
     out = []
-    for step, (name, rests) in sorted(keys_by_step(store, step_of).items()):
+    for step, (name, rests) in sorted(keys_by_step(store).items()):
         if METADATA_FILE in rests:
             state = COMMITTED
         elif any(r.startswith(CONFIRM_DIR + "/") for r in rests):

@@ -36,6 +36,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from dcp_datastates.storage.url import absolute
 from dcp_datastates.manager.checkpoint_root import is_committed, step_dirs
 from dcp_datastates.tools.common import dtype_name, format_fields, human_bytes, key_selected
 from dcp_datastates.tools.progress import ByteCounter
@@ -134,7 +135,7 @@ def export_checkpoints(
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "steps": steps,
-        "checkpoints": [os.path.abspath(p) for p in paths],
+        "checkpoints": [absolute(p) for p in paths],
         "objects": objects,
     }
     total = len(views) * sum(views[0].nbytes(d.key) for d in datasets)
@@ -151,7 +152,7 @@ def export_checkpoints(
         remove_output(tmp)
         raise
     return ExportSummary(
-        out=out, format=fmt, checkpoints=[os.path.abspath(p) for p in paths], steps=steps,
+        out=out, format=fmt, checkpoints=[absolute(p) for p in paths], steps=steps,
         keys=[d.key for d in datasets], objects=sum(len(o) for o in objects),
         objects_omitted=omitted, bytes=total, skipped=skipped,
     )

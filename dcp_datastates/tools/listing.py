@@ -30,6 +30,7 @@ from dcp_datastates.errors import CheckpointError, CheckpointNotFoundError
 from dcp_datastates.format.file_names import is_metadata_temporary, is_save_file, layout_files, stray_files
 from dcp_datastates.format.file_names import DATA_FILE_RE, METADATA_FILE
 from dcp_datastates.manager.checkpoint_root import read_latest, step_of
+from dcp_datastates.storage.url import is_store_url
 from dcp_datastates.tools.common import PROG, dtype_name, format_table, human_bytes, one_line
 from dcp_datastates.tools.progress import LazyProgress
 
@@ -203,8 +204,6 @@ def list_checkpoints(root: str) -> Listing:
 
 
 def run_ls(args) -> int:
-    from dcp_datastates.storage.url import is_store_url
-
     if is_store_url(args.root):
         return _ls_durable(args.root, args.json)
     listing = list_checkpoints(args.root)
@@ -301,17 +300,12 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     """
     from dcp_datastates.tools.checkpoint_view import FORMAT_OURS, CheckpointView
 
-    _require_dir(path)
+    if not is_store_url(path):
+        _require_dir(path)
     view = CheckpointView(path)
     md = view.metadata
     ours = view.format == FORMAT_OURS
-    files = []
-    for name in view.files():
-        try:
-            size = os.lstat(os.path.join(path, name)).st_size
-        except FileNotFoundError:
-            size = None
-        files.append({"name": name, "bytes": size})
+    files = [{"name": name, "bytes": view.file_size(name)} for name in view.files()]
     keys = []
     for fqn, item in md.state_dict_metadata.items():
         nested = (md.planner_data or {}).get(fqn)
@@ -473,7 +467,6 @@ def verify_one(path: str, *, allow_pickle: bool = False, quiet: bool = True, dig
 
 
 def run_verify(args) -> int:
-    from dcp_datastates.storage.url import is_store_url
     from dcp_datastates.tools import durable_view
 
     failed = n = 0
@@ -605,8 +598,6 @@ def durable_usage(url: str) -> list[Usage]:
 
 
 def run_du(args) -> int:
-    from dcp_datastates.storage.url import is_store_url
-
     local = [p for p in args.paths if not is_store_url(p)]
     usages = disk_usage(local, warn=lambda m: print(f"{PROG} du: warning: {m}", file=sys.stderr)) if local else []
     for url in (p for p in args.paths if is_store_url(p)):

@@ -439,6 +439,48 @@ def case_hashing_stream(c: Case) -> None:
         raise AssertionError("a refused cudaStreamCreateWithFlags did not raise")
 
 
+def case_streamed_device(c: Case) -> None:
+    """A streamed job (an upload takes its windows) copies device memory after the producer's
+    event like a file's job; a failing copy fails the stream, and every slot comes back."""
+    s = c.load_standin()
+    s.reset(devices=1)
+    eng = c.engine()
+    producer = s.stream(0)
+    n = 3 * WINDOW + 1234
+    dev = Buffer(n, 0xAA)
+    s.kernel(producer, dev, 0x55, delay_s=0.2)
+    ready = s.event(0)
+    s.record(ready, producer)
+    job = eng.write("s3://bucket/streamed", [c.device(dev, 0, event=ready)], stream=True)
+    job.seal()
+    out = bytearray()
+    while (chunk := job.next_chunk()) is not None:
+        offset, view = chunk
+        out += bytes(offset - len(out))
+        out += view
+    segments = job.wait()
+    assert bytes(out[:n]) == b"\x55" * n, "the streamed copy read the bytes before the kernel"
+    for seg in segments:
+        assert c.E.crc32c(bytes(out[seg.offset : seg.offset + seg.nbytes])) == seg.crc32c
+    c.idle(eng)
+    s.fail("cudaMemcpyAsync")
+    failing = Buffer(2 * WINDOW, 0x66)
+    job = eng.write("s3://bucket/failing", [c.device(failing, 0, event=ready)], stream=True)
+    job.seal()
+    try:
+        while job.next_chunk() is not None:
+            pass
+    except OSError as exc:
+        assert "cudaMemcpyAsync" in str(exc) and exc.filename == "s3://bucket/failing", (str(exc), exc.filename)
+    else:
+        raise AssertionError("a failing cudaMemcpyAsync did not fail the streamed job")
+    try:
+        job.wait()
+    except OSError:
+        pass
+    c.idle(eng)
+
+
 def main() -> None:
     name, engine_so, standin_so, tmp, *args = sys.argv[1:]
     case = globals()[f"case_{name}"]
