@@ -125,7 +125,10 @@ class PyWriteJob {
   // next call; None once every window was handed out (the job is then finished).
   py::object next_chunk() {
     owned("taking a streamed window");
-    if (!engine_) return py::none();
+    if (!engine_) {  // finished (wait() returned or raised): a failed job says so, never "the end"
+      job_->wait();
+      return py::none();
+    }
     StreamChunk c;
     {
       py::gil_scoped_release nogil;

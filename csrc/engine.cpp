@@ -711,10 +711,14 @@ void Engine::flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w) {
     for (const auto& p : w->pieces)
       segs.push_back({w->start + p.rel, p.len, crc32c_extend(0, w->slot + p.rel, p.len)});
     std::lock_guard<std::mutex> lk(job->mu_);
-    job->segments_.insert(job->segments_.end(), segs.begin(), segs.end());
-    w->ready = true;
-    job->cv_.notify_all();
-    return;
+    // Failed meanwhile: stream_abandon() may have run already and would never see this
+    // window, so it is given back below like any window of a failed job.
+    if (!job->failed()) {
+      job->segments_.insert(job->segments_.end(), segs.begin(), segs.end());
+      w->ready = true;
+      job->cv_.notify_all();
+      return;
+    }
   }
   std::vector<Segment> segs;
   if ((w->slot != nullptr || w->from_source) && !job->failed()) {

@@ -710,3 +710,18 @@ def test_a_cancelled_or_dropped_streamed_job_gives_its_pool_back(engine, when):
     again = engine.write("s3://bucket/again", [host(b, 0)], [b], stream=True)
     again.seal()
     assert _drain_stream(again) == bytes(b.numpy())
+
+
+def test_a_failed_streamed_job_never_reads_as_finished(engine):
+    """Once its owner waited for a failed streamed job, an upload asking for the next window
+    gets the job's error, never the end (which would complete a truncated object)."""
+    a = _bytes(6 * WINDOW, seed=6)
+    job = engine.write("s3://bucket/cut", [host(a, 0)], [a], stream=True)
+    job.next_chunk()
+    job.cancel("another stripe failed")
+    job.seal()
+    with pytest.raises(OSError, match="another stripe failed"):
+        job.wait()
+    with pytest.raises(OSError, match="another stripe failed"):
+        job.next_chunk()
+    assert engine.jobs_in_flight == 0

@@ -110,14 +110,14 @@ def test_a_failed_upload_fails_the_save_and_commits_nothing(url, monkeypatch):
     real = S3Store.put_stream
     sent = []
 
-    def failing(self, key, blocks, size, progress=None):
+    def failing(self, key, blocks, size, progress=None, **options):
         def counted():
             for data in blocks:
                 sent.append(len(data))
                 if sum(sent) > (6 << 20):
                     raise StoreError(f"{self.where(key)}: connection reset", transient=True)
                 yield data
-        return real(self, key, counted(), size, progress)
+        return real(self, key, counted(), size, progress, **options)
 
     monkeypatch.setattr(S3Store, "put_stream", failing)
     with raises_from_checkpoint(StoreError, match="connection reset"):
@@ -166,3 +166,50 @@ def test_two_ranks_save_to_object_storage_and_one_loads_resharded(tmp_path, url)
     for key, tensor in tensors.items():
         assert torch.equal(out[key], tensor), key
     assert verify(url).ok and verify(planner_url).ok
+
+
+def test_a_cancelled_upload_never_completes_its_object(url):
+    """The save gives up (another rank or stripe failed): the upload is abandoned, the job's
+    own error is raised, and no object appears under the key."""
+    from dcp_datastates.native.engine import get_engine
+
+    root, name = split_parent(url)
+    store = open_store(root, part_bytes=5 << 20)
+    engine = get_engine(host_cache_bytes=4 << 20, io_threads=2, window_bytes=512 << 10)
+    data = torch.randn(4 << 20)  # 16 MiB: several parts, more than the pool
+    from dcp_datastates.native.engine import HostRegion
+
+    job = store.start_write(engine, f"{name}/cut.data", [HostRegion(address=data.data_ptr(), nbytes=data.nbytes, file_offset=0)], [data])
+    job.cancel("the save failed elsewhere")
+    job.seal()
+    with pytest.raises(OSError, match="the save failed elsewhere") as info:
+        job.wait()
+    assert not isinstance(info.value, StoreError)  # the job's error, not an upload's
+    assert store.size(f"{name}/cut.data") is None
+    assert engine.jobs_in_flight == 0
+    store.close()
+
+
+def test_a_commit_whose_answer_was_lost_is_told_by_its_bytes(tmp_path):
+    """A create-only PUT of .metadata retried after it landed meets its own bytes: committed.
+    Another save's .metadata there: CheckpointExistsError. A store that cannot say: None, and
+    a failed save's cleanup then keeps the objects (never deleted under a .metadata naming them)."""
+    from dcp_datastates.core.destination import StoreDestination
+    from dcp_datastates.storage.local import LocalStore
+
+    store = LocalStore(str(tmp_path))
+    dest = StoreDestination(store, "step_1", "s3://b/run/step_1")
+    store.put_new("step_1/.metadata", b"ours")  # the PUT landed; its answer was lost
+    dest.commit_metadata(b"ours", overwrite=False)  # the retry finds its own bytes
+    assert dest.committed_by(b"ours") is True
+    with pytest.raises(CheckpointExistsError, match="another save committed"):
+        dest.commit_metadata(b"theirs", overwrite=False)
+
+    class Unreachable:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def size(self, key):
+            raise StoreError("s3://b/run/step_1/.metadata: connection refused", transient=True)
+
+    assert StoreDestination(Unreachable(), "step_1", "s3://b/run/step_1").committed_by(b"ours") is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 
 import pytest
 import torch
@@ -329,9 +330,11 @@ def test_a_failed_stripe_write_names_the_key_and_leaves_no_files(small_tmpfs):
     with raises_from_checkpoint(OSError) as info:
         save(state, small_tmpfs / "c", stripes=3)
     assert info.value.errno == errno.ENOSPC, info.value
-    # The last stripe's write of the object fails, or the metadata's temporary (written meanwhile) first.
+    # Whichever write meets the full tmpfs first fails: mostly the object's, in the last stripe;
+    # under load a tensor's window written after it; or the metadata's temporary (written meanwhile).
     if info.value.filename.endswith(".data"):
-        assert info.value.filename.endswith(".s2.data") and "writing 'blob'" in str(info.value), info.value
+        named = re.search(r"writing '([^']+)'", str(info.value))
+        assert named and named.group(1) in state, info.value
     else:
         assert ".metadata." in info.value.filename, info.value
     assert not [n for n in os.listdir(small_tmpfs / "c") if n.endswith((".data", ".index"))]

@@ -140,7 +140,7 @@ class StoreDestination:
         return self.store.start_write(engine, self.key(name), regions, keep, verify=self.verify_upload)
 
     def write_index(self, name: str, blob: bytes) -> None:
-        self.store.put_new(self.key(name), blob)
+        self.store.put_bytes(self.key(name), blob)  # its name is this save's own
 
     def stage_metadata(self, save_id: str, blob: bytes):
         return blob  # nothing is visible before the commit
@@ -148,8 +148,10 @@ class StoreDestination:
     def discard_metadata(self, staged) -> None:
         pass
 
-    def committed_by(self, staged) -> bool:
-        """Whether ``.metadata`` holds these very bytes (a commit interrupted right after its PUT)."""
+    def committed_by(self, staged) -> bool | None:
+        """Whether ``.metadata`` holds these very bytes (a commit whose PUT landed though its
+        answer was lost); None when the store cannot tell, which a cleanup takes for yes: the
+        objects stay (strays at worst), never deleted under a ``.metadata`` that names them."""
         if staged is None:
             return False
         key = self.key(METADATA_FILE)
@@ -157,7 +159,7 @@ class StoreDestination:
             size = self.store.size(key)
             return size == len(staged) and bytes(self.store.read_range(key, 0, size)) == bytes(staged)
         except StoreError:
-            return False
+            return None
 
     def files_of_committed(self) -> list[str]:
         """Our rank files the committed checkpoint names (to remove once replaced); nothing for a
@@ -181,6 +183,8 @@ class StoreDestination:
         try:
             self.store.put_new(key, staged)
         except ObjectExistsError:
+            if self.committed_by(staged):  # a retry of a PUT that had landed: ours
+                return
             raise CheckpointExistsError(
                 f"{self.location}: another save committed a checkpoint there while this one was writing; "
                 "this save was not committed and its objects were removed (pass "

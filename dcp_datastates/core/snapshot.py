@@ -357,10 +357,12 @@ class Snapshot:
         self.job = None
         self.references, self.digests = {}, {}
 
-    def cancel(self, why: str) -> None:
-        """Stop the engine job and remove this snapshot's files (the save failed or was given up)."""
+    def cancel(self, why: str, remove: bool = True) -> None:
+        """Stop the engine job and (``remove``) remove this snapshot's files (the save failed or
+        was given up)."""
         stop_write_job(self.job, why)
-        self.dest.remove([self.data_file, self.index_file, self.staging_file or self.data_file])
+        if remove:
+            self.dest.remove([self.data_file, self.index_file, self.staging_file or self.data_file])
 
 
 def _copy_structure(obj: Any, on_tensor, name: str) -> Any:

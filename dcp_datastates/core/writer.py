@@ -605,14 +605,17 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def _clean_up(self, save: RankSave) -> None:
         """Remove the files of a save that will not commit."""
-        if save.dest is not None and save.dest.committed_by(save.metadata_tmp):
+        committed = save.dest.committed_by(save.metadata_tmp) if save.dest is not None else False
+        if committed:
             self._end(save)  # interrupted right after the rename (KeyboardInterrupt): committed, keep it
             return
+        # Not committed, or (None) a store that cannot tell: then nothing is removed, since a
+        # .metadata that landed would name these files (strays at worst).
         if save.snapshot is not None:
-            save.snapshot.cancel("save failed")
+            save.snapshot.cancel("save failed", remove=committed is False)
         _native.stop_write_job(save.job, "save failed")
         self._end(save)
-        if save.dest is not None:
+        if committed is False and save.dest is not None:
             save.dest.remove(save.written_files)
         self._discard_metadata_tmp(save)
 

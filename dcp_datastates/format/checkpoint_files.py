@@ -116,7 +116,7 @@ def read_rank_index(index_path, limits: IndexLimits) -> RankIndex:
     a ``READ_BLOCK_BYTES`` buffer. Only then is it read whole, once, and
     decoded. Memory for a refused file: the header and one block.
     """
-    with open_checkpoint_file(index_path) if isinstance(index_path, str) else contextlib.nullcontext(index_path) as f:
+    with open_checkpoint_file(os.fspath(index_path)) if isinstance(index_path, (str, os.PathLike)) else contextlib.nullcontext(index_path) as f:
         index_path = f.path
         if f.size < INDEX_HEADER.size + INDEX_TRAILER.size:
             raise CorruptCheckpointError(f"rank index {index_path} is corrupt: {f.size} bytes is shorter than the header")

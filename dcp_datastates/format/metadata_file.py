@@ -47,6 +47,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import os
 import pickle
 import struct
 
@@ -309,7 +310,7 @@ def read_commit_stamp(path) -> CommitStamp | None:
     loaded.
     """
     try:
-        with open_checkpoint_file(path) if isinstance(path, str) else contextlib.nullcontext(path) as f:
+        with open_checkpoint_file(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else contextlib.nullcontext(path) as f:
             if f.size < _TRAILER_V3.size:
                 return None
             return stamp_in_tail(f.pread(min(f.size, _TRAILER.size), max(0, f.size - _TRAILER.size)), f.size, f.path)
@@ -370,7 +371,7 @@ def read_metadata_file(path, allow_pickle: bool = False) -> tuple[Metadata, bool
     memory once before the unpickler judges it.
     FileNotFoundError when it does not exist.
     """
-    with open_checkpoint_file(path) if isinstance(path, str) else contextlib.nullcontext(path) as f:  # a given file stays open
+    with open_checkpoint_file(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else contextlib.nullcontext(path) as f:  # a given file stays open
         path = f.path
         first = f.pread(min(f.size, 2), 0)
         _check_pickle_shape(first, None, path)

@@ -103,7 +103,8 @@ class LocalStore(Store):
                 if attempt == _DIR_RACE_RETRIES - 1:
                     raise
 
-    def put_stream(self, key: str, blocks, size: int | None, progress: Progress | None = None) -> None:
+    def put_stream(self, key: str, blocks, size: int | None, progress: Progress | None = None,
+                   size_hint: int | None = None) -> None:
         path = self._path(key)
         tmp = self._tmp(path)
         total = 0
@@ -148,6 +149,7 @@ class LocalStore(Store):
 
     def start_write(self, engine, key: str, regions, keep, **options):
         """An engine job writing the file of ``key`` (its directory exists)."""
+        options.pop("verify", None)  # a file is fsynced, not read back
         return engine.write(self._path(key), regions, keep, **options)
 
     def replace_bytes(self, key: str, data: bytes) -> None:

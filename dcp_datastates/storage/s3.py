@@ -106,11 +106,14 @@ class S3Store(Store):
         text = str(exc).split("\n\nDebug source:", 1)[0].strip()  # obstore appends its Rust error's dump
         return StoreError(f"{what} {self.where(key)}: {type(exc).__name__}: {text}", transient=not refused)
 
-    def put_stream(self, key: str, blocks, size: int | None, progress: Progress | None = None) -> None:
+    def put_stream(self, key: str, blocks, size: int | None, progress: Progress | None = None,
+                   size_hint: int | None = None) -> None:
         """One PUT up to a part's size; above it a multipart upload of ``part`` bytes per part
         (at most ``upload_concurrency`` in flight), which obstore aborts if ``blocks`` raises."""
         check_key(key)
-        part = self.part_bytes if size is None else max(self.part_bytes, -(-size // (MAX_PARTS - 1)))
+        # Unknown size: parts large enough for twice the hint (objects follow a rank's tensors).
+        expect = size if size is not None else 2 * (size_hint or 0)
+        part = max(self.part_bytes, -(-expect // (MAX_PARTS - 1)))
 
         def counted():
             total = 0

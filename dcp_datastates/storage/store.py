@@ -108,10 +108,11 @@ class Store(abc.ABC):
     read_block: int = 1 << 20  # the bytes a streamed read-back asks for at a time (a request each)
 
     @abc.abstractmethod
-    def put_stream(self, key: str, blocks: Iterable[bytes], size: int | None, progress: Progress | None = None) -> None:
+    def put_stream(self, key: str, blocks: Iterable[bytes], size: int | None, progress: Progress | None = None,
+                   size_hint: int | None = None) -> None:
         """Write ``key`` from ``blocks`` (``size`` bytes in all, in order; None: not known
-        beforehand), visible only once complete. An exception raised by ``blocks`` abandons the
-        object and propagates."""
+        beforehand, about ``size_hint``), visible only once complete. An exception raised by
+        ``blocks`` abandons the object and propagates."""
 
     def put_file(self, key: str, local_path: str, progress: Progress | None = None, block: int = 8 << 20) -> int:
         """Copy the local file to ``key`` (visible only once complete); return its size."""
@@ -148,7 +149,8 @@ class Store(abc.ABC):
         ``options``: ``verify``, whether it is read back and compared once complete)."""
         from dcp_datastates.storage.upload import StreamUpload
 
-        return StreamUpload(self, engine, key, regions, keep, verify=options.get("verify", True))
+        return StreamUpload(self, engine, key, regions, keep, verify=options.get("verify", True),
+                            size_hint=options.get("preallocate") or None)
 
     @abc.abstractmethod
     def replace_bytes(self, key: str, data: bytes) -> None:
@@ -324,6 +326,7 @@ def _ranged_batch(store: Store, reads: list[RangeRead], concurrency: int) -> lis
         checker = SegmentChecker(offsets, lengths, crcs, store.where(read.key), "the object is corrupt")
         try:
             checker.feed(memory_at(read.address, read.nbytes), read.offset)
+            checker.finish(read.offset + read.nbytes)  # every check lay inside the read
         except SegmentMismatch as exc:
             with lock:
                 failures.append(_native.ReadFailure(
