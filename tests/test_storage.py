@@ -130,3 +130,26 @@ def test_a_directory_store_refuses_what_is_not_a_regular_file(tmp_path):
     assert store.size("c/none") is None and store.missing_prefix("d") and not store.missing_prefix("c")
     with pytest.raises(CheckpointNotFoundError, match="the directory does not exist"):
         DataStatesReader(tmp_path / "d").read_metadata()
+
+
+def test_deleting_a_checkpoint_takes_its_metadata_first_and_never_follows_a_link(tmp_path, durable_url):
+    from dcp_datastates import CheckpointError
+
+    save({"a": torch.randn(1000)}, tmp_path / "c")
+    store = open_store(durable_url)
+    upload(tmp_path / "c", store, "step_00000001")
+    store.put_bytes("step_00000001/.drain/rank00000.json", b"{}")  # a drain's leftover goes too
+    order = []
+    real = store.delete
+    store.delete = lambda keys: (order.append(list(keys)), real(keys))[1]
+    store.delete_checkpoint("step_00000001")
+    assert store.list() == []
+    if durable_url.startswith("s3://"):
+        assert order[0] == ["step_00000001/.metadata"]  # uncommitted before anything else goes
+    else:
+        assert not os.path.exists(os.path.join(durable_url, "step_00000001"))
+        os.symlink(tmp_path / "c", os.path.join(durable_url, "linked"))
+        with pytest.raises(CheckpointError, match="never deleted through a link"):
+            store.delete_checkpoint("linked")
+        assert os.path.exists(tmp_path / "c" / METADATA_FILE)
+    store.close()

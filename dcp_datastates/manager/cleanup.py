@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
 from typing import Callable, Collection
 
 from dcp_datastates.core.durable import fsync_dir, remove_if_present
 from dcp_datastates.core.reader import DataStatesReader
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.file_names import layout_files, stray_files
-from dcp_datastates.format.file_names import METADATA_FILE
+from dcp_datastates.storage.local import LocalStore
 from dcp_datastates.manager.checkpoint_root import (
     LATEST_FILE,
     LATEST_TMP_RE,
@@ -69,20 +68,10 @@ def unlock_root(fd: int) -> None:
 
 
 def delete_checkpoint_dir(path: str) -> None:
-    """Delete a checkpoint directory so that no crash can leave it committed but partial.
-
-    ``.metadata`` goes first and the directory is fsynced: from then on the
-    directory is an uncommitted leftover, which readers refuse and the next
-    manager start removes.
-    """
-    if os.path.islink(path):
-        raise CheckpointError(f"{path} is a symbolic link; checkpoints are never deleted through a link")
-    if not os.path.isdir(path):
-        return  # already gone (another cleanup got there first)
-    remove_if_present([os.path.join(path, METADATA_FILE)])
-    fsync_dir(path)
-    shutil.rmtree(path)
-    fsync_dir(os.path.dirname(path))
+    """Delete a checkpoint directory so that no crash can leave it committed but partial
+    (``Store.delete_checkpoint``: ``.metadata`` first; never through a symbolic link)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    LocalStore(parent).delete_checkpoint(name)
 
 
 def committed_strays(path: str, allow_pickle: bool = False) -> list[str]:

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
 
 from dcp_datastates.core import durable
-from dcp_datastates.errors import CorruptCheckpointError
+from dcp_datastates.errors import CheckpointError, CorruptCheckpointError
 from dcp_datastates.format.checkpoint_files import CheckpointFile, open_checkpoint_file
 from dcp_datastates.native import engine as _native
 from dcp_datastates.storage.store import ObjectExistsError, Progress, RangeRead, ShortObjectError, Store, StoreError, check_key
@@ -216,6 +217,23 @@ class LocalStore(Store):
     def identity(self, key: str):
         st = self._lstat(key)
         return None if st is None else (self._path(key), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def delete_checkpoint(self, prefix: str) -> None:
+        """:meth:`Store.delete_checkpoint` for a directory: ``.metadata`` removed and the directory
+        fsynced first, then the whole directory and its parent's entry. Never through a symbolic
+        link (a step directory linked from elsewhere is not this store's to delete)."""
+        path = self._dir(f"{prefix}/")
+        if os.path.islink(path):
+            raise CheckpointError(f"{path} is a symbolic link; checkpoints are never deleted through a link")
+        if not os.path.isdir(path):
+            return  # already gone (another cleanup got there first)
+        try:
+            durable.remove_if_present([os.path.join(path, ".metadata")])
+            durable.fsync_dir(path)
+            shutil.rmtree(path)
+            durable.fsync_dir(os.path.dirname(path))
+        except OSError as exc:
+            raise StoreError(f"deleting {path}: {exc.strerror or exc}") from exc
 
     def missing_prefix(self, prefix: str) -> bool:
         return not os.path.isdir(self._dir(prefix))

@@ -202,6 +202,14 @@ class Store(abc.ABC):
         size = self.size(key)
         return None if size is None else (key, size)
 
+    def delete_checkpoint(self, prefix: str) -> None:
+        """Remove the checkpoint under ``prefix`` so that no crash leaves it committed but partial:
+        ``.metadata`` first (from then on it is an uncommitted leftover, which readers refuse and
+        a cleanup removes), then everything else under it."""
+        meta = f"{prefix}/.metadata"
+        self.delete([meta])
+        self.delete([k for k in self.list(f"{prefix}/") if k != meta])
+
     def missing_prefix(self, prefix: str) -> bool:
         """Whether nothing at all can be under ``prefix`` (a directory that does not exist); an
         object store, which has no directories, cannot tell and says False."""

@@ -351,9 +351,7 @@ def durable_commit_stamp(store: Store, step_dir: str) -> CommitStamp | None:
 def delete_durable_step(store: Store, step_dir: str) -> None:
     """Remove a step from the durable tier, ``.metadata`` first (a crash in between leaves an
     incomplete copy, never a committed one with objects missing)."""
-    meta = f"{step_dir}/{METADATA_FILE}"
-    store.delete([meta])
-    store.delete([k for k in store.list(step_prefix(step_dir)) if k != meta])
+    store.delete_checkpoint(step_dir)
 
 
 def clear_incomplete_step(store: Store, step_dir: str) -> bool:
