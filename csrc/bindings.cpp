@@ -340,6 +340,8 @@ PYBIND11_MODULE(_engine, m) {
         return crc32c_extend(crc, p, n);
       },
       py::arg("data"), py::arg("crc") = 0, "CRC-32C of a contiguous buffer, optionally extended.");
+  m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"),
+        "CRC-32C of A followed by B from crc32c(A), crc32c(B) and len(B).");
   m.def("crc32c_backend", &crc32c_backend, "'sse4.2+pclmul', 'sse4.2', 'armv8-crc' or 'table'.");
   m.def(
       "load_cuda_runtime",

@@ -233,7 +233,40 @@ CrcFn pick() { return fold_available() ? &crc_fold : hw_available() ? &crc_hw : 
 CrcFn pick() { return hw_available() ? &crc_hw : &crc_table; }
 #endif
 
+// Polynomials over GF(2) modulo the Castagnoli polynomial, in the reflected bit order of the
+// CRC (bit 31 is x^0). The CRC of A|B is crc(A) times x^(8 len(B)), plus crc(B): the standard
+// CRC's pre- and post-inversions cancel in that sum.
+uint32_t mul_mod_poly(uint32_t a, uint32_t b) {
+  uint32_t product = 0;
+  for (uint32_t bit = 1u << 31; bit != 0; bit >>= 1) {  // a's terms, x^0 first
+    if (a & bit) product ^= b;
+    b = (b >> 1) ^ (kPoly & (0u - (b & 1u)));  // b times x
+  }
+  return product;
+}
+
+// x^(2^k) modulo the polynomial, for k = 0 .. 63.
+const uint32_t* x_to_two_to_the() {
+  static const auto table = [] {
+    std::vector<uint32_t> t(64);
+    t[0] = 1u << 30;  // x^1
+    for (size_t k = 1; k < t.size(); ++k) t[k] = mul_mod_poly(t[k - 1], t[k - 1]);
+    return t;
+  }();
+  return table.data();
+}
+
 }  // namespace
+
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  // x^(8 len_b) = the product of x^(2^k) over the bits k of 8 len_b (len_b < 2^61).
+  const uint32_t* pow2 = x_to_two_to_the();
+  uint32_t shift = 1u << 31;  // x^0
+  uint64_t bits = len_b;
+  for (size_t k = 3; bits != 0 && k < 64; ++k, bits >>= 1)
+    if (bits & 1u) shift = mul_mod_poly(pow2[k], shift);
+  return mul_mod_poly(shift, crc_a) ^ crc_b;
+}
 
 uint32_t crc32c_extend(uint32_t crc, const void* data, size_t len) {
   static const CrcFn fn = pick();

@@ -17,6 +17,10 @@ namespace dcpds {
 // Extends `crc` (0 for a fresh checksum) with `len` bytes at `data`.
 uint32_t crc32c_extend(uint32_t crc, const void* data, size_t len);
 
+// The CRC-32C of A followed by B, from crc(A) = `crc_a`, crc(B) = `crc_b` and B's length:
+// blocks checksummed apart (read in parallel) are joined without reading them again.
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+
 // Name of the implementation chosen at run time ("sse4.2", "armv8-crc",
 // "table"); reported by the Python module for diagnostics.
 const char* crc32c_backend();

@@ -725,3 +725,12 @@ def test_a_failed_streamed_job_never_reads_as_finished(engine):
     with pytest.raises(OSError, match="another stripe failed"):
         job.next_chunk()
     assert engine.jobs_in_flight == 0
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4096, 100_003])
+def test_crc32c_combine_joins_checksums_of_consecutive_blocks(n):
+    data = os.urandom(n + 37)
+    for cut in sorted({0, 1, n // 2, n}):
+        a, b = data[:cut], data[cut:]
+        assert _engine.crc32c_combine(_engine.crc32c(a), _engine.crc32c(b), len(b)) == _engine.crc32c(data)
+    assert _engine.crc32c_combine(_engine.crc32c(data), 0, 0) == _engine.crc32c(data)

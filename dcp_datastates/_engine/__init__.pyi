@@ -252,6 +252,9 @@ class Engine:
 def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
     """CRC-32C of a contiguous buffer, extending ``crc``."""
 
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """CRC-32C of A followed by B from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)``."""
+
 def crc32c_backend() -> Literal["sse4.2", "armv8-crc", "table"]: ...
 def load_cuda_runtime(path: str = "") -> str:
     """dlopen the CUDA runtime (``''``: one already loaded); returns ``''`` or why not. First success wins."""

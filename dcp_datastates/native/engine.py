@@ -200,6 +200,7 @@ def bytearray_address(buf: bytearray) -> int:
 
 
 crc32c = _engine.crc32c
+crc32c_combine = _engine.crc32c_combine
 
 
 def stop_write_job(job, why: str) -> None:

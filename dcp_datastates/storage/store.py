@@ -258,8 +258,24 @@ class StoredFile:
         return bytes(self.store.read_range(self.key, offset, nbytes))
 
     def crc32c(self, start: int, end: int, crc: int = 0) -> int:
-        for _at, data in self.store.read_blocks(self.key, end - start, self.store.read_block, start):
-            crc = _native.crc32c(data, crc)
+        """CRC-32C of bytes ``[start, end)``, extending ``crc``: ranged reads of ``read_block``,
+        ``read_concurrency`` in flight (each waits for the store), each block checksummed on
+        arrival and the block checksums joined in order (``crc32c_combine``)."""
+        block = self.store.read_block
+        ranges = [(at, min(block, end - at)) for at in range(start, end, block)]
+        crcs = [0] * len(ranges)
+
+        def one(i: int) -> None:
+            at, n = ranges[i]
+            crcs[i] = _native.crc32c(self.store.read_range(self.key, at, n))
+
+        if len(ranges) > 1:
+            with ThreadPoolExecutor(min(self.store.read_concurrency, len(ranges)), thread_name_prefix="dcp_datastates-crc") as pool:
+                run_all(pool, one, range(len(ranges)))
+        elif ranges:
+            one(0)
+        for (_at, n), c in zip(ranges, crcs):
+            crc = _native.crc32c_combine(crc, c, n)
         return crc
 
     def read(self, nbytes: int, offset: int = 0) -> bytearray:
