@@ -18,12 +18,35 @@ from dcp_datastates import DataStatesReader, DataStatesWriter
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
+# The fast tier (``pytest -q tests --fast``, about a minute on 2 cores): every module but these,
+# which start S3 servers or mount file systems, launch many processes or train, stream gigabytes
+# to measure memory, or run the CLI in subprocesses.
+# CI runs everything (README's test command).
+FULL_SUITE_ONLY = {
+    "test_tier_trajectories", "test_tier_faults", "test_manager_tiers", "test_drain", "test_cli_tiers",
+    "test_store_writer", "test_store_reader", "test_stress", "test_demo", "test_distributed",
+    "test_property", "test_async_memory", "test_hostile_files", "test_crash", "test_fork",
+    "test_cli_export", "test_cli_diff", "test_cli_convert", "test_dcp_parity", "test_incremental",
+    "test_compression", "test_concurrent_commit", "test_fuzz", "test_handoff", "test_manager",
+    "test_tier_stores", "test_storage", "test_cli_listing",
+}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true", help="the fast tier: leave out the modules of FULL_SUITE_ONLY")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Skip ``slow``-marked cases unless they were selected with ``-m slow``.
+    """Skip ``slow``-marked cases unless they were selected with ``-m slow``; with ``--fast``,
+    leave out the modules only the full suite runs.
 
     CI runs ``pytest -q tests``: the short versions of the reliability cases.
     The long versions (docs/reliability.md) run with ``pytest -m slow tests``.
     """
+    if config.getoption("--fast"):
+        kept = [item for item in items if item.module.__name__.rpartition(".")[2] not in FULL_SUITE_ONLY]
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
     if "slow" in (config.getoption("markexpr", "") or ""):
         return
     skip = pytest.mark.skip(reason="long version: select it with -m slow")
