@@ -17,7 +17,6 @@ from dcp_datastates.tiers.drain import (
     clear_incomplete_step,
     commit_durable,
     confirmation_key,
-    delete_durable_step,
     drain_rank,
     durable_steps,
     failure_key,
@@ -182,7 +181,7 @@ def test_deleting_a_durable_step_removes_the_commit_first(tmp_path, durable_url)
     store = _store(durable_url)
     _drain(local, "step_00000004", store)
     _drain(local, "step_00000008", store)
-    delete_durable_step(store, "step_00000004")
+    store.delete_checkpoint("step_00000004")
     assert durable_steps(store) == {8: ("step_00000008", True)}
     assert not clear_incomplete_step(store, "step_00000008")  # committed: left alone
     assert confirmation_key("step_00000008", 3) == "step_00000008/.drain/rank00003.json"

@@ -541,11 +541,9 @@ def test_a_step_whose_base_is_not_durable_stays_uncommitted_there(tmp_path, shar
     assert mgr.durable_steps() == [1, 2]  # 1 first, then 2 after it
     mgr.close()
     from dcp_datastates.storage import open_store
-    from dcp_datastates.tiers.drain import delete_durable_step
-
     with CheckpointManager(root, async_save=False, durable=shared, keep_last=None) as mgr:
         mgr.wait_durable()  # nothing to drain: both are there (a step missing there at start is drained again)
-        delete_durable_step(open_store(shared), "step_00000001")  # then the base goes from the tier
+        open_store(shared).delete_checkpoint("step_00000001")  # then the base goes from the tier
         assert mgr.load(zeros_like_state(state)) == 2  # the next save refers to 2 (and through it to 1)
         state["step"] = 3
         with pytest.warns(UserWarning, match="which is not durable"):

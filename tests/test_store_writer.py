@@ -213,3 +213,21 @@ def test_a_commit_whose_answer_was_lost_is_told_by_its_bytes(tmp_path):
             raise StoreError("s3://b/run/step_1/.metadata: connection refused", transient=True)
 
     assert StoreDestination(Unreachable(), "step_1", "s3://b/run/step_1").committed_by(b"ours") is None
+
+
+def test_an_upload_is_told_the_size_its_object_will_have(url, monkeypatch):
+    """The rank's planned bytes size the upload's parts (S3 takes at most 10,000 of them)."""
+    from dcp_datastates.storage.s3 import S3Store
+
+    real, hints = S3Store.put_stream, []
+
+    def recording(self, key, blocks, size, progress=None, **options):
+        hints.append((key.rsplit("/", 1)[-1], options.get("size_hint")))
+        return real(self, key, blocks, size, progress, **options)
+
+    monkeypatch.setattr(S3Store, "put_stream", recording)
+    state = _state()
+    dcp.save(state, storage_writer=DataStatesWriter(url, **_SMALL), no_dist=True)
+    tensor_bytes = sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor))
+    data = [hint for name, hint in hints if name.endswith(".data")]
+    assert len(data) == 1 and data[0] >= tensor_bytes, hints

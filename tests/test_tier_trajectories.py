@@ -165,8 +165,6 @@ def test_an_older_step_missing_on_the_tier_is_drained_on_start_unless_the_tier_w
     """Step 2's durable copy is missing (its drain failed, step 3's succeeded after it): on start
     it is drained again, though older than the newest durable step; unless the tier's own
     retention would delete it at once, and then local retention may let it go."""
-    from dcp_datastates.tiers.drain import delete_durable_step
-
     root, url = tmp_path / "run", f"s3://{server.bucket}/older{durable_keep_last}"
     options = _options(server.endpoint)
     tier = dict(durable=url, durable_options=options, durable_keep_last=durable_keep_last)
@@ -174,7 +172,7 @@ def test_an_older_step_missing_on_the_tier_is_drained_on_start_unless_the_tier_w
         for step in (1, 2, 3):
             mgr.save(step, state_at(step))
         mgr.wait_durable()
-    delete_durable_step(open_store(url, **options), "step_00000002")  # never there, as after a failed drain
+    open_store(url, **options).delete_checkpoint("step_00000002")  # never there, as after a failed drain
     with CheckpointManager(root, keep_last=1, async_save=False, **tier) as mgr:
         mgr.wait_durable()
         assert (2 in mgr.durable_status()) == drained
@@ -312,7 +310,6 @@ def test_a_node_that_returns_behind_the_run_never_replaces_its_newer_copies(tmp_
 def test_a_base_of_a_step_drained_on_start_is_drained_too(tmp_path, shared_mount):
     """10 full, 20 refers to 10, 30 full; 10 and 20 are missing on the tier at start, which
     keeps 2: its retention alone would leave 10 out, but 20 cannot commit there without it."""
-    from dcp_datastates.tiers.drain import delete_durable_step
     from manager_workers import frozen_state
 
     root, durable = tmp_path / "run", os.path.join(shared_mount, "bases")
@@ -324,7 +321,7 @@ def test_a_base_of_a_step_drained_on_start_is_drained_too(tmp_path, shared_mount
         mgr.wait_durable()
     store = open_store(durable)
     for step in (20, 10):
-        delete_durable_step(store, f"step_{step:08d}")
+        store.delete_checkpoint(f"step_{step:08d}")
     with CheckpointManager(root, keep_last=None, durable=durable, durable_keep_last=2, async_save=False) as mgr:
         mgr.wait_durable()  # no DrainError: 10 went first
         assert sorted(mgr.durable_status()) == [10, 20]

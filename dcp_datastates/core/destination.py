@@ -134,10 +134,11 @@ class StoreDestination:
     def check_free_space(self, nbytes: int) -> None:
         pass
 
-    def start_write(self, engine, name: str, regions, keep, **_options):
-        # direct_io, preallocate and borrow are a file's: a streamed window always goes
-        # through the pool, which is what bounds the memory of the upload.
-        return self.store.start_write(engine, self.key(name), regions, keep, verify=self.verify_upload)
+    def start_write(self, engine, name: str, regions, keep, preallocate: int = 0, **_options):
+        # direct_io and borrow are a file's: a streamed window always goes through the pool, which
+        # is what bounds the memory of the upload. The bytes a file would reserve size its parts.
+        return self.store.start_write(engine, self.key(name), regions, keep, verify=self.verify_upload,
+                                      preallocate=preallocate)
 
     def write_index(self, name: str, blob: bytes) -> None:
         self.store.put_bytes(self.key(name), blob)  # its name is this save's own

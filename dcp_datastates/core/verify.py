@@ -107,9 +107,10 @@ def verify(
     """Verify the checkpoint at ``path`` (a directory, or an ``s3://`` URL) and return a
     :class:`VerifyReport`.
 
-    Never raises for a damaged checkpoint (nor for a store that did not answer: a
-    :class:`StoreError` is raised, since it says nothing about the checkpoint) (call ``report.raise_if_bad()`` for
-    that); ``progress(bytes_done, bytes_total)`` is called as data is checked.
+    Never raises for a damaged checkpoint (call ``report.raise_if_bad()`` for
+    that); a store that does not answer raises its :class:`StoreError`, which says
+    nothing about the checkpoint. ``progress(bytes_done, bytes_total)`` is called as
+    data is checked.
     ``reader``: a :class:`DataStatesReader` of ``path`` to verify through (its
     ``allow_pickle`` and threads apply), so that a load with the same reader
     afterwards does not decode ``.metadata`` again. ``digests``: also recompute the

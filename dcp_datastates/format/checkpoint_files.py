@@ -106,6 +106,15 @@ def open_checkpoint_file(path: str) -> CheckpointFile:
     return CheckpointFile(path, fd, st.st_size)
 
 
+def opened(path_or_file):
+    """A context of the checkpoint file to read: ``path_or_file`` opened (a local path, closed at
+    the end), or the opened file of any store it already is (``storage.Store.open_file``; left
+    open for its owner). The one way every reader here takes either."""
+    if isinstance(path_or_file, (str, os.PathLike)):
+        return open_checkpoint_file(os.fspath(path_or_file))
+    return contextlib.nullcontext(path_or_file)
+
+
 def read_rank_index(index_path, limits: IndexLimits) -> RankIndex:
     """Read and validate the rank index at ``index_path`` (a local path, or an opened file of any
     store: ``storage.Store.open_file``), refusing a hostile one in bounded memory.
@@ -116,7 +125,7 @@ def read_rank_index(index_path, limits: IndexLimits) -> RankIndex:
     a ``READ_BLOCK_BYTES`` buffer. Only then is it read whole, once, and
     decoded. Memory for a refused file: the header and one block.
     """
-    with open_checkpoint_file(os.fspath(index_path)) if isinstance(index_path, (str, os.PathLike)) else contextlib.nullcontext(index_path) as f:
+    with opened(index_path) as f:
         index_path = f.path
         if f.size < INDEX_HEADER.size + INDEX_TRAILER.size:
             raise CorruptCheckpointError(f"rank index {index_path} is corrupt: {f.size} bytes is shorter than the header")

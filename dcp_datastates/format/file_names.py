@@ -24,7 +24,6 @@ written once.
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Collection, Iterable
 
@@ -141,12 +140,3 @@ def base_file_path(base: str, name: str) -> str:
     """The path of file ``name`` of the sibling checkpoint ``base``, relative to a checkpoint
     directory (``../<base>/<name>``): how references of an incremental checkpoint name it."""
     return f"../{base}/{name}" if base else name
-
-
-def checkpoint_file(directory: str, name: str) -> str:
-    """File ``name`` (its own, or ``../<base>/<file>`` of a base) of the checkpoint in
-    ``directory``: a base's resolved lexically against the directory's absolute path, never
-    through a symbolic link's target (the reader and verify open files by it)."""
-    if name.startswith("../"):
-        return os.path.normpath(os.path.join(os.path.abspath(directory), name))
-    return os.path.join(directory, name)

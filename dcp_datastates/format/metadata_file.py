@@ -43,11 +43,9 @@ Two things are added around the pickle:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import math
-import os
 import pickle
 import struct
 
@@ -63,7 +61,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_datastates._dcp_compat import legacy_tensor_properties_class, storage_info_class
 from dcp_datastates.native.engine import crc32c, gc_paused
-from dcp_datastates.format.checkpoint_files import open_checkpoint_file
+from dcp_datastates.format.checkpoint_files import opened
 from dcp_datastates.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout, show
 from dcp_datastates.format.metadata_record import NotRecordable, decode_record, encode_record
@@ -310,7 +308,7 @@ def read_commit_stamp(path) -> CommitStamp | None:
     loaded.
     """
     try:
-        with open_checkpoint_file(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else contextlib.nullcontext(path) as f:
+        with opened(path) as f:
             if f.size < _TRAILER_V3.size:
                 return None
             return stamp_in_tail(f.pread(min(f.size, _TRAILER.size), max(0, f.size - _TRAILER.size)), f.size, f.path)
@@ -371,7 +369,7 @@ def read_metadata_file(path, allow_pickle: bool = False) -> tuple[Metadata, bool
     memory once before the unpickler judges it.
     FileNotFoundError when it does not exist.
     """
-    with open_checkpoint_file(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else contextlib.nullcontext(path) as f:  # a given file stays open
+    with opened(path) as f:
         path = f.path
         first = f.pread(min(f.size, 2), 0)
         _check_pickle_shape(first, None, path)

@@ -57,7 +57,6 @@ from dcp_datastates.tiers.drain import (
     DrainError,
     clear_incomplete_step,
     commit_durable,
-    delete_durable_step,
     drain_rank,
     durable_commit_stamp,
     durable_steps,
@@ -165,7 +164,7 @@ def apply_durable_retention(store, committed_step: int, keep_last: int | None, k
 
     victims = spare_referred({s for s in committed if s < committed_step and s not in keep}, committed, bases_of)
     for s in sorted(victims, reverse=True):
-        delete_durable_step(store, step_dir_name(s))
+        store.delete_checkpoint(step_dir_name(s))
 
 
 def _lower_priority() -> None:

@@ -9,8 +9,9 @@ followed or blocked on (a checkpoint may come from someone else).
 
 Each object written is written to a temporary name in its directory, fsynced, and
 renamed to its key without replacing an existing file (``replace_bytes``
-alone replaces, for the mirrored pointer); then the directory is fsynced. A crash leaves a temporary file (``.<name>.part-<pid>``) that
-:meth:`PosixStore.list` does not report and :meth:`PosixStore.sweep_partials`
+alone replaces, for the mirrored pointer); then the directory is fsynced. A
+crash leaves a temporary file (``.<name>.part-<pid>``) that
+:meth:`LocalStore.list` does not report and :meth:`LocalStore.sweep_partials`
 removes, never a short file under a key.
 """
 
@@ -24,6 +25,7 @@ import stat
 from dcp_datastates.core import durable
 from dcp_datastates.errors import CheckpointError, CorruptCheckpointError
 from dcp_datastates.format.checkpoint_files import CheckpointFile, open_checkpoint_file
+from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.native import engine as _native
 from dcp_datastates.storage.store import ObjectExistsError, Progress, RangeRead, ShortObjectError, Store, StoreError, check_key
 
@@ -51,10 +53,6 @@ class LocalStore(Store):
         if self._engine_ref is None:
             self._engine_ref = _native.ProcessEngine(*self._engine_settings)
         return self._engine_ref.get()
-
-    def path(self, key: str) -> str:
-        """The file of ``key``."""
-        return self._path(key)
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
@@ -228,7 +226,7 @@ class LocalStore(Store):
         if not os.path.isdir(path):
             return  # already gone (another cleanup got there first)
         try:
-            durable.remove_if_present([os.path.join(path, ".metadata")])
+            durable.remove_if_present([os.path.join(path, METADATA_FILE)])
             durable.fsync_dir(path)
             shutil.rmtree(path)
             durable.fsync_dir(os.path.dirname(path))

@@ -29,6 +29,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor, wait
 
 from dcp_datastates.errors import CheckpointError
+from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.native import engine as _native
 from dcp_datastates.storage.segments import SegmentChecker, SegmentMismatch
 
@@ -206,7 +207,7 @@ class Store(abc.ABC):
         """Remove the checkpoint under ``prefix`` so that no crash leaves it committed but partial:
         ``.metadata`` first (from then on it is an uncommitted leftover, which readers refuse and
         a cleanup removes), then everything else under it."""
-        meta = f"{prefix}/.metadata"
+        meta = f"{prefix}/{METADATA_FILE}"
         self.delete([meta])
         self.delete([k for k in self.list(f"{prefix}/") if k != meta])
 

@@ -87,10 +87,3 @@ def absolute(location) -> str:
     """A directory made absolute; a URL as it is (how summaries and reports name a source)."""
     location = os.fspath(location)
     return location if url_scheme(location) is not None else os.path.abspath(location)
-
-
-def join(root: str, name: str) -> str:
-    """``name`` under ``root`` (a URL or a directory), as :func:`split_parent` takes it apart."""
-    if is_store_url(root):
-        return f"{root.rstrip('/')}/{name}"
-    return os.path.join(root, name)

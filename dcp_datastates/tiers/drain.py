@@ -18,7 +18,7 @@ files are confirmed:
    confirmation, checks it against the checkpoint's layout and the store's
    object sizes, and writes ``.metadata``: the durable copy is committed.
    The confirmations are removed afterwards (a crash may leave them; they
-   are not part of the checkpoint and :func:`delete_durable_step` removes
+   are not part of the checkpoint and :meth:`Store.delete_checkpoint` removes
    them with the rest).
 
 A crash at any point leaves the durable tier without that step's
@@ -346,12 +346,6 @@ def durable_commit_stamp(store: Store, step_dir: str) -> CommitStamp | None:
     except FileNotFoundError:
         return None
     return read_commit_stamp(f)
-
-
-def delete_durable_step(store: Store, step_dir: str) -> None:
-    """Remove a step from the durable tier, ``.metadata`` first (a crash in between leaves an
-    incomplete copy, never a committed one with objects missing)."""
-    store.delete_checkpoint(step_dir)
 
 
 def clear_incomplete_step(store: Store, step_dir: str) -> bool:

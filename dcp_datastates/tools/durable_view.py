@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dcp_datastates.core.reader import DataStatesReader
 from dcp_datastates.core.verify import verify
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.manager.checkpoint_root import step_of
@@ -59,8 +60,6 @@ def verify_url(url: str, allow_pickle: bool = False, digests: bool = False) -> l
             return [(False, f"NOT FOUND: {url}: no committed checkpoint there")]
         out = []
         for d in dirs:
-            from dcp_datastates.core.reader import DataStatesReader
-
             reader = DataStatesReader(d, store=store, allow_pickle=allow_pickle)
             report = verify(d, reader=reader, digests=digests)
             out.append((report.ok, report.summary()))

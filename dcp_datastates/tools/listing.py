@@ -568,7 +568,7 @@ _SUMMED = ("files", "apparent_bytes", "allocated_bytes", "checkpoint_bytes", "st
 def durable_usage(url: str) -> list[Usage]:
     """``du`` of the steps on a durable tier: objects a committed step's layout names, and the
     rest (incomplete and draining copies, leftovers: safe to delete)."""
-    from dcp_datastates.format.metadata_file import decode_metadata
+    from dcp_datastates.format.metadata_file import read_metadata_file
     from dcp_datastates.storage import open_store
     from dcp_datastates.tiers.drain import step_prefix
     from dcp_datastates.tools import durable_view
@@ -584,11 +584,11 @@ def durable_usage(url: str) -> list[Usage]:
         named: set[str] = set()
         state = s.state
         if s.state == durable_view.COMMITTED:
-            meta = f"{s.name}/{METADATA_FILE}"
             try:
-                md, _ = decode_metadata(store.read(meta), store.where(meta))
+                with store.open_file(f"{s.name}/{METADATA_FILE}") as f:  # bounded by its structure, not its size
+                    md, _ = read_metadata_file(f)
                 named = {METADATA_FILE, *layout_files(md.storage_data)} if hasattr(md.storage_data, "ranks") else set(sizes)
-            except CheckpointError:  # its metadata cannot say which objects it needs: none counted as stray
+            except (CheckpointError, FileNotFoundError):  # it cannot say which objects it needs: none counted as stray
                 state, named = CORRUPT, set(sizes)
         strays = sorted(n for n in sizes if n not in named)
         total = sum(sizes.values())
