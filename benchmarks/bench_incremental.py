@@ -132,11 +132,11 @@ class ManagerChain:
     """``CheckpointManager``'s asynchronous incremental saves: blocked in save(), and until committed."""
 
     def __init__(self, root: str, reps: int, incremental: bool) -> None:
-        from dcp_datastates import CheckpointManager
+        from dcp_datastates import CheckpointManager, CheckpointManagerOptions
 
         self.mgr = CheckpointManager(
-            os.path.join(root, "mgr" if incremental else "mgr_full"), keep_last=1, async_save=True,
-            full_every=reps + 2, incremental=incremental,
+            os.path.join(root, "mgr" if incremental else "mgr_full"),
+            CheckpointManagerOptions(keep_last=1, async_save=True, full_every=reps + 2, incremental=incremental),
         )
         self.blocked: list[float] = []
         self.times: list[float] = []

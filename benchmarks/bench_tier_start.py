@@ -56,7 +56,7 @@ def main() -> int:
     from s3_server import WeedServer, running
 
     import dcp_datastates
-    from dcp_datastates.manager.checkpoint_manager import CheckpointManager
+    from dcp_datastates.manager import CheckpointManager, CheckpointManagerOptions
     from dcp_datastates.manager.checkpoint_root import read_pointer
     from dcp_datastates.storage import open_store
 
@@ -65,7 +65,8 @@ def main() -> int:
     with running(WeedServer(bucket="start", port=args.port)) as server:
         url, options = "s3://start/run", {"endpoint": server.endpoint}
         root = os.path.join(scratch, "run")
-        with CheckpointManager(root, keep_last=args.local, durable=url, async_save=False, durable_options=options) as m:
+        opts = CheckpointManagerOptions(keep_last=args.local, durable=url, async_save=False, durable_options=options)
+        with CheckpointManager(root, opts) as m:
             for step in range(1, args.steps + 1):
                 m.save(step, state_at(step))
             m.wait_durable()
@@ -74,7 +75,7 @@ def main() -> int:
             out = []
             for _ in range(args.starts):
                 t = time.perf_counter()
-                m = CheckpointManager(root, keep_last=args.local, async_save=False, **kw)
+                m = CheckpointManager(root, CheckpointManagerOptions(keep_last=args.local, async_save=False, **kw))
                 out.append(time.perf_counter() - t)
                 m.close()
             return out

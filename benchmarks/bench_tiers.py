@@ -8,7 +8,7 @@ from each tier.
 
 A toy training loop: --state-mib MiB of float32 parameters in 4 MiB tensors, SGD with
 fixed gradients, and --compute-ms of matrix products per iteration standing in for forward
-and backward. CheckpointManager(local root, async_save=True) saves every iteration
+and backward. CheckpointManager(local root) (asynchronous saves) saves every iteration
 (keep_last=2); the variants differ only in the durable tier:
 
   local_only    no durable tier
@@ -20,7 +20,7 @@ and backward. CheckpointManager(local root, async_save=True) saves every iterati
 
 Blocked time per checkpoint = the time in manager.save() + the time the next
 iteration waits for the snapshot before its optimizer step (the fence,
-dcp_datastates.core.fence.wait_for_snapshots, timed apart). The CPU time of the
+dcp_datastates.core.async_save.fence.wait_for_snapshots, timed apart). The CPU time of the
 training thread in save() is reported too: what save() does, apart from waiting
 for the cores (a drain's work makes save() itself slower only if it grows). The optimizer
 step's own time and the iteration time are reported too: the drain shares
@@ -60,8 +60,8 @@ import torch  # noqa: E402
 
 from bench_common import add_common_args, filesystem_type, make_scratch, median, remove_scratch, write_json  # noqa: E402
 from bench_common import machine_info  # noqa: E402
-from dcp_datastates import CheckpointManager  # noqa: E402
-from dcp_datastates.core.fence import wait_for_snapshots  # noqa: E402
+from dcp_datastates import CheckpointManager, CheckpointManagerOptions  # noqa: E402
+from dcp_datastates.core.async_save.fence import wait_for_snapshots  # noqa: E402
 from dcp_datastates.storage import open_store  # noqa: E402
 
 MiB = 1 << 20
@@ -105,7 +105,8 @@ def run_loop(root: str, durable: str | None, params, args, options: dict, server
     opt = torch.optim.SGD(params, lr=1e-3)
     state = {"model": {f"p{i}": p for i, p in enumerate(params)}}
     a = torch.randn(256, 256)
-    mgr = CheckpointManager(root, keep_last=2, async_save=True, durable=durable, durable_options=options)
+    mgr = CheckpointManager(root, CheckpointManagerOptions(keep_last=2, async_save=True, durable=durable,
+                                                           durable_options=options))
     blocked, iters, in_save, in_fence, steps, save_cpu = [], [], [], [], [], []
     pending_save = None
     main_tid = threading.get_native_id()
@@ -223,7 +224,7 @@ def resume_times(root: str, durable: str | None, params, expected, options: dict
     out = {}
     target = zeros()
     t = time.perf_counter()
-    with CheckpointManager(root, durable=durable, durable_options=options) as mgr:
+    with CheckpointManager(root, CheckpointManagerOptions(durable=durable, durable_options=options)) as mgr:
         step = mgr.load(target)
     out["local_s"] = time.perf_counter() - t
     ok = exact(target)
@@ -232,7 +233,8 @@ def resume_times(root: str, durable: str | None, params, expected, options: dict
             shutil.rmtree(root)
             target = zeros()
             t = time.perf_counter()
-            with CheckpointManager(root, durable=durable, durable_options=options, durable_resume=how) as mgr:
+            opts = CheckpointManagerOptions(durable=durable, durable_options=options, durable_resume=how)
+            with CheckpointManager(root, opts) as mgr:
                 step2 = mgr.load(target)
             out[f"durable_{how}_s"] = time.perf_counter() - t
             assert step2 == step, (how, step, step2)

@@ -71,9 +71,9 @@ Variants
                 one may still be uploading (ours orders them).
   ours_wait     (not in the default list) ours, but waiting the previous upload
                 before a new save, like DCP.
-  ours_manager  (not in the default list) CheckpointManager(local, keep_last=2,
-                durable=<a second directory>, durable_keep_last=2,
-                incremental=False, host_cache_bytes=--cache-mib);
+  ours_manager  (not in the default list) CheckpointManager(local,
+                CheckpointManagerOptions(keep_last=2, durable=<a second directory>,
+                durable_keep_last=2, incremental=False, host_cache_bytes=--cache-mib));
                 manager.save(step, sd); the manager installs its own fence. After
                 the loop manager.wait() (local commits) is the drain and
                 manager.wait_durable() the durable drain, timed apart.
@@ -443,7 +443,7 @@ class Bench:
             else:
                 kw.update(incremental=True)
             ctx["dirs"].append(local_dir)
-            ctx["manager"] = dcp_datastates.CheckpointManager(local_dir, **kw)
+            ctx["manager"] = dcp_datastates.CheckpointManager(local_dir, dcp_datastates.CheckpointManagerOptions(**kw))
             ctx["manual_fence"] = False
             self.fence_kind[variant] = "CheckpointManager's process-wide optimizer step pre-hook"
         elif variant in ("ours", "ours_wait") and hasattr(dcp_datastates, "install_fence"):

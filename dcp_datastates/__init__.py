@@ -15,7 +15,7 @@
     print(dcp_datastates.verify(path))
 
     # a run: step directories, an atomic "latest" pointer, retention, resume
-    mgr = dcp_datastates.CheckpointManager(root, keep_last=3)
+    mgr = dcp_datastates.CheckpointManager(root, dcp_datastates.CheckpointManagerOptions(keep_last=3))
     start = mgr.load(state) or 0      # newest good checkpoint (None: fresh start)
     mgr.save(step, state)             # asynchronous; optimizer.step() waits only while copying
 
@@ -46,8 +46,8 @@ from dcp_datastates.errors import (
     UnsafeCheckpointError,
     UnsupportedFormatError,
 )
-from dcp_datastates.core.fence import install_fence, install_global_fence, snapshots_in_flight, wait_for_snapshots
-from dcp_datastates.manager.checkpoint_manager import CheckpointManager, ManagedSave, SkippedCheckpointWarning
+from dcp_datastates.core.async_save.fence import install_fence, install_global_fence, snapshots_in_flight, wait_for_snapshots
+from dcp_datastates.manager import CheckpointManager, CheckpointManagerOptions, ManagedSave, SkippedCheckpointWarning
 from dcp_datastates.core.planner import DataStatesSavePlanner
 from dcp_datastates.core.reader import DataStatesReader
 from dcp_datastates.core.verify import VerifyReport, verify
@@ -60,6 +60,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointManager",
+    "CheckpointManagerOptions",
     "ManagedSave",
     "SkippedCheckpointWarning",
     "install_global_fence",

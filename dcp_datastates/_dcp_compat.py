@@ -271,10 +271,9 @@ def quiet_discarded_dcp_debug_records() -> bool:
     and every step of a save or load in ``_dcp_method_logger``, which builds
     two DEBUG ``LogRecord``s per call on ``logger._dcp_logger``
     (``c10d-NullHandler-dcp_logger``: level DEBUG, ``propagate=False``, a
-    ``NullHandler``). The records are thrown away, yet cost about 25 µs each:
-    1.1 s of a 4.8 s ``dcp.save`` of 20,000 top-level keys on a 2-core machine
-    (``benchmarks/bench_dcp_logging.py``),
-    DCP's writers as much as ours. Where every handler of that logger is a
+    ``NullHandler``). The records are thrown away, yet are a visible part of a
+    ``dcp.save`` of many top-level keys (``benchmarks/bench_dcp_logging.py``),
+    with DCP's writers as much as ours. Where every handler of that logger is a
     ``NullHandler`` and it does not propagate, no output can change, so its
     level is raised; a logger someone gave a real handler (or propagation) is
     left as it is. Undo with ``logging.getLogger(name).setLevel(logging.DEBUG)``.

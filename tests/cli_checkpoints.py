@@ -13,22 +13,42 @@ that were saved.
 * :func:`make_run` -- three checkpoints of one small training run (steps
   10, 20, 30) in ``step_<N>`` directories of one root, the way
   ``CheckpointManager`` lays them out.
+
+:func:`run_cli` runs a command line in the test's process (``cli.run``), and
+:func:`run_program` as the user does (``python -m dcp_datastates``, a new
+interpreter): both return a ``CompletedProcess``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
+import subprocess
 import sys
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import DataStatesWriter
+from dcp_datastates.tools import cli
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+
+
+def run_cli(*argv) -> subprocess.CompletedProcess:
+    """One command line through ``cli.run`` in this process: its exit status and output."""
+    out, err = io.StringIO(), io.StringIO()
+    rc = cli.run([str(a) for a in argv], stdout=out, stderr=err)
+    return subprocess.CompletedProcess(["dcp-datastates", *argv], rc, out.getvalue(), err.getvalue())
+
+
+def run_program(*argv, timeout: float = 300) -> subprocess.CompletedProcess:
+    """One ``python -m dcp_datastates ARGV`` process (the entry point with its heap settings)."""
+    return subprocess.run([sys.executable, "-m", "dcp_datastates", *map(str, argv)],
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @dataclasses.dataclass

@@ -26,9 +26,9 @@ def case(fn):
 
 
 def small_blocks() -> None:
-    from dcp_datastates.core import compression
+    from dcp_datastates.core.compression import codec
 
-    compression.DEFAULT_BLOCK_BYTES = 4096
+    codec.DEFAULT_BLOCK_BYTES = 4096
 
 
 @case

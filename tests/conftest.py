@@ -59,10 +59,10 @@ def pytest_collection_modifyitems(config, items):
 def _no_error_leaks_between_tests():
     """Every background save error must have been raised to the test that caused it:
     one left unraised would otherwise surface in (and fail) an unrelated later test."""
-    from dcp_datastates.core.save_state import BACKGROUND_ERRORS
+    from dcp_datastates.core.async_save.runtime import runtime
 
     yield
-    leaked = BACKGROUND_ERRORS.drain()
+    leaked = runtime().errors.drain()
     assert not leaked, f"background save errors never raised: {leaked}"
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -68,12 +69,13 @@ def zeros_like_state() -> dict:
 def crash(root: str, scenario: str, mode: str) -> None:
     from dcp_datastates.native.faults import arm
     from dcp_datastates.manager.checkpoint_manager import CheckpointManager
+    from dcp_datastates.manager import CheckpointManagerOptions as Options
 
     async_save = mode == "async"
     if scenario == "incremental_retention":
         # 10 full, 20 refers to 10's frozen bytes, 30 full (full_every=2): at 30's commit retention
         # deletes 20, then 10; killed while deleting the first of them
-        mgr = CheckpointManager(root, keep_last=1, full_every=2, async_save=async_save)
+        mgr = CheckpointManager(root, Options(keep_last=1, full_every=2, async_save=async_save))
         state = frozen_state()
         for step in (10, 20):
             state["step"] = step
@@ -86,7 +88,7 @@ def crash(root: str, scenario: str, mode: str) -> None:
         mgr.wait()
         print("survived", flush=True)  # the test fails if this is reached
         return
-    mgr = CheckpointManager(root, keep_last=1 if scenario == "retention" else 3, async_save=async_save)
+    mgr = CheckpointManager(root, Options(keep_last=1 if scenario == "retention" else 3, async_save=async_save))
     mgr.save(10, state_at(10))
     mgr.wait()
     if scenario == "pointer_write":  # the temporary pointer is being written
@@ -114,13 +116,16 @@ def tier_rollback_crash(root: str, durable: str, point: str) -> None:
     ``.metadata`` (``drain_commit``)."""
     from dcp_datastates.native.faults import arm
     from dcp_datastates.manager.checkpoint_manager import CheckpointManager
+    from dcp_datastates.manager import CheckpointManagerOptions as Options
 
-    with CheckpointManager(root, keep_last=3, durable=durable, async_save=False) as mgr:
+    with CheckpointManager(root, Options(keep_last=3, durable=durable, async_save=False)) as mgr:
         for step in range(1, 6):
             mgr.save(step, state_at(step))
         mgr.wait_durable()
-    mgr = CheckpointManager(root, keep_last=3, durable=durable, async_save=False)
+    mgr = CheckpointManager(root, Options(keep_last=3, durable=durable, async_save=False))
     assert load_step(mgr, 3)[0] == 3
+    while mgr._tier._small:  # the start's mirror of the pointer written: the kill is for the rollback's
+        time.sleep(0.01)
     target = {
         "local_pointer": os.path.join(root, "latest"),
         "mirror": os.path.join(durable, "latest"),
@@ -161,9 +166,10 @@ def manager_async_saves(rank, world_size, root):
 
     from dcp_datastates.manager.checkpoint_root import read_latest
     from dcp_datastates.manager.checkpoint_manager import CheckpointManager
+    from dcp_datastates.manager import CheckpointManagerOptions as Options
 
     mesh = init_device_mesh("cpu", (world_size,))
-    mgr = CheckpointManager(root, keep_last=2, keep_every=20, async_save=True)
+    mgr = CheckpointManager(root, Options(keep_last=2, keep_every=20, async_save=True))
     for step in (10, 20, 30, 40):
         state = _dtensor_state(step, mesh)
         mgr.save(step, state)
@@ -194,9 +200,10 @@ def manager_durable_saves(rank, world_size, root, durable):
     from torch.distributed.device_mesh import init_device_mesh
 
     from dcp_datastates.manager.checkpoint_manager import CheckpointManager
+    from dcp_datastates.manager import CheckpointManagerOptions as Options
 
     mesh = init_device_mesh("cpu", (world_size,))
-    mgr = CheckpointManager(root, keep_last=1, durable=durable, async_save=True)
+    mgr = CheckpointManager(root, Options(keep_last=1, durable=durable, async_save=True))
     for step in (10, 20):
         mgr.save(step, _dtensor_state(step, mesh))
     mgr.wait_durable()
@@ -211,9 +218,10 @@ def manager_durable_resume(rank, world_size, root, durable, how):
     from torch.distributed.device_mesh import init_device_mesh
 
     from dcp_datastates.manager.checkpoint_manager import CheckpointManager
+    from dcp_datastates.manager import CheckpointManagerOptions as Options
 
     mesh = init_device_mesh("cpu", (world_size,))
-    mgr = CheckpointManager(root, durable=durable, durable_resume=how, async_save=True)
+    mgr = CheckpointManager(root, Options(durable=durable, durable_resume=how, async_save=True))
     target = _dtensor_state(0, mesh)
     for v in target["model"].values():
         v.to_local().zero_()
@@ -235,9 +243,10 @@ def manager_resume_skips_corrupt(rank, world_size, root):
     from torch.distributed.device_mesh import init_device_mesh
 
     from dcp_datastates.manager.checkpoint_manager import CheckpointManager, SkippedCheckpointWarning
+    from dcp_datastates.manager import CheckpointManagerOptions as Options
 
     mesh = init_device_mesh("cpu", (world_size,))
-    mgr = CheckpointManager(root, keep_last=None, async_save=False)
+    mgr = CheckpointManager(root, Options(keep_last=None, async_save=False))
     target = _dtensor_state(0, mesh)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -269,13 +278,14 @@ def manager_incremental_dtensor_saves(rank, world_size, root):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from dcp_datastates.manager.checkpoint_manager import CheckpointManager
+    from dcp_datastates.manager import CheckpointManagerOptions as Options
 
     mesh = init_device_mesh("cpu", (world_size,))
     g = torch.Generator().manual_seed(7)
     frozen = distribute_tensor(torch.randn(512, 256, generator=g), mesh, [Shard(0)])  # 256 KiB a rank
     moving = distribute_tensor(torch.randn(512, 256, generator=g), mesh, [Shard(0)])
     state = {"model": {"frozen": frozen, "moving": moving}, "step": 0}
-    mgr = CheckpointManager(root, keep_last=1, async_save=True)
+    mgr = CheckpointManager(root, Options(keep_last=1, async_save=True))
     for step in (1, 2, 3):
         state["step"] = step
         done = mgr.save(step, state)
@@ -302,8 +312,9 @@ def manager_hostile_metadata_raises(rank, world_size, root):
     UnsafeCheckpointError, none falls back to the older step."""
     from dcp_datastates import UnsafeCheckpointError
     from dcp_datastates.manager.checkpoint_manager import CheckpointManager
+    from dcp_datastates.manager import CheckpointManagerOptions as Options
 
-    mgr = CheckpointManager(root, keep_last=None, async_save=False)
+    mgr = CheckpointManager(root, Options(keep_last=None, async_save=False))
     try:
         mgr.load({"w": torch.zeros(3)})
     except UnsafeCheckpointError as exc:

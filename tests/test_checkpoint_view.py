@@ -1,4 +1,4 @@
-"""CheckpointView's helpers: block tiling, read-ahead, output/source overlap."""
+"""CheckpointView and the tools' helpers: block tiling, read-ahead, output/source overlap, progress."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import threading
 import pytest
 import torch
 
-from dcp_datastates.tools.checkpoint_view import CheckpointView, _split_box, check_output_apart, read_ahead
+from dcp_datastates.tools.checkpoint_view import CheckpointView, read_ahead, split_box
+from dcp_datastates.tools.output import check_output_apart
 
 
 def test_read_ahead_keeps_order_and_raises_at_the_failing_item():
@@ -36,7 +37,7 @@ def test_read_ahead_stops_its_thread_when_the_consumer_stops_early():
 @pytest.mark.parametrize("shape,itemsize,limit", [((10, 7), 4, 60), ((3, 5, 7), 2, 30), ((9,), 8, 16), ((4, 100), 1, 7)])
 def test_split_box_tiles_exactly_within_the_limit(shape, itemsize, limit):
     seen = torch.zeros(shape, dtype=torch.int32)
-    for offsets, sizes in _split_box((0,) * len(shape), shape, itemsize, limit):
+    for offsets, sizes in split_box((0,) * len(shape), shape, itemsize, limit):
         box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
         seen[box] += 1
         n = 1

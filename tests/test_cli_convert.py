@@ -1,10 +1,8 @@
 """``dcp-datastates convert``: every output format checked bit-exactly against the saved tensors.
 
-Starting Python with torch costs seconds on the 2-core machines, so the
-conversions whose outputs are checked run in one child process that calls
-``dcp_datastates.tools.cli.main`` once per command line (same parser, same error
-handling, same exit status as ``python -m dcp_datastates``); the error cases
-run as real ``python -m dcp_datastates`` processes, side by side.
+Conversions run through ``cli.run`` in this process (same parser, same error
+handling, same exit status as ``python -m dcp_datastates``); the interrupted
+conversion and the memory bound run as real processes.
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import cli_checkpoints
+from cli_checkpoints import run_cli
 from conftest import assert_same
 from dcp_datastates import DataStatesReader, DataStatesWriter, verify
 from dcp_datastates.tools.checkpoint_view import CheckpointView
@@ -35,45 +34,10 @@ from safetensors.torch import load_file  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 CPLX_UNSUPPORTED = ("model.complex.c128", "model.complex.c32")  # dtypes safetensors has no name for
 
-DRIVER = r"""
-import contextlib, io, json, sys, traceback
-from dcp_datastates.tools import cli
-results = []
-for argv in json.loads(sys.argv[1]):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = cli.main(argv)
-        except SystemExit as e:  # argparse: --help, usage errors
-            rc = e.code
-        except BaseException:
-            rc = "escaped"
-            traceback.print_exc()
-    results.append({"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()})
-json.dump(results, sys.stdout)
-"""
 
-
-def run_driver(jobs: list[list[str]]) -> list[dict]:
-    r = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(jobs)], capture_output=True, text=True, cwd=HERE)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
-
-
-def start_parallel(argvs: list[list[str]]) -> list[subprocess.Popen]:
-    """Start ``python -m dcp_datastates ARGV`` for each, all at once."""
-    return [
-        subprocess.Popen([sys.executable, "-m", "dcp_datastates", *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for a in argvs
-    ]
-
-
-def finish_parallel(procs: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]:
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=300)
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    return out
+def run_all(jobs: list[list[str]]) -> list[dict]:
+    """Each command line through ``cli.run``: ``{"rc", "stdout", "stderr"}``."""
+    return [{"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr} for r in (run_cli(*argv) for argv in jobs)]
 
 
 def assert_one_line_error(result, status: int = 1) -> str:
@@ -138,7 +102,7 @@ def sources(sharded_checkpoint, dtype_checkpoints, run_checkpoints, st_dtype_che
 
 @pytest.fixture(scope="module")
 def converted(sources, tmp_path_factory):
-    """Run every conversion in one child; ``converted[(name, to)] = (out, result)``."""
+    """Run every conversion; ``converted[(name, to)] = (out, result)``."""
     base = tmp_path_factory.mktemp("converted")
     jobs, keys = [], []
 
@@ -162,7 +126,7 @@ def converted(sources, tmp_path_factory):
     job("run", "dcp-overwrite", base / "run_over")
     jobs[-1][1], jobs[-1][3] = sources["run"].path.replace("step_00000030", "step_00000010"), "dcp"
     jobs[-1].append("--overwrite")
-    results = run_driver(jobs)
+    results = run_all(jobs)
     return {k: (j[4], r) for k, j, r in zip(keys, jobs, results)}
 
 
@@ -350,15 +314,13 @@ def test_writer_batches_and_releases_lazily_resolved_tensors(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# errors, as real processes
+# errors
 # ---------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def error_runs(sources, tmp_path_factory):
-    """Bad inputs: ``(base, {case: CompletedProcess})``. Three run as real ``python -m``
-    processes (side by side); the others through the driver, which reports the same status
-    and stderr that ``main`` gives a real process."""
+    """Bad inputs: ``(base, {case: CompletedProcess})``."""
     base = tmp_path_factory.mktemp("convert_errors")
     run = sources["run"].path
     corrupt = str(base / "corrupt")
@@ -379,12 +341,10 @@ def error_runs(sources, tmp_path_factory):
     (existing / ".metadata").write_bytes(b"old")
     existing_file = base / "existing.pt"
     existing_file.write_bytes(b"old")
-    real = {
+    runs = {
         "help": ["convert", "--help"],
         "corrupt": ["convert", corrupt, "--to", "safetensors", str(base / "corrupt_out")],
         "exists": ["convert", run, "--to", "dcp", str(existing)],
-    }
-    driven = {
         "corrupt_dcp": ["convert", corrupt, "--to", "dcp", str(base / "corrupt_dcp")],
         "exists_file": ["convert", run, "--to", "torch", str(existing_file)],
         "missing": ["convert", str(base / "nope"), "--to", "torch", str(base / "nope.pt")],
@@ -395,11 +355,7 @@ def error_runs(sources, tmp_path_factory):
         "into_source": ["convert", run, "--to", "torch", os.path.join(run, ".metadata"), "--overwrite"],
         "bad_to": ["convert", run, "--to", "onnx", str(base / "x")],
     }
-    procs = start_parallel(list(real.values()))
-    results = run_driver(list(driven.values()))
-    out = {k: subprocess.CompletedProcess(a, r["rc"], r["stdout"], r["stderr"]) for (k, a), r in zip(driven.items(), results)}
-    out.update(zip(real, finish_parallel(procs)))
-    return base, out
+    return base, {case: run_cli(*argv) for case, argv in runs.items()}
 
 
 def test_help(error_runs):
@@ -555,7 +511,7 @@ def test_full_disk_error_names_the_output_and_leaves_nothing(small_tmpfs, tmp_pa
     a full disk killed the process with SIGBUS.)"""
     import errno
 
-    from dcp_datastates.tools.convert import convert_checkpoint
+    from dcp_datastates.tools.commands.convert import convert_checkpoint
 
     src = tmp_path / "src"
     dcp.save({"w": torch.randn(1 << 20), "b": torch.randn(1000)}, storage_writer=DataStatesWriter(src), no_dist=True)

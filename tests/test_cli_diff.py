@@ -1,4 +1,4 @@
-"""``dcp-datastates diff``, end to end through a subprocess on real checkpoints.
+"""``dcp-datastates diff``, end to end (``cli.run``, in this process) on real checkpoints.
 
 Expected numbers are computed here with torch from the tensors the fixtures
 saved, in float64, and compared with the tool's ``--json`` output.
@@ -10,22 +10,21 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from cli_checkpoints import run_cli
 from dcp_datastates import DataStatesWriter
-from dcp_datastates.tools.diff import layer_of
+from dcp_datastates.tools.commands.diff import layer_of
 
 RTOL = 1e-9
 
 
 def cli(*args, check_rc=0):
-    r = subprocess.run([sys.executable, "-m", "dcp_datastates", "diff", *map(str, args)],
-                       capture_output=True, text=True, timeout=300)
+    r = run_cli("diff", *args)
     if check_rc is not None:
         assert r.returncode == check_rc, f"rc {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     return r
@@ -276,12 +275,10 @@ def test_layer_grouping():
     assert layer_of("w") == "w"
 
 
-def test_plot_without_matplotlib(run_checkpoints, tmp_path):
-    code = ("import sys; sys.modules['matplotlib'] = None; from dcp_datastates.tools.cli import main; "
-            "sys.exit(main(sys.argv[1:]))")
+def test_plot_without_matplotlib(run_checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     first = run_checkpoints.checkpoints[0].path
-    r = subprocess.run([sys.executable, "-c", code, "diff", first, first, "--plot", str(tmp_path / "x.png")],
-                       capture_output=True, text=True, timeout=120)
+    r = cli(first, first, "--plot", tmp_path / "x.png", check_rc=None)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip() == ("dcp-datastates diff: error: diff --plot needs matplotlib: "
                                 "pip install 'dcp_datastates[plot]'")
@@ -325,8 +322,7 @@ def test_corrupted_byte_is_an_error(run_checkpoints, tmp_path):
 
 
 def test_help():
-    r = subprocess.run([sys.executable, "-m", "dcp_datastates", "diff", "--help"],
-                       capture_output=True, text=True, timeout=60)
+    r = cli("--help")
     assert r.returncode == 0
     for opt in ("CKPT_A", "CKPT_B", "--top", "--keys", "--plot", "--json", "--block-bytes", "--quiet"):
         assert opt in r.stdout

@@ -1,6 +1,6 @@
 """``dcp-datastates export``: HDF5 and zarr output read back with h5py and tensorstore.
 
-Every test runs the real command in a subprocess on the session's real
+Every test runs the real command (``cli.run``, in this process) on the session's real
 checkpoints and compares what it wrote with the tensors that were saved,
 bit for bit (raw bytes, so NaN payloads, -0.0, bfloat16 and float8 count).
 """
@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from cli_checkpoints import run_cli
 from dcp_datastates import DataStatesWriter
 
 h5py = pytest.importorskip("h5py")
@@ -32,39 +33,9 @@ RAW_BITS = {  # torch dtypes numpy lacks -> what the export stores
 }
 
 
-_BATCH = r"""
-import contextlib, io, json, sys
-from dcp_datastates.tools.cli import main
-
-results = []
-for argv in json.loads(sys.argv[1]):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(argv)
-        except SystemExit as exc:  # argparse: --help, usage errors
-            rc = exc.code
-    results.append({"returncode": rc, "stdout": out.getvalue(), "stderr": err.getvalue()})
-print(json.dumps(results))
-"""
-
-
-class Result:
-    def __init__(self, returncode, stdout, stderr):
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
 def export_batch(*calls, check=None):
-    """Run several ``dcp-datastates export`` command lines in ONE subprocess, in order.
-
-    Each runs through ``cli.main`` (what the ``dcp-datastates`` entry point
-    calls) with its own captured stdout, stderr and exit status; one
-    interpreter for all of them saves a torch import per call.
-    """
-    argvs = [["export", *map(str, args)] for args in calls]
-    r = subprocess.run([sys.executable, "-c", _BATCH, json.dumps(argvs)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    results = [Result(**x) for x in json.loads(r.stdout.strip().splitlines()[-1])]
+    """Run several ``dcp-datastates export`` command lines (``cli.run``, in this process), in order."""
+    results = [run_cli("export", *args) for args in calls]
     for res in results:
         if check is not None:
             assert res.returncode == check, res.stderr
@@ -72,13 +43,8 @@ def export_batch(*calls, check=None):
 
 
 def export(*args, check=None):
-    """One ``python -m dcp_datastates export ...`` subprocess."""
-    r = subprocess.run(
-        [sys.executable, "-m", "dcp_datastates", "export", *map(str, args)], capture_output=True, text=True,
-    )
-    if check is not None:
-        assert r.returncode == check, r.stderr
-    return r
+    """One ``dcp-datastates export ...`` command line."""
+    return export_batch(args, check=check)[0]
 
 
 def assert_one_line_error(r, *needles):
@@ -345,17 +311,13 @@ def test_bad_inputs_and_help(tmp_path):
     assert_one_line_error(results[2], "uncommitted")
     assert results[3].returncode == 2 and "invalid choice" in results[3].stderr
     assert not os.path.exists(out)
-    r = export("--help", check=0)  # the real entry point, as a user runs it
+    r = export("--help", check=0)
     assert "--format {hdf5,zarr}" in r.stdout and "--block-bytes" in r.stdout and "--keys" in r.stdout
 
 
-def test_missing_library_is_one_line(run_checkpoints, tmp_path):
-    code = (
-        "import sys; sys.modules['h5py'] = None; from dcp_datastates.tools.cli import main; "
-        f"sys.exit(main(['export', {run_checkpoints.checkpoints[0].path!r}, '--format', 'hdf5', "
-        f"'--out', {str(tmp_path / 'o.h5')!r}]))"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+def test_missing_library_is_one_line(run_checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "h5py", None)  # import h5py now raises ImportError
+    r = export(run_checkpoints.checkpoints[0].path, "--format", "hdf5", "--out", tmp_path / "o.h5")
     assert_one_line_error(r, "export --format hdf5 needs h5py: pip install 'dcp_datastates[export]'")
     assert not os.path.exists(tmp_path / "o.h5")
 
@@ -365,7 +327,7 @@ def test_missing_library_is_one_line(run_checkpoints, tmp_path):
 _MEASURE = r"""
 import sys
 import h5py, numpy, tensorstore, torch  # imported before the baseline: not the export's memory
-import dcp_datastates.tools.cli, dcp_datastates.tools.export
+import dcp_datastates.tools.cli, dcp_datastates.tools.commands.export
 
 def status(field):
     for line in open("/proc/self/status"):

@@ -1,9 +1,9 @@
-"""``dcp-datastates ls / inspect / verify / du``, end to end through a subprocess.
+"""``dcp-datastates ls / inspect / verify / du``, end to end.
 
-Each test runs the real command on the session's real checkpoints (or on a
-copy it damages) and checks exit codes, tables and JSON against what the
-checkpoint holds. Independent commands of one test run in parallel: each
-one pays for importing torch.
+Each test runs the real command (``cli.run``, in this process; a few through
+``python -m dcp_datastates``, as a user does) on the session's real
+checkpoints (or on a copy it damages) and checks exit codes, tables and JSON
+against what the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -13,34 +13,25 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from cli_checkpoints import run_cli as cli, run_program
 from dcp_datastates.manager.checkpoint_root import write_latest
 from dcp_datastates.tools.checkpoint_view import CheckpointView
-from dcp_datastates.tools.listing import _rank_numbers
+from dcp_datastates.tools.commands.inspect import rank_numbers
 from dcp_datastates.tools.common import human_bytes
 from dcp_datastates.format.checkpoint_layout import FORMAT_VERSION
 
 FAKE_RANK_FILE = "rank00000-0123456789ab.data"
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dcp_datastates", *args], capture_output=True, text=True, timeout=120,
-    )
+def cli_all(*argvs: list[str]):
+    """Run several commands (results in the order given)."""
+    return [cli(*argv) for argv in argvs]
 
 
-def cli_all(*argvs: list[str]) -> list[subprocess.CompletedProcess]:
-    """Run several independent commands at once (results in the order given)."""
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        return list(pool.map(lambda argv: cli(*argv), argvs))
-
-
-def assert_one_line_error(r: subprocess.CompletedProcess, *fragments: str) -> None:
+def assert_one_line_error(r, *fragments: str) -> None:
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr + r.stdout
     lines = (r.stdout + r.stderr).strip().splitlines()
@@ -65,15 +56,23 @@ def test_helpers_render_sizes_and_rank_lists():
     assert human_bytes(1536) == "1.5 KiB"
     assert human_bytes(5 << 30) == "5.0 GiB"
     names = [f"rank{r:05d}-0123456789ab.data" for r in (3, 0, 1, 2, 7)]
-    assert _rank_numbers(names) == "0-3,7"
-    assert _rank_numbers(["__0_0.distcp"]) == "__0_0.distcp"
+    assert rank_numbers(names) == "0-3,7"
+    assert rank_numbers(["__0_0.distcp"]) == "__0_0.distcp"
 
 
 def test_help_of_each_command_exits_0():
-    for r, cmd in zip(cli_all(*[[c, "--help"] for c in ("ls", "inspect", "verify", "du")]),
-                      ("ls", "inspect", "verify", "du")):
+    for cmd in ("ls", "inspect", "verify", "du"):
+        r = run_program(cmd, "--help") if cmd == "ls" else cli(cmd, "--help")  # one as the user runs it
         assert r.returncode == 0, r.stderr
         assert f"dcp-datastates {cmd}" in r.stdout
+
+
+def test_the_program_lists_and_fails_verify_with_status_1(run_checkpoints, tmp_path):
+    """``python -m dcp_datastates``: the same table and exit status as the in-process entry."""
+    listed = run_program("ls", run_checkpoints.root)
+    assert listed.returncode == 0 and listed.stdout == cli("ls", run_checkpoints.root).stdout, listed.stderr
+    failed = run_program("verify", tmp_path / "missing")
+    assert failed.returncode == 1 and failed.stdout.startswith(f"NOT FOUND: {tmp_path / 'missing'}"), failed
 
 
 # ---------------------------------------------------------------------------
@@ -314,3 +313,37 @@ def test_du_counts_every_file_and_strays(run_checkpoints, tmp_path):
     assert last[-1].startswith(f"{human_bytes(3700)} reclaimable")
     assert row_of(table.stdout, os.path.join(root, "step_00000040")).split()[1] == "incomplete"
     assert_one_line_error(missing, "nope")
+
+
+def test_usage_sorts_a_checkpoints_files_by_one_rule():
+    """du's rule, the same for a directory and a durable tier: named files are the checkpoint's,
+    what a save leaves behind (a drain's confirmations too) is stray, the rest is other; all of an
+    uncommitted checkpoint is stray; of a corrupt one only the .metadata temporaries are sure."""
+    from dcp_datastates.tools.commands.du import usage
+
+    class View:
+        def files(self):
+            return [".metadata", FAKE_RANK_FILE]
+
+    stray_rank = "rank00001-0123456789ab.data"
+    files = [(".metadata", 10, 4096), (FAKE_RANK_FILE, 100, 4096), (stray_rank, 1000, 4096),
+             (".metadata.0123456789ab.tmp", 7, 0), (".drain/rank00000.json", 20, 0), ("README", 3, 4096)]
+    u = usage("ckpt", 5, "committed", files, View())
+    assert (u.checkpoint_bytes, u.stray_bytes, u.other_bytes) == (110, 1027, 3)
+    assert u.stray_files == [stray_rank, ".metadata.0123456789ab.tmp", ".drain/rank00000.json"]
+    assert (u.files, u.apparent_bytes, u.allocated_bytes) == (6, 1140, 4 * 4096)
+    for state in ("incomplete", "draining"):
+        u = usage("ckpt", 5, state, files, None)
+        assert (u.checkpoint_bytes, u.stray_bytes, u.other_bytes) == (0, 1140, 0)
+    u = usage("ckpt", 5, "corrupt", files, None)
+    assert (u.checkpoint_bytes, u.stray_bytes, u.other_bytes) == (0, 7, 1133)
+
+
+def test_a_step_url_and_a_root_url(tmp_path):
+    from dcp_datastates.tools.checkpoints import split_step_url
+    from dcp_datastates.tools.commands.verify import locations
+
+    assert split_step_url("s3://b/run/step_00000010") == ("s3://b/run", "step_00000010")
+    assert split_step_url("s3://b/run/") == ("s3://b/run", None)
+    assert locations("s3://b/run/step_00000010") == ["s3://b/run/step_00000010"]  # no request made
+    assert locations(str(tmp_path)) == [str(tmp_path)]  # a directory is verified as it is

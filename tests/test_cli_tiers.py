@@ -3,30 +3,26 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 
 import pytest
 
-from dcp_datastates.manager.checkpoint_manager import CheckpointManager
+from cli_checkpoints import run_cli, run_program
+from dcp_datastates.manager import CheckpointManager, CheckpointManagerOptions
 from dcp_datastates.storage import open_store
-from dcp_datastates.tools.cli import main
 from manager_workers import state_at
 
 
 def cli(*argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(list(argv))
-    return rc, out.getvalue(), err.getvalue()
+    r = run_cli(*argv)
+    return r.returncode, r.stdout, r.stderr
 
 
 @pytest.fixture
 def drained(tmp_path, durable_url):
     root = tmp_path / "run"
-    with CheckpointManager(root, keep_last=1, durable=durable_url, async_save=False) as mgr:
+    with CheckpointManager(root, CheckpointManagerOptions(keep_last=1, durable=durable_url, async_save=False)) as mgr:
         for step in (10, 20):
             mgr.save(step, state_at(step))
         mgr.wait_durable()
@@ -37,8 +33,9 @@ def drained(tmp_path, durable_url):
 
 def test_ls_of_a_durable_tier_and_of_a_root_with_its_tier(drained):
     root, url, _ = drained
-    rc, out, _ = cli("ls", url, "--json")
-    assert rc == 0
+    r = run_program("ls", url, "--json")  # the program itself, on the tier (S3: its endpoint from the environment)
+    rc, out = r.returncode, r.stdout
+    assert rc == 0, r.stderr
     steps = {c["step"]: c["state"] for c in json.loads(out)["checkpoints"]}
     assert steps == {10: "committed", 20: "committed", 30: "incomplete"}
     rc, out, _ = cli("ls", str(root), "--durable", url)

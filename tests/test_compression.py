@@ -26,7 +26,7 @@ from dcp_datastates import (
     DataStatesWriter,
     verify,
 )
-from dcp_datastates.core import compression
+from dcp_datastates.core.compression import codec
 from dcp_datastates.tools import cli
 from dcp_datastates.tools.checkpoint_view import CheckpointView
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout
@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture
 def small_blocks(monkeypatch):
     """4 KiB blocks: every large tensor of the test states is several frames."""
-    monkeypatch.setattr(compression, "DEFAULT_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(codec, "DEFAULT_BLOCK_BYTES", 4096)
 
 
 def zeros_like(state):
@@ -207,11 +207,11 @@ def test_corrupt_frame_fails_load_and_verify(tmp_path, small_blocks):
 
 def test_decompress_checks_the_frame_size():
     blob = zstandard.ZstdCompressor().compress(b"a" * 1000)
-    assert compression.decompress_block(blob, 1000, "here") == b"a" * 1000
+    assert codec.decompress_block(blob, 1000, "here") == b"a" * 1000
     with pytest.raises(CorruptCheckpointError, match="holds 1000 bytes, 999 expected"):
-        compression.decompress_block(blob, 999, "here")
+        codec.decompress_block(blob, 999, "here")
     with pytest.raises(CorruptCheckpointError, match="not a zstd frame"):
-        compression.decompress_block(b"garbage!" * 4, 1000, "here")
+        codec.decompress_block(b"garbage!" * 4, 1000, "here")
 
 
 def test_resharded_slices_from_compressed_blocks(tmp_path, small_blocks):
@@ -223,6 +223,37 @@ def test_resharded_slices_from_compressed_blocks(tmp_path, small_blocks):
         got = view.read_block("m", offsets, sizes)
         want = full[offsets[0] : offsets[0] + sizes[0], offsets[1] : offsets[1] + sizes[1]]
         assert torch.equal(got, want), (offsets, sizes)
+
+
+def test_block_span_and_chunk_frames():
+    from dcp_datastates.core.compression.read import block_span, chunk_frames, frames_past_table
+
+    assert block_span(0, 10_000, 10_000, 4096) == (0, 10_000)
+    assert block_span(4096, 8192, 10_000, 4096) == (4096, 8192)
+    assert block_span(5000, 5001, 10_000, 4096) == (4096, 8192)
+    assert block_span(8200, 9000, 10_000, 4096) == (8192, 10_000)  # the last block is short
+    objects = [(0, 1), (64, 10), (128, 20), (192, 30), (256, 40)]  # an object, then 3 frames, then one more
+    assert list(chunk_frames(objects, 1, 10_000, 4096)) == [(0, 64, 10, 4096), (1, 128, 20, 4096), (2, 192, 30, 1808)]
+    assert list(chunk_frames(objects, 1, 10_000, 4096, 4096, 8192)) == [(1, 128, 20, 4096)]
+    assert frames_past_table("w", 1, 10_000, 4096, 5) is None
+    assert frames_past_table("w", 3, 10_000, 4096, 5) == "'w' is stored as blocks 3..5 of an object table with 5 entries"
+
+
+def test_block_aligned_slices_decompress_in_place(tmp_path, small_blocks, monkeypatch):
+    """A slice of whole blocks (or up to the chunk's end) is decompressed straight into its
+    destination; any other slice goes through a temporary."""
+    from dcp_datastates.core import read_batch
+
+    copies = []
+    copy_box_out = read_batch.copy_box_out
+    monkeypatch.setattr(read_batch, "copy_box_out", lambda *a: copies.append(a) or copy_box_out(*a))
+    full = torch.randn(40_000)  # 160,000 bytes: 40 blocks of 4 KiB
+    save({"v": full.clone()}, tmp_path / "c", compression="zstd")
+    view = CheckpointView(tmp_path / "c")
+    for offset, size, in_place in ((2048, 4096, True), (37_888, 2112, True), (0, 40_000, True), (1000, 3000, False)):
+        copies.clear()
+        assert torch.equal(view.read_block("v", (offset,), (size,)), full[offset : offset + size]), (offset, size)
+        assert not copies if in_place else copies, (offset, size)
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
@@ -290,7 +321,7 @@ def test_async_save_failure_removes_the_staging_file(tmp_path):
 def run_cli(*argv) -> tuple[int, str]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        rc = cli.main([str(a) for a in argv])
+        rc = cli.run([str(a) for a in argv])
     return rc, out.getvalue()
 
 
@@ -370,7 +401,7 @@ def test_block_sizes_that_would_split_elements_are_refused(block_bytes):
     from dcp_datastates.errors import CorruptCheckpointError
 
     with pytest.raises(ValueError, match="multiple of 64"):
-        compression.resolve_compression("zstd", None, None, block_bytes=block_bytes)
+        codec.resolve_compression("zstd", None, None, block_bytes=block_bytes)
     layout = CheckpointLayout("dcp_datastates", 4, "0123456789ab", [], [], ("zstd", block_bytes))
     with pytest.raises(CorruptCheckpointError, match="compression block size"):
         layout.validate("ckpt/.metadata")

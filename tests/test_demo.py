@@ -12,10 +12,9 @@ import sys
 
 import pytest
 
-from dcp_datastates.demo.checkpoint_dirs import latest_committed_checkpoint
-from dcp_datastates.demo.checks import check_continuation, check_replica
-from dcp_datastates.demo.cli import parse_args
+from dcp_datastates.demo.__main__ import parse_args
 from dcp_datastates.demo.model import global_batch, lr_at
+from dcp_datastates.demo.report import check_continuation, check_replica, latest_committed_checkpoint
 
 TINY = ["--vocab", "128", "--seq-len", "32", "--d-model", "64", "--layers", "2", "--heads", "2", "--batch", "8"]
 
@@ -48,6 +47,7 @@ def test_demo_crash_and_resume_on_fewer_ranks(tmp_path):
     assert "ours vs DCP's: " in summary and "identical" in summary
     # the CheckpointManager kept the newest 3 (10, 20 of the failed run; 30 after the resume)
     assert "keep_last=3): steps [10, 20, 30], latest -> 30" in summary
+    assert "nan MB" not in proc.stdout  # one checkpoint paired with DCP's: no "at most +nan MB after"
     # --dir was removed at the end (no --keep)
     assert not (tmp_path / "demo").exists()
 

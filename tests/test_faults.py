@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_datastates
-from dcp_datastates.core.save_state import BACKGROUND_ERRORS
+from dcp_datastates.core.async_save.runtime import runtime
 from conftest import assert_same, data_files, load, mounted_tmpfs, raises_from_checkpoint, save, zeros_like_state
 from dcp_datastates import DataStatesReader, DataStatesWriter, verify
 from dcp_datastates.native.faults import clear, fired, inject_fault
@@ -32,7 +32,7 @@ SMALL = dict(host_cache_bytes=4 * MiB, window_bytes=1 * MiB)
 def _disarm_and_collect_background_errors():
     yield
     clear()
-    BACKGROUND_ERRORS.drain()
+    runtime().errors.drain()
 
 
 def make_state(seed=0):
@@ -243,7 +243,7 @@ def _failing_saves(tmp_path, n, tag):
                 resp = async_save(state, DataStatesWriter(path, **SMALL))
                 with raises_from_checkpoint(OSError):
                     resp.upload_completion.result(timeout=60)
-                BACKGROUND_ERRORS.drain()  # raised above already
+                runtime().errors.drain()  # raised above already
             else:
                 with raises_from_checkpoint(OSError):
                     save(state, path, **SMALL)

@@ -69,6 +69,35 @@ def test_compressed_saves_after_fork(tmp_path):
     _run_case("compressed", tmp_path)
 
 
+def test_runtime_in_a_fork_child_keeps_only_the_global_fence():
+    """The async-save runtime's fork reset (run here on a runtime of its own, without forking):
+    the parent's order, errors, snapshots, monitor and locks are gone, every writer forgets its
+    saves, and the global fence's hook stays with its holders."""
+    from dcp_datastates.core.async_save.runtime import AsyncSaveRuntime
+
+    class Writer:
+        forgot = False
+
+        def _forget_parent_saves(self):
+            self.forgot = True
+
+    class Snap:
+        begun, abandoned = False, None
+
+    rt = AsyncSaveRuntime()
+    writer, hook = Writer(), object()
+    rt.writers.add(writer)
+    rt.order.reserve()  # a parent's save that never ends in the child
+    rt.errors.record(1, "/parent", RuntimeError("the parent's"))
+    rt.track(Snap())
+    rt.fence_hook, rt.fence_holders = hook, 2
+    before = (rt.order, rt.errors, rt.monitor, rt.fence_lock)
+    rt.after_fork_in_child()
+    assert all(new is not old for new, old in zip((rt.order, rt.errors, rt.monitor, rt.fence_lock), before))
+    assert rt.order.wait_ended(lambda t: True, timeout=0) and rt.errors.drain() == [] and rt.unbegun() == []
+    assert writer.forgot and rt.fence_hook is hook and rt.fence_holders == 2
+
+
 # ---------------------------------------------------------------- the cases (a fresh interpreter)
 
 
@@ -156,7 +185,7 @@ def _use_in_parent(root: str):
 
 def _work_in_child(root: str, tag: str, parent_writer, parent_reader) -> None:
     """Save and load with new objects and with the parent's: sync and async."""
-    from dcp_datastates.core import fence
+    from dcp_datastates.core.async_save import fence
 
     assert fence.snapshots_in_flight() == 0  # the parent's snapshots are not the child's
     fence.wait_for_snapshots()
@@ -299,11 +328,11 @@ def case_in_flight(root: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     from dcp_datastates import DataStatesWriter
-    from dcp_datastates.core.save_order import ORDER
+    from dcp_datastates.core.async_save.runtime import runtime
 
     writer, reader = _use_in_parent(root)
     state = _state(3)
-    held = ORDER.reserve()  # an earlier save that has not begun: later saves wait for it
+    held = runtime().order.reserve()  # an earlier save that has not begun: later saves wait for it
     busy = DataStatesWriter(f"{root}/parent_in_flight", **SETTINGS)
     resp = dcp.async_save(state, storage_writer=busy, no_dist=True)
     time.sleep(0.5)
@@ -320,7 +349,7 @@ def case_in_flight(root: str) -> None:
         _reap(pid, "the child forked during an async save")
         assert not resp.upload_completion.done()
     finally:
-        ORDER.end(held)  # else a failure here would leave DCP's thread waiting
+        runtime().order.end(held)  # else a failure here would leave DCP's thread waiting
     resp.upload_completion.result(timeout=CHILD_DEADLINE_S)
     busy.close(timeout=CHILD_DEADLINE_S)
     _check_load(state, f"{root}/parent_in_flight")

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import assert_same, save
-from dcp_datastates import CheckpointManager, DataStatesReader, verify
+from dcp_datastates import CheckpointManager, CheckpointManagerOptions, DataStatesReader, verify
 from dcp_datastates.format import metadata_file
 
 
@@ -94,7 +94,7 @@ def test_a_reader_in_safe_mode_does_not_reuse_a_trusting_decode(tmp_path, decode
 
 @pytest.mark.parametrize("full_verify", [False, True])
 def test_a_manager_load_decodes_the_metadata_once(tmp_path, decodes, full_verify):
-    with CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+    with CheckpointManager(tmp_path / "run", CheckpointManagerOptions(async_save=False)) as mgr:
         mgr.save(10, state(10))
         decodes[0] = 0
         out = target()

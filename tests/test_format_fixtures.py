@@ -109,7 +109,7 @@ def test_fixture_verifies(fixture):
 
 def test_fixture_opens_in_the_tools(fixture, capsys):
     from dcp_datastates.tools.checkpoint_view import CheckpointView
-    from dcp_datastates.tools.cli import main
+    from dcp_datastates.tools.cli import run
 
     fx, path = fixture
     view = CheckpointView(path)
@@ -117,6 +117,6 @@ def test_fixture_opens_in_the_tools(fixture, capsys):
     assert_same(view.read_tensor("model.transposed"), want["model"]["transposed"])
     assert_same(view.read_tensor("model.bf16"), want["model"]["bf16"])
     assert view.read_object("name") == "format fixture" and view.training_step() == 42
-    assert main(["inspect", str(path)]) == 0
+    assert run(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert "model.bf16" in out and "bfloat16" in out

@@ -1,4 +1,4 @@
-"""The asynchronous hand-off (core/staging.py, stager.py, save_order.py): which save writes which
+"""The asynchronous hand-off (core/async_save: handoff.py, order.py): which save writes which
 snapshot, when a save has ended, and when a snapshot is given up, each by an explicit event."""
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dcp_datastates import CheckpointError, DataStatesWriter
-from dcp_datastates.core import snapshot as snapshots
-from dcp_datastates.core.save_order import ORDER
-from dcp_datastates.core.save_state import BACKGROUND_ERRORS
+from dcp_datastates.core.async_save.runtime import runtime
 
 from conftest import assert_same, data_files, load, raises_from_checkpoint
 
@@ -184,7 +182,7 @@ def test_background_errors_belong_to_their_writer(tmp_path):
     other.close()  # not the failed writer's error
     with pytest.raises(CheckpointError, match="staged into"):
         failing.close()
-    assert BACKGROUND_ERRORS.drain() == []
+    assert runtime().errors.drain() == []
 
 
 def test_close_waits_for_the_save_thread_to_end(tmp_path):
@@ -200,5 +198,5 @@ def test_no_snapshot_or_ticket_is_left_behind(tmp_path):
     for i in range(3):
         with DataStatesWriter(tmp_path / f"c{i}") as writer:
             async_save(state_of(i), writer)
-    assert snapshots.unbegun() == [] and snapshots.staging_in_flight() == []
-    assert ORDER.wait_ended(lambda t: True, timeout=10)
+    assert runtime().unbegun() == [] and runtime().staging_in_flight() == []
+    assert runtime().order.wait_ended(lambda t: True, timeout=10)

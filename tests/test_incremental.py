@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from conftest import assert_same, load, raises_from_checkpoint, save, zeros_like_state
-from dcp_datastates import DataStatesReader, _dcp_compat
+from dcp_datastates import CheckpointManagerOptions as Options, DataStatesReader, _dcp_compat
 from dcp_datastates.core.incremental import ChangeTracker, content_digest
 from dcp_datastates.core.verify import verify
 from dcp_datastates.errors import CheckpointError, ChecksumMismatchError, CorruptCheckpointError
@@ -269,7 +269,7 @@ def test_device_state_is_saved_incrementally(tmp_path, mode):
 
 
 def test_inspect_names_the_base_of_each_referred_chunk(tmp_path):
-    from dcp_datastates.tools.listing import inspect_checkpoint
+    from dcp_datastates.tools.commands.inspect import inspect_checkpoint
 
     paths, _ = _chain(tmp_path, steps=2)
     info = inspect_checkpoint(str(paths[1]))
@@ -353,7 +353,7 @@ def test_the_manager_saves_incrementally_and_keeps_what_is_referred_to(tmp_path)
 
     root = tmp_path / "run"
     state = _state()
-    with CheckpointManager(root, keep_last=1, async_save=True) as mgr:
+    with CheckpointManager(root, Options(keep_last=1, async_save=True)) as mgr:
         for step in (10, 20, 30):
             state["hot"].add_(1)
             state["step"] = step
@@ -372,7 +372,7 @@ def test_the_manager_saves_in_full_every_k_saves_and_retention_then_lets_go(tmp_
 
     root = tmp_path / "run"
     state = _state()
-    with CheckpointManager(root, keep_last=1, async_save=False, full_every=3) as mgr:
+    with CheckpointManager(root, Options(keep_last=1, async_save=False, full_every=3)) as mgr:
         for step in range(1, 8):
             state["hot"].add_(1)
             state["step"] = step
@@ -391,14 +391,14 @@ def test_a_resumed_manager_refers_to_the_step_it_loaded(tmp_path):
 
     root = tmp_path / "run"
     state = _state()
-    with CheckpointManager(root, async_save=False) as mgr:
+    with CheckpointManager(root, Options(async_save=False)) as mgr:
         mgr.save(1, state)
-    with CheckpointManager(root, async_save=False) as mgr:  # a restart
+    with CheckpointManager(root, Options(async_save=False)) as mgr:  # a restart
         got = zeros_like_state(state)
         assert mgr.load(got) == 1
         mgr.save(2, got)
         assert set(_referred(root / "step_00000002")) == {"frozen", "frozen_bf16", "hot"}
-    with CheckpointManager(root, async_save=False, incremental=False) as mgr:
+    with CheckpointManager(root, Options(async_save=False, incremental=False)) as mgr:
         mgr.save(3, state)
         assert _referred(root / "step_00000003") == {}
 
@@ -409,7 +409,7 @@ def test_replacing_a_step_others_refer_to_is_refused(tmp_path):
 
     root = tmp_path / "run"
     state = _state()
-    with CheckpointManager(root, async_save=False, keep_last=None) as mgr:
+    with CheckpointManager(root, Options(async_save=False, keep_last=None)) as mgr:
         mgr.save(1, state)
         mgr.save(2, state)
         with pytest.raises(CheckpointError, match="step_00000002 refer"):
@@ -422,7 +422,7 @@ def test_a_rollback_deletes_abandoned_steps_that_refer_to_a_replaced_one(tmp_pat
 
     root = tmp_path / "run"
     state = _state()
-    with CheckpointManager(root, async_save=False, keep_last=None) as mgr:
+    with CheckpointManager(root, Options(async_save=False, keep_last=None)) as mgr:
         for step in (10, 20, 30):
             state["hot"].numpy()[step] += 1  # a change the counter misses: hashed, found, written at 20
             mgr.save(step, state) if step != 30 else None
@@ -450,11 +450,11 @@ def test_two_ranks_save_dtensors_incrementally_and_resume(tmp_path):
 def test_the_tools_follow_references(tmp_path):
     """convert reads referred chunks through the base; du counts shared bytes once (in the base)."""
     from dcp_datastates.tools import cli
-    from dcp_datastates.tools.listing import disk_usage
+    from dcp_datastates.tools.commands.du import disk_usage
 
     paths, state = _chain(tmp_path, steps=2)
     out = tmp_path / "step_2.pt"
-    assert cli.main(["convert", str(paths[1]), "--to", "torch", str(out), "--quiet"]) == 0
+    assert cli.run(["convert", str(paths[1]), "--to", "torch", str(out), "--quiet"]) == 0
     converted = torch.load(out, weights_only=True)
     flat = {k: v for k, v in converted.items() if isinstance(v, torch.Tensor)}
     assert torch.equal(flat["frozen"], state["frozen"]) and torch.equal(flat["hot"], state["hot"])
@@ -480,12 +480,12 @@ def test_retention_keeps_bases_even_with_incremental_off(tmp_path):
 
     root = tmp_path / "run"
     state = _state()
-    with CheckpointManager(root, async_save=False, keep_last=None) as mgr:
+    with CheckpointManager(root, Options(async_save=False, keep_last=None)) as mgr:
         for step in (1, 2, 3):
             state["hot"].add_(1)
             mgr.save(step, state)
     assert _referred(root / "step_00000003")["frozen"] == "step_00000001"
-    with CheckpointManager(root, async_save=False, keep_last=2, incremental=False) as mgr:
+    with CheckpointManager(root, Options(async_save=False, keep_last=2, incremental=False)) as mgr:
         state["hot"].add_(1)
         mgr.save(4, state)
         assert mgr.steps() == [1, 3, 4]  # 2 went; 1 stays for 3
@@ -499,11 +499,11 @@ def test_incremental_steps_drain_after_their_bases_and_resume_on_a_new_node(tmp_
     the bases of what it keeps; a new node (empty local root) resumes the newest step in place or
     by fetching it together with its bases; verify of the durable copy follows the references."""
     from dcp_datastates import CheckpointManager
-    from dcp_datastates.tools.durable_view import verify_url
+    from dcp_datastates.tools.commands.verify import verify_location
 
     root = tmp_path / "run"
     state = _state()
-    with CheckpointManager(root, keep_last=1, durable=durable_url, durable_keep_last=1, async_save=False) as mgr:
+    with CheckpointManager(root, Options(keep_last=1, durable=durable_url, durable_keep_last=1, async_save=False)) as mgr:
         for step in (1, 2, 3):
             state["hot"].add_(1)
             state["step"] = step
@@ -512,11 +512,11 @@ def test_incremental_steps_drain_after_their_bases_and_resume_on_a_new_node(tmp_
         # step 3 refers to step 1 (frozen) on both tiers: keep_last=1 keeps 1 for it, 2 goes
         assert mgr.steps() == [1, 3] and mgr.durable_steps() == [1, 3]
         assert _referred(root / "step_00000003")["frozen"] == "step_00000001"
-    results = verify_url(f"{durable_url}/step_00000003") if durable_url.startswith("s3://") else None
+    results = list(verify_location(f"{durable_url}/step_00000003")) if durable_url.startswith("s3://") else None
     if results is not None:
         assert all(ok for ok, _ in results), results
     node2 = tmp_path / "node2"
-    with CheckpointManager(node2, durable=durable_url, durable_resume=how, async_save=False) as mgr:
+    with CheckpointManager(node2, Options(durable=durable_url, durable_resume=how, async_save=False)) as mgr:
         got = zeros_like_state(state)
         assert mgr.load(got) == 3
         assert_same(got, state)
@@ -533,15 +533,15 @@ def test_a_step_whose_base_is_not_durable_stays_uncommitted_there(tmp_path, shar
 
     root, shared = tmp_path / "run", os.path.join(shared_mount, "no_base")
     state = _state()
-    with CheckpointManager(root, async_save=False) as mgr:  # no tier: 1 and 2 only local
+    with CheckpointManager(root, Options(async_save=False)) as mgr:  # no tier: 1 and 2 only local
         mgr.save(1, state)
         mgr.save(2, state)
-    mgr = CheckpointManager(root, async_save=False, durable=shared)  # drains 1 and 2 on start
+    mgr = CheckpointManager(root, Options(async_save=False, durable=shared))  # drains 1 and 2 on start
     mgr.wait_durable()
     assert mgr.durable_steps() == [1, 2]  # 1 first, then 2 after it
     mgr.close()
     from dcp_datastates.storage import open_store
-    with CheckpointManager(root, async_save=False, durable=shared, keep_last=None) as mgr:
+    with CheckpointManager(root, Options(async_save=False, durable=shared, keep_last=None)) as mgr:
         mgr.wait_durable()  # nothing to drain: both are there (a step missing there at start is drained again)
         open_store(shared).delete_checkpoint("step_00000001")  # then the base goes from the tier
         assert mgr.load(zeros_like_state(state)) == 2  # the next save refers to 2 (and through it to 1)
@@ -582,7 +582,7 @@ def test_a_crash_during_retention_leaves_no_step_without_its_base(tmp_path, mode
         expected["step"] = step
         assert_same(load(zeros_like_state(expected), root / f"step_{step:08d}"), expected)
     with pytest.warns(UserWarning):
-        mgr = CheckpointManager(root, keep_last=1)  # cleans the half-deleted step 20 up
+        mgr = CheckpointManager(root, Options(keep_last=1))  # cleans the half-deleted step 20 up
     assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_00000010", "step_00000030"]
     mgr.close()
 
@@ -605,8 +605,8 @@ def test_verify_digests_recomputes_what_later_saves_trust(tmp_path):
     assert verify(paths[0]).ok  # the checksums say nothing about it
     bad = verify(paths[0], digests=True)
     assert not bad.ok and any("'frozen'" in p and "content digest" in p for p in bad.problems), bad
-    assert cli.main(["verify", "--digests", "--quiet", str(paths[0])]) == 1
-    assert cli.main(["verify", "--digests", "--quiet", str(paths[1])]) == 0
+    assert cli.run(["verify", "--digests", "--quiet", str(paths[0])]) == 1
+    assert cli.run(["verify", "--digests", "--quiet", str(paths[1])]) == 0
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -20,6 +20,7 @@ from dcp_datastates.manager.checkpoint_root import LATEST_FILE, is_committed, re
 from dcp_datastates.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_file import read_commit_sequence
+from dcp_datastates.manager import CheckpointManagerOptions as Options
 from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning, SkippedCheckpointWarning
 from dcp_datastates.manager.cleanup import LOCK_FILE
 from manager_workers import load_step, run_ranks, state_at, zeros_like_state
@@ -52,7 +53,7 @@ def flip_byte(path: str, offset: int = 100) -> None:
 @pytest.mark.parametrize("async_save", MODES)
 def test_save_layout_pointer_and_load(tmp_path, async_save):
     root = tmp_path / "run"
-    with CheckpointManager(root, keep_last=None, async_save=async_save) as mgr:
+    with CheckpointManager(root, Options(keep_last=None, async_save=async_save)) as mgr:
         for step in (0, 5, 12):
             fut = mgr.save(step, state_at(step))
             if not async_save:
@@ -83,7 +84,7 @@ def test_load_of_empty_root_returns_none_and_leaves_state(tmp_path):
 @pytest.mark.parametrize("async_save", MODES)
 def test_retention_keep_last_and_keep_every(tmp_path, async_save):
     root = tmp_path / "run"
-    mgr = CheckpointManager(root, keep_last=2, keep_every=30, async_save=async_save)
+    mgr = CheckpointManager(root, Options(keep_last=2, keep_every=30, async_save=async_save))
     history = []
     for step in range(10, 110, 10):
         mgr.save(step, state_at(step))
@@ -118,7 +119,7 @@ def test_pointer_moves_only_after_commit_and_fsync(tmp_path, monkeypatch):
 
     monkeypatch.setattr(root_module, "fsync_dir", fsync_spy)
     monkeypatch.setattr(root_module, "write_latest", write_spy)
-    with CheckpointManager(root, async_save=True) as mgr:
+    with CheckpointManager(root, Options(async_save=True)) as mgr:
         mgr.save(7, state_at(7))
     pointer = events.index(("pointer", 7))
     assert events[pointer - 2:pointer + 1] == [("fsync", "step_00000007"), ("fsync", "."), ("pointer", 7)]
@@ -127,7 +128,7 @@ def test_pointer_moves_only_after_commit_and_fsync(tmp_path, monkeypatch):
 @pytest.mark.parametrize("async_save", MODES)
 def test_failed_save_moves_no_pointer_and_deletes_nothing(tmp_path, async_save):
     root = tmp_path / "run"
-    mgr = CheckpointManager(root, keep_last=1, async_save=async_save)
+    mgr = CheckpointManager(root, Options(keep_last=1, async_save=async_save))
     mgr.save(10, state_at(10))
     mgr.wait()
     with inject_fault("write", path="step_00000020", offset=None, errno=errno.ENOSPC):
@@ -153,7 +154,7 @@ def test_failed_save_moves_no_pointer_and_deletes_nothing(tmp_path, async_save):
 def test_retention_never_deletes_newer_steps(tmp_path):
     """A save of a smaller step than existing ones (after an explicit older load) deletes nothing above it."""
     root = tmp_path / "run"
-    with CheckpointManager(root, keep_last=1, async_save=False) as mgr:
+    with CheckpointManager(root, Options(keep_last=1, async_save=False)) as mgr:
         for step in (10, 20):
             mgr.save(step, state_at(step))
         assert load_step(mgr, 20)[0] == 20
@@ -163,7 +164,7 @@ def test_retention_never_deletes_newer_steps(tmp_path):
 
 def test_committed_step_is_refused_unless_overwrite(tmp_path):
     root = tmp_path / "run"
-    with CheckpointManager(root, async_save=False) as mgr:
+    with CheckpointManager(root, Options(async_save=False)) as mgr:
         mgr.save(10, state_at(10))
         with pytest.raises(CheckpointExistsError, match="step_00000010.*overwrite=True"):
             mgr.save(10, state_at(11))
@@ -175,10 +176,10 @@ def test_committed_step_is_refused_unless_overwrite(tmp_path):
 
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="keep_last"):
-        CheckpointManager(tmp_path, keep_last=0)
+        CheckpointManager(tmp_path, Options(keep_last=0))
     with pytest.raises(ValueError, match="keep_every"):
-        CheckpointManager(tmp_path, keep_every=-5)
-    mgr = CheckpointManager(tmp_path, async_save=False)
+        CheckpointManager(tmp_path, Options(keep_every=-5))
+    mgr = CheckpointManager(tmp_path, Options(async_save=False))
     with pytest.raises(ValueError, match="non-negative int"):
         mgr.save(-1, state_at(0))
     mgr.close()
@@ -192,7 +193,7 @@ def test_async_save_fence_waits_before_optimizer_step(tmp_path):
     param = torch.nn.Parameter(torch.randn(8192, 1024))  # 32 MiB: still copying when the step runs
     opt = torch.optim.SGD([param], lr=0.5)
     expect = param.detach().clone()
-    with CheckpointManager(root, async_save=True, host_cache_bytes=16 << 20) as mgr:
+    with CheckpointManager(root, Options(async_save=True, host_cache_bytes=16 << 20)) as mgr:
         mgr.save(1, {"p": param})
         param.grad = torch.ones_like(param)
         opt.step()  # the process-wide fence: waits while the snapshot still reads param
@@ -204,7 +205,7 @@ def test_async_save_fence_waits_before_optimizer_step(tmp_path):
 _FENCE_HOLDERS = """
 import sys, torch
 from dcp_datastates import CheckpointManager
-from dcp_datastates.core import fence
+from dcp_datastates.core.async_save import fence
 
 steps = []
 fence.wait_for_snapshots = lambda timeout=None: steps.append(timeout)  # what the hook calls
@@ -249,7 +250,7 @@ def test_closed_managers_leave_no_fence_hook_behind(tmp_path):
 
 
 def _three_steps(root) -> None:
-    with CheckpointManager(root, keep_last=None, async_save=False) as mgr:
+    with CheckpointManager(root, Options(keep_last=None, async_save=False)) as mgr:
         for step in (10, 20, 30):
             mgr.save(step, state_at(step))
 
@@ -257,7 +258,7 @@ def _three_steps(root) -> None:
 def _resume(root, **kw):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        mgr = CheckpointManager(root, keep_last=None, async_save=False, **kw)
+        mgr = CheckpointManager(root, Options(keep_last=None, async_save=False, **kw))
         got, target = load_step(mgr)
     skipped = [str(w.message) for w in caught if issubclass(w.category, SkippedCheckpointWarning)]
     return mgr, got, target, skipped
@@ -294,7 +295,7 @@ def test_resume_full_verify_finds_damage_a_load_would_not_read(tmp_path):
     _three_steps(root)
     flip_byte(data_file(root / "step_00000030"))
     # a load of only "step" would not read the damaged tensor; full_verify checks everything
-    mgr = CheckpointManager(root, keep_last=None, async_save=False)
+    mgr = CheckpointManager(root, Options(keep_last=None, async_save=False))
     target = {"step": -1}
     assert mgr.load(target) == 30  # only the damaged tensor is bad, and it is not read
     with warnings.catch_warnings(record=True) as caught:
@@ -309,7 +310,7 @@ def test_resume_when_every_checkpoint_is_bad_raises_with_each_reason(tmp_path):
     _three_steps(root)
     for step in (10, 20, 30):
         flip_byte(data_file(root / f"step_{step:08d}"))
-    mgr = CheckpointManager(root, keep_last=None, async_save=False)
+    mgr = CheckpointManager(root, Options(keep_last=None, async_save=False))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SkippedCheckpointWarning)
         with pytest.raises(CorruptCheckpointError, match=r"could be loaded:\n  step 30: .*\n  step 20: .*\n  step 10: "):
@@ -322,7 +323,7 @@ def test_explicit_uncommitted_step_is_refused(tmp_path):
     root = tmp_path / "run"
     _three_steps(root)
     os.unlink(root / "step_00000030" / METADATA_FILE)
-    mgr = CheckpointManager(root, async_save=False, cleanup=False)
+    mgr = CheckpointManager(root, Options(async_save=False, cleanup=False))
     with pytest.raises(IncompleteCheckpointError, match="never committed"):
         load_step(mgr, 30)
     with pytest.warns(SkippedCheckpointWarning, match="never committed"):
@@ -346,7 +347,7 @@ def test_start_removes_crash_leftovers(tmp_path):
     (root / "latest.1a2b.tmp").write_text("{}")
     named = sorted(os.listdir(root / "step_00000020"))
     with pytest.warns(SkippedCheckpointWarning, match="step_00000040.*never committed"):
-        mgr = CheckpointManager(root, keep_last=None)
+        mgr = CheckpointManager(root, Options(keep_last=None))
     assert sorted(os.listdir(root)) == [LOCK_FILE, LATEST_FILE, "step_00000010", "step_00000020", "step_00000030"]
     assert sorted(os.listdir(root / "step_00000020")) == [
         n for n in named if n not in ("rank00001-00000000beef.data", ".metadata.00000000beef.tmp")
@@ -361,7 +362,7 @@ def test_start_leaves_a_damaged_checkpoint_alone(tmp_path):
     (root / "step_00000030" / METADATA_FILE).write_bytes(b"garbage")
     (root / "step_00000030" / "rank00007-0123456789ab.data").write_bytes(b"?")
     before = sorted(os.listdir(root / "step_00000030"))
-    CheckpointManager(root, keep_last=None)
+    CheckpointManager(root, Options(keep_last=None))
     assert sorted(os.listdir(root / "step_00000030")) == before
 
 
@@ -381,7 +382,7 @@ def test_rollback_abandons_newer_steps_across_restarts(tmp_path):
     larger step numbers), and the new trajectory's save of such a step replaces it.
     """
     root = tmp_path / "run"
-    with CheckpointManager(root, keep_last=2, async_save=False) as mgr:
+    with CheckpointManager(root, Options(keep_last=2, async_save=False)) as mgr:
         for step in (10, 20):
             mgr.save(step, state_at(step))
         assert load_step(mgr, 10)[0] == 10  # roll back
@@ -390,7 +391,7 @@ def test_rollback_abandons_newer_steps_across_restarts(tmp_path):
         assert mgr.steps() == [12, 13, 20]  # 20 took no slot of keep_last=2
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        mgr = CheckpointManager(root, keep_last=2, async_save=False)
+        mgr = CheckpointManager(root, Options(keep_last=2, async_save=False))
         got, target = load_step(mgr)
     assert got == 13 and read_latest(str(root)) == 13
     assert_same(target, state_at(13))
@@ -409,7 +410,7 @@ def test_a_rollback_is_recorded_when_the_run_saves_a_step_it_had_reached(tmp_pat
     from dcp_datastates.manager.checkpoint_root import read_pointer, resume_order
 
     root = tmp_path / "run"
-    with CheckpointManager(root, keep_last=None, async_save=False) as mgr:
+    with CheckpointManager(root, Options(keep_last=None, async_save=False)) as mgr:
         for step in range(1, 6):
             mgr.save(step, state_at(step))
         load_step(mgr, 3)  # an evaluation of an older step ...
@@ -417,7 +418,7 @@ def test_a_rollback_is_recorded_when_the_run_saves_a_step_it_had_reached(tmp_pat
     assert read_pointer(str(root)).rollbacks == ()
     assert resume_order(str(root)).candidates == [6, 5, 4, 3, 2, 1]
     root = tmp_path / "run2"
-    with CheckpointManager(root, keep_last=3, async_save=False) as mgr:
+    with CheckpointManager(root, Options(keep_last=3, async_save=False)) as mgr:
         for step in range(1, 6):
             mgr.save(step, state_at(step))
         load_step(mgr, 3)
@@ -433,13 +434,13 @@ def test_a_rollback_is_recorded_when_the_run_saves_a_step_it_had_reached(tmp_pat
 
 def test_retention_and_cleanup_never_follow_symlinks(tmp_path):
     elsewhere = tmp_path / "pretrained"
-    with CheckpointManager(elsewhere, async_save=False) as mgr:
+    with CheckpointManager(elsewhere, Options(async_save=False)) as mgr:
         mgr.save(100, state_at(100))
     (elsewhere / "step_00000100" / "rank00009-0123456789ab.data").write_bytes(b"stray?")
     root = tmp_path / "run"
     root.mkdir()
     os.symlink(elsewhere / "step_00000100", root / "step_00000000")  # warm start, linked
-    with CheckpointManager(root, keep_last=1, async_save=False) as mgr:
+    with CheckpointManager(root, Options(keep_last=1, async_save=False)) as mgr:
         got, target = load_step(mgr)
         assert got == 0
         assert_same(target, state_at(100))
@@ -453,13 +454,13 @@ def test_retention_and_cleanup_never_follow_symlinks(tmp_path):
 
 def test_a_second_manager_on_the_root_loads_but_never_deletes(tmp_path):
     root = tmp_path / "run"
-    owner = CheckpointManager(root, keep_last=1, async_save=False)
+    owner = CheckpointManager(root, Options(keep_last=1, async_save=False))
     owner.save(10, state_at(10))
     # the owner's save of step 20 is under way: its directory has files, no .metadata yet
     os.makedirs(root / "step_00000020")
     (root / "step_00000020" / "rank00000-0123456789ab.data").write_bytes(b"in flight")
     with pytest.warns(CheckpointManagerWarning, match="another CheckpointManager owns"):
-        reader = CheckpointManager(root, keep_last=1)
+        reader = CheckpointManager(root, Options(keep_last=1))
     assert (root / "step_00000020" / "rank00000-0123456789ab.data").exists()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SkippedCheckpointWarning)
@@ -565,7 +566,7 @@ def _as_unsequenced(root) -> None:
 def test_roots_written_before_sequences_still_resume(tmp_path):
     """A root of the previous version (no sequences): rollback still abandons, a new save orders after."""
     root = tmp_path / "run"
-    with CheckpointManager(root, async_save=False) as mgr:
+    with CheckpointManager(root, Options(async_save=False)) as mgr:
         for step in (10, 20, 30):
             mgr.save(step, state_at(step))
         assert load_step(mgr, 10)[0] == 10  # roll back
@@ -575,7 +576,7 @@ def test_roots_written_before_sequences_still_resume(tmp_path):
     assert read_commit_sequence(str(root / "step_00000015" / METADATA_FILE)) is None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        mgr = CheckpointManager(root, async_save=False)
+        mgr = CheckpointManager(root, Options(async_save=False))
         got, target = load_step(mgr)
     assert got == 15
     assert_same(target, state_at(15))
@@ -583,7 +584,7 @@ def test_roots_written_before_sequences_still_resume(tmp_path):
     mgr.save(16, state_at(16))
     assert json.loads((root / LATEST_FILE).read_text()) == {"step": 16, "dir": "step_00000016", "sequence": 1}
     mgr.close()
-    mgr = CheckpointManager(root, async_save=False)
+    mgr = CheckpointManager(root, Options(async_save=False))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert load_step(mgr)[0] == 16
@@ -600,7 +601,7 @@ def test_crash_during_retention(tmp_path, mode):
     assert not is_committed(str(root / "step_00000010")) and os.listdir(root / "step_00000010")
     assert read_latest(str(root)) == 20
     with pytest.warns(SkippedCheckpointWarning, match="step_00000010"):
-        mgr = CheckpointManager(root, keep_last=1)
+        mgr = CheckpointManager(root, Options(keep_last=1))
     assert sorted(os.listdir(root)) == [LOCK_FILE, LATEST_FILE, "step_00000020"]
     got, target = load_step(mgr)
     assert got == 20
@@ -617,7 +618,7 @@ def test_two_ranks_async_saves_retention_and_resume(tmp_path):
     run_ranks("manager_async_saves", 2, tmp_path / "logs", root=str(root))
     assert saved_steps(root) == [20, 30, 40] and read_latest(str(root)) == 40
     # saved on 2 ranks, resumed on 1 (resharded)
-    got, target = load_step(CheckpointManager(root, keep_last=2))
+    got, target = load_step(CheckpointManager(root, Options(keep_last=2)))
     assert got == 40
     assert_same(target, state_at(40))
 
@@ -645,7 +646,7 @@ def test_an_async_save_that_fails_after_staging_neither_hangs_nor_blocks_the_nex
     outcome = {}
 
     def run():
-        with CheckpointManager(tmp_path / "run", keep_last=2) as mgr:
+        with CheckpointManager(tmp_path / "run", Options(keep_last=2)) as mgr:
             monkeypatch.setattr(_async_thread_executor._ThreadBasedAsyncCheckpointExecutor, "execute_save", refuse)
             try:
                 mgr.save(10, state_at(10))

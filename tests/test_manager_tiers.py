@@ -12,6 +12,7 @@ import pytest
 from conftest import FailingReads, assert_resumes, new_durable_url
 from dcp_datastates import CheckpointError, CorruptCheckpointError, verify
 from dcp_datastates.storage import StoreError
+from dcp_datastates.manager import CheckpointManagerOptions as Options
 from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning
 from dcp_datastates.manager.checkpoint_root import step_dirs
 from dcp_datastates.manager.durable_tier import DURABLE, FAILED
@@ -34,8 +35,8 @@ def _durable(url):
 @pytest.mark.parametrize("async_save", MODES)
 def test_every_commit_is_drained_and_retention_runs_per_tier(tmp_path, durable_url, async_save):
     root = tmp_path / "run"
-    with CheckpointManager(root, keep_last=1, durable=durable_url, durable_keep_last=2, durable_keep_every=20,
-                           async_save=async_save) as mgr:
+    with CheckpointManager(root, Options(keep_last=1, durable=durable_url, durable_keep_last=2, durable_keep_every=20,
+                           async_save=async_save)) as mgr:
         for step in (10, 20, 30, 40):
             mgr.save(step, state_at(step))
         mgr.wait_durable()
@@ -50,11 +51,11 @@ def test_every_commit_is_drained_and_retention_runs_per_tier(tmp_path, durable_u
 @pytest.mark.parametrize("how", ["load", "fetch"])
 def test_a_new_node_resumes_from_the_durable_tier(tmp_path, durable_url, how):
     root = tmp_path / "run"
-    with CheckpointManager(root, keep_last=2, durable=durable_url, async_save=False) as mgr:
+    with CheckpointManager(root, Options(keep_last=2, durable=durable_url, async_save=False)) as mgr:
         for step in (10, 20):
             mgr.save(step, state_at(step))
     shutil.rmtree(root)  # the node is gone; a new one has an empty local disk
-    with CheckpointManager(root, durable=durable_url, durable_resume=how) as mgr:
+    with CheckpointManager(root, Options(durable=durable_url, durable_resume=how)) as mgr:
         assert_resumes(mgr, 20)
         # "load" reads the durable copy in place; "fetch" copies it into the local tier first
         assert mgr.steps() == ([20] if how == "fetch" else [])
@@ -62,21 +63,21 @@ def test_a_new_node_resumes_from_the_durable_tier(tmp_path, durable_url, how):
         mgr.save(30, state_at(30))  # numbered after the durable commits: a restart resumes from it
         mgr.wait_durable()
     shutil.rmtree(root)  # the durable tier alone tells 30 is newest: by its commit sequence
-    with CheckpointManager(root, durable=durable_url) as mgr:
+    with CheckpointManager(root, Options(durable=durable_url)) as mgr:
         assert_resumes(mgr, 30)
 
 
 def test_a_manager_that_does_not_own_the_root_loads_the_durable_tier_in_place(tmp_path, durable_url):
     root = tmp_path / "run"
-    with CheckpointManager(root, durable=durable_url, async_save=False) as mgr:
+    with CheckpointManager(root, Options(durable=durable_url, async_save=False)) as mgr:
         mgr.save(10, state_at(10))
     shutil.rmtree(root)
-    with CheckpointManager(root, durable=durable_url) as owner:
-        with CheckpointManager(root, durable=durable_url) as evaluation:  # an evaluation job
+    with CheckpointManager(root, Options(durable=durable_url)) as owner:
+        with CheckpointManager(root, Options(durable=durable_url)) as evaluation:  # an evaluation job
             assert not evaluation.owner
             assert_resumes(evaluation, 10)  # it writes nothing, so it may
             assert not os.path.exists(root / "step_00000010")
-        with CheckpointManager(root, durable=durable_url, durable_resume="fetch") as evaluation:
+        with CheckpointManager(root, Options(durable=durable_url, durable_resume="fetch")) as evaluation:
             with pytest.raises(CorruptCheckpointError, match="does not own"):
                 load_step(evaluation, 10)  # fetching would write into the owner's root
         assert_resumes(owner, 10)
@@ -84,7 +85,7 @@ def test_a_manager_that_does_not_own_the_root_loads_the_durable_tier_in_place(tm
 
 def test_full_verify_checks_every_byte_of_the_durable_copy(tmp_path, durable_url):
     root = tmp_path / "run"
-    with CheckpointManager(root, keep_last=None, durable=durable_url, async_save=False) as mgr:
+    with CheckpointManager(root, Options(keep_last=None, durable=durable_url, async_save=False)) as mgr:
         for step in (10, 20):
             mgr.save(step, state_at(step))
     shutil.rmtree(root)
@@ -94,7 +95,7 @@ def test_full_verify_checks_every_byte_of_the_durable_copy(tmp_path, durable_url
     data[100] ^= 1
     store.delete([key])
     store.put_bytes(key, bytes(data))
-    with CheckpointManager(root, durable=durable_url) as mgr:
+    with CheckpointManager(root, Options(durable=durable_url)) as mgr:
         # verify's words ("in 'key'", the same through either store), not a load's ("while reading 'key'")
         with pytest.warns(UserWarning, match="step 20.*in 'model.b': checksum mismatch for"):
             got, target = load_step(mgr, None, full_verify=True)
@@ -105,11 +106,11 @@ def test_full_verify_checks_every_byte_of_the_durable_copy(tmp_path, durable_url
 def test_a_durable_tier_that_does_not_answer_stops_the_resume(tmp_path, request, tier, how):
     durable_url = new_durable_url(request, tier)
     root = tmp_path / "run"
-    with CheckpointManager(root, keep_last=None, durable=durable_url, async_save=False) as mgr:
+    with CheckpointManager(root, Options(keep_last=None, durable=durable_url, async_save=False)) as mgr:
         for step in (10, 20):
             mgr.save(step, state_at(step))
     shutil.rmtree(root)
-    with CheckpointManager(root, durable=durable_url, durable_resume=how) as mgr:
+    with CheckpointManager(root, Options(durable=durable_url, durable_resume=how)) as mgr:
         # step 20's data objects unreadable, as an unreachable server's would be (after the
         # client's retries); listing, small objects and step 10 still answer
         mgr._tier.store = FailingReads(
@@ -125,21 +126,21 @@ def test_a_durable_tier_that_does_not_answer_stops_the_resume(tmp_path, request,
 
 def test_a_new_node_never_resumes_a_trajectory_the_run_gave_up(tmp_path, durable_url):
     root = tmp_path / "run"
-    with CheckpointManager(root, keep_last=None, durable=durable_url, async_save=False) as mgr:
+    with CheckpointManager(root, Options(keep_last=None, durable=durable_url, async_save=False)) as mgr:
         for step in (10, 20, 30):
             mgr.save(step, state_at(step))
-    with CheckpointManager(root, keep_last=None, durable=durable_url, async_save=False) as mgr:
+    with CheckpointManager(root, Options(keep_last=None, durable=durable_url, async_save=False)) as mgr:
         assert_resumes(mgr, 10, step=10)  # a rollback: the run goes on from step 10
         mgr.save(15, state_at(15))
     shutil.rmtree(root)  # a new node: only the durable tier, without the local pointer
-    with CheckpointManager(root, durable=durable_url) as mgr:
+    with CheckpointManager(root, Options(durable=durable_url)) as mgr:
         assert mgr.durable_steps() == [10, 15, 20, 30]
         with pytest.warns(UserWarning, match="durable copy of step 30.*resumed from an older step"):
             assert_resumes(mgr, 15)  # not 30 or 20: they belong to the trajectory given up
         mgr.save(20, state_at(20))  # the new trajectory's step 20 replaces the old one's
         mgr.wait_durable()
     shutil.rmtree(root)
-    with CheckpointManager(root, durable=durable_url) as mgr:
+    with CheckpointManager(root, Options(durable=durable_url)) as mgr:
         with pytest.warns(UserWarning, match="durable copy of step 30"):
             assert_resumes(mgr, 20)
 
@@ -147,10 +148,10 @@ def test_a_new_node_never_resumes_a_trajectory_the_run_gave_up(tmp_path, durable
 @pytest.mark.parametrize("how", ["load", "fetch"])
 def test_a_bad_local_copy_falls_back_to_the_durable_one(tmp_path, durable_url, how):
     root = tmp_path / "run"
-    with CheckpointManager(root, durable=durable_url, async_save=False) as mgr:
+    with CheckpointManager(root, Options(durable=durable_url, async_save=False)) as mgr:
         mgr.save(10, state_at(10))
     flip_byte(data_file(root / "step_00000010"))
-    with CheckpointManager(root, durable=durable_url, durable_resume=how) as mgr:
+    with CheckpointManager(root, Options(durable=durable_url, durable_resume=how)) as mgr:
         with pytest.warns(UserWarning, match="local copy of step 10.*is bad"):
             assert_resumes(mgr, 10)
         # "fetch" replaced the local copy; "load" left it, and a save of step 10 replaces it
@@ -166,7 +167,7 @@ def test_an_unreachable_durable_tier_keeps_local_copies_and_reports(tmp_path, sh
     os.makedirs(durable)
     os.chmod(durable, 0o500)
     try:
-        mgr = CheckpointManager(root, keep_last=1, durable=durable, async_save=False)
+        mgr = CheckpointManager(root, Options(keep_last=1, durable=durable, async_save=False))
         if os.access(durable, os.W_OK):  # root ignores modes: make writes fail another way
             os.chmod(durable, 0o700)
             open(os.path.join(durable, "step_00000010"), "w").close()  # a file where the step's directory goes
@@ -187,12 +188,12 @@ def test_an_unreachable_durable_tier_keeps_local_copies_and_reports(tmp_path, sh
 
 def test_an_interrupted_drain_is_finished_when_the_manager_starts_again(tmp_path, durable_url):
     root = tmp_path / "run"
-    with CheckpointManager(root, durable=None, async_save=False) as mgr:  # committed locally, never drained
+    with CheckpointManager(root, Options(durable=None, async_save=False)) as mgr:  # committed locally, never drained
         mgr.save(10, state_at(10))
     store = open_store(durable_url)
     store.put_bytes("step_00000010/rank00000-leftover.data", b"torn")  # what a killed drain left
     store.put_bytes("step_00000007/rank00000-x.data", b"orphan")  # an incomplete step with no local copy
-    with CheckpointManager(root, durable=durable_url) as mgr:
+    with CheckpointManager(root, Options(durable=durable_url)) as mgr:
         mgr.wait_durable()
         assert mgr.durable_steps() == [10]
     keys = open_store(durable_url).list()
@@ -208,13 +209,13 @@ def test_two_ranks_drain_their_own_files_and_two_new_nodes_resume_from_them(tmp_
     run_ranks("manager_durable_resume", 2, tmp_path / "logs2", root=str(tmp_path / "new"), durable=durable_url, how=how)
     assert _durable(durable_url) == {10: True, 20: True, 30: True}
     # On one rank, resharded, with no local copy: 30 was numbered after 20's commit on both ranks.
-    with CheckpointManager(tmp_path / "newer", durable=durable_url) as mgr:
+    with CheckpointManager(tmp_path / "newer", Options(durable=durable_url)) as mgr:
         assert_resumes(mgr, 30)
 
 
 def test_an_overwritten_step_replaces_its_durable_copy(tmp_path, durable_url):
     root = tmp_path / "run"
-    with CheckpointManager(root, durable=durable_url, async_save=False) as mgr:
+    with CheckpointManager(root, Options(durable=durable_url, async_save=False)) as mgr:
         mgr.save(10, state_at(10))
         mgr.wait_durable()
         first = set(open_store(durable_url).list("step_00000010/"))
@@ -223,5 +224,5 @@ def test_an_overwritten_step_replaces_its_durable_copy(tmp_path, durable_url):
     keys = set(open_store(durable_url).list("step_00000010/"))
     assert len(keys) == len(first) and keys != first  # the old save's files are gone
     shutil.rmtree(root)
-    with CheckpointManager(root, durable=durable_url) as mgr:
+    with CheckpointManager(root, Options(durable=durable_url)) as mgr:
         assert_resumes(mgr, 10, values_of=11)

@@ -21,6 +21,17 @@ def test_covering_range_widens_to_whole_segments():
     assert idx.covering_range(3100, 500) == (3100, 3600)  # a gap: nothing to widen to
 
 
+def test_stored_at_names_the_stripe_file_and_its_bounds():
+    reader = DataStatesReader()
+    one = RankIndex(0, "0" * 12, 10_000, [], [], [], [])
+    assert reader.stored_at(one, "r.data", 5000) == ("r.data", 0, 0, None)
+    striped = RankIndex(0, "0" * 12, 10_000, [], [], [], [])
+    striped.apply_stripes(["r.data", "r.1.data", "r.2.data"], (4096, 8192), "r.index")
+    assert reader.stored_at(striped, "r.data", 100) == ("r.data", 0, 0, 4096)
+    assert reader.stored_at(striped, "r.data", 4096) == ("r.1.data", 1, 4096, 8192)
+    assert reader.stored_at(striped, "r.data", 9000) == ("r.2.data", 2, 8192, 10_000)
+
+
 class _SliceLoadPlanner(DefaultLoadPlanner):
     """Loads rows [lo, hi) of a saved tensor into a smaller destination, like a reshard does."""
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import assert_same, load, raises_from_checkpoint, save
-from dcp_datastates import DataStatesReader, UnsafeCheckpointError, verify
+from dcp_datastates import CheckpointManagerOptions, DataStatesReader, UnsafeCheckpointError, verify
 from dcp_datastates.format.metadata_file import encode_metadata
 
 
@@ -227,7 +227,7 @@ def _hostile_step(root, marker):
     """A manager root with steps 10 and 20, the newest one's .metadata hostile."""
     from dcp_datastates import CheckpointManager
 
-    with CheckpointManager(root, keep_last=None, async_save=False) as mgr:
+    with CheckpointManager(root, CheckpointManagerOptions(keep_last=None, async_save=False)) as mgr:
         for step in (10, 20):
             mgr.save(step, {"w": torch.full((3,), float(step))})
     _hostile_metadata(root / "step_00000020", marker)
@@ -241,7 +241,7 @@ def test_the_manager_raises_unsafe_checkpoint_error_for_a_hostile_metadata(tmp_p
 
     root, marker = tmp_path / "run", tmp_path / "pwned"
     _hostile_step(root, marker)
-    mgr = CheckpointManager(root, keep_last=None, async_save=False)
+    mgr = CheckpointManager(root, CheckpointManagerOptions(keep_last=None, async_save=False))
     with pytest.raises(UnsafeCheckpointError, match="system"):
         mgr.load({"w": torch.zeros(3)}, step)
     mgr.close()

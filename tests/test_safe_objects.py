@@ -261,7 +261,7 @@ def test_load_plain_object_returns_real_values():
 
 
 def test_view_and_convert_read_set_datetime_and_numpy_objects(tmp_path):
-    from dcp_datastates.tools.cli import main
+    from dcp_datastates.tools.cli import run
 
     state = {
         "w": torch.ones(4), "tags": {"a", "b"}, "when": datetime.datetime(2024, 1, 1),
@@ -274,7 +274,7 @@ def test_view_and_convert_read_set_datetime_and_numpy_objects(tmp_path):
     assert np.array_equal(view.read_object("rng"), np.arange(3))
     assert view.read_object("dtype") == np.dtype("M8[D]")
     assert verify(tmp_path / "c").ok
-    assert main(["convert", str(tmp_path / "c"), "--to", "torch", str(tmp_path / "out.pt"), "--quiet"]) == 0
+    assert run(["convert", str(tmp_path / "c"), "--to", "torch", str(tmp_path / "out.pt"), "--quiet"]) == 0
     out = torch.load(tmp_path / "out.pt", weights_only=False)
     assert out["when"] == state["when"] and out["tags"] == state["tags"] and np.array_equal(out["rng"], state["rng"])
 

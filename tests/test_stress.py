@@ -282,7 +282,7 @@ TICKET_ORDER_SCRIPT = textwrap.dedent(
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed.checkpoint as dcp
-    from dcp_datastates.core import staging
+    from dcp_datastates.core.async_save import handoff as staging
     from dcp_datastates import DataStatesWriter
 
     real_start = staging.start
@@ -340,7 +340,7 @@ ABANDON_SCRIPT = textwrap.dedent(
     import torch
     import torch.distributed.checkpoint as dcp
     from dcp_datastates import DataStatesReader, DataStatesWriter
-    from dcp_datastates.core import staging
+    from dcp_datastates.core.async_save import handoff as staging
 
     futures = []
     real_start, real_result = staging.start, staging.StagingFuture.result
@@ -409,7 +409,7 @@ CONSUMER_SCRIPT = textwrap.dedent(
     from dcp_datastates._dcp_compat import async_thread_executor_module
     executor = async_thread_executor_module()
     from dcp_datastates import DataStatesWriter
-    from dcp_datastates.core import staging
+    from dcp_datastates.core.async_save import handoff as staging
 
     real_wrapper = executor.save_wrapper
 

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from conftest import load, raises_from_checkpoint, save
 from dcp_datastates import ChecksumMismatchError, CorruptCheckpointError, DataStatesReader, DataStatesWriter, verify
-from dcp_datastates.core.layout import AUTO_STRIPE_MIN_BYTES, PAGE, stripe_starts
+from dcp_datastates.core.placement import AUTO_STRIPE_MIN_BYTES, PAGE, stripe_starts
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 from dcp_datastates.format.file_names import DATA_FILE_RE, stripe_file_name
 from dcp_datastates.format.metadata_file import encode_metadata, read_metadata_file
@@ -359,7 +359,7 @@ def test_stripe_files_of_an_interrupted_save_are_strays(tmp_path):
     """A save killed while writing its stripes leaves files no layout names: verify notes them,
     du counts them as stray, and they never touch the committed checkpoint."""
     from dcp_datastates.format.file_names import stray_files
-    from dcp_datastates.tools.listing import disk_usage
+    from dcp_datastates.tools.commands.du import disk_usage
 
     state = _state()
     path = tmp_path / "c"

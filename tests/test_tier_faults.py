@@ -11,6 +11,7 @@ import pytest
 
 from conftest import assert_resumes, mounted_tmpfs
 from dcp_datastates import CheckpointError
+from dcp_datastates.manager import CheckpointManagerOptions as Options
 from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning
 from dcp_datastates.manager.durable_tier import DURABLE, FAILED
 from dcp_datastates.storage import open_store
@@ -58,7 +59,7 @@ def _wait_for(cond, timeout=60.0):
 def test_a_slow_link_never_blocks_the_save_and_the_copy_is_durable_only_when_done(tmp_path, server, proxy):
     url = f"s3://{server.bucket}/slow"
     proxy.throttle(4e6)  # 4 MB/s: the 4.3 MB step takes a second or more to leave
-    with CheckpointManager(tmp_path / "run", durable=url, async_save=False, durable_options=_options(proxy.endpoint)) as mgr:
+    with CheckpointManager(tmp_path / "run", Options(durable=url, async_save=False, durable_options=_options(proxy.endpoint))) as mgr:
         t0 = time.perf_counter()
         mgr.save(10, state_at(10))
         blocked = time.perf_counter() - t0
@@ -72,7 +73,7 @@ def test_a_slow_link_never_blocks_the_save_and_the_copy_is_durable_only_when_don
 
 def test_a_503_storm_is_ridden_out_by_retries(tmp_path, server, proxy):
     url = f"s3://{server.bucket}/storm"
-    with CheckpointManager(tmp_path / "run", durable=url, async_save=False, durable_options=_options(proxy.endpoint)) as mgr:
+    with CheckpointManager(tmp_path / "run", Options(durable=url, async_save=False, durable_options=_options(proxy.endpoint))) as mgr:
         proxy.storm(5)
         mgr.save(10, state_at(10))
         mgr.wait_durable()
@@ -88,7 +89,7 @@ def test_the_server_killed_mid_upload_commits_nothing_and_the_drain_resumes(tmp_
     proxy.throttle(2e6)
     # durable_retry_s=0: the drain fails once the client's own retries are spent (the outage
     # ridden out in the background is test_tier_trajectories.py's)
-    mgr = CheckpointManager(root, keep_last=1, durable=url, async_save=False, durable_options=options, durable_retry_s=0)
+    mgr = CheckpointManager(root, Options(keep_last=1, durable=url, async_save=False, durable_options=options, durable_retry_s=0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointManagerWarning)
         mgr.save(10, state_at(10))
@@ -112,8 +113,8 @@ def test_a_full_local_tier_fails_the_save_and_loses_nothing(tmp_path, server):
     url = f"s3://{server.bucket}/full"
     with mounted_tmpfs(tmp_path / "local", "size=10m") as local:
         root = local / "run"
-        with CheckpointManager(root, keep_last=3, durable=url, async_save=False,
-                               durable_options=_options(server.endpoint)) as mgr:
+        with CheckpointManager(root, Options(keep_last=3, durable=url, async_save=False,
+                                             durable_options=_options(server.endpoint))) as mgr:
             mgr.save(10, state_at(10))
             mgr.save(20, state_at(20))
             with pytest.raises(CheckpointError):

@@ -20,6 +20,7 @@ import pytest
 
 from conftest import assert_resumes
 from dcp_datastates import CheckpointError
+from dcp_datastates.manager import CheckpointManagerOptions as Options
 from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning
 from dcp_datastates.manager.checkpoint_root import read_pointer, step_dirs
 from dcp_datastates.manager.durable_tier import DURABLE, read_tier_pointer
@@ -55,7 +56,7 @@ def _committed(url, **options) -> list[int]:
 
 
 def _trajectory_0(root, url, options, keep_last=3):
-    with CheckpointManager(root, keep_last=keep_last, durable=url, async_save=False, durable_options=options) as mgr:
+    with CheckpointManager(root, Options(keep_last=keep_last, durable=url, async_save=False, durable_options=options)) as mgr:
         for step in range(1, 6):
             mgr.save(step, state_at(step))
         mgr.wait_durable()
@@ -69,8 +70,8 @@ def test_a_rollback_interrupted_by_an_outage_loses_no_committed_step(tmp_path, s
     root, url = tmp_path / "run", f"s3://{server.bucket}/rollback"
     options = _options(server.endpoint)
     _trajectory_0(root, url, options)
-    mgr = CheckpointManager(root, keep_last=3, durable=url, async_save=False, durable_options=options,
-                            durable_retry_s=0)
+    mgr = CheckpointManager(root, Options(keep_last=3, durable=url, async_save=False, durable_options=options,
+                                          durable_retry_s=0))
     assert_resumes(mgr, 3, step=3)  # the rollback
     server.kill()
     with warnings.catch_warnings():
@@ -80,13 +81,13 @@ def test_a_rollback_interrupted_by_an_outage_loses_no_committed_step(tmp_path, s
             mgr.close()
     server.start()  # the same data: the tier still holds trajectory 0's steps 1..5
 
-    with CheckpointManager(root, keep_last=3, durable=url, async_save=False, durable_options=options) as mgr:
+    with CheckpointManager(root, Options(keep_last=3, durable=url, async_save=False, durable_options=options)) as mgr:
         assert_resumes(mgr, 4, values_of=TRAJECTORY + 4)
         mgr.wait_durable()
         assert mgr.durable_status()[4].state == DURABLE  # drained again: the tier's step 4 was another save
         assert durable_commit_stamp(open_store(url, **options), "step_00000004") == read_commit_stamp(
             os.path.join(root, "step_00000004", ".metadata"))
-        with CheckpointManager(tmp_path / "node2", durable=url, durable_options=options) as node:
+        with CheckpointManager(tmp_path / "node2", Options(durable=url, durable_options=options)) as node:
             with pytest.warns(UserWarning, match="durable copy of step 5.*gave up"):
                 assert_resumes(node, 4, values_of=TRAJECTORY + 4)  # not trajectory 0's step 5
         for step in (5, 6, 7):
@@ -94,7 +95,7 @@ def test_a_rollback_interrupted_by_an_outage_loses_no_committed_step(tmp_path, s
         mgr.wait_durable()
         assert _local(root) == [5, 6, 7]
     assert _committed(url, **options) == [1, 2, 3, 4, 5, 6, 7]
-    with CheckpointManager(tmp_path / "node3", durable=url, durable_options=options) as node:
+    with CheckpointManager(tmp_path / "node3", Options(durable=url, durable_options=options)) as node:
         for step in range(1, 8):
             assert_resumes(node, step, step=step, values_of=step if step <= 3 else TRAJECTORY + step)
 
@@ -105,8 +106,8 @@ def test_local_retention_keeps_a_step_whose_own_save_is_not_durable(tmp_path, se
     root, url = tmp_path / "run", f"s3://{server.bucket}/retention"
     options = _options(server.endpoint)
     _trajectory_0(root, url, options)
-    mgr = CheckpointManager(root, keep_last=2, durable=url, async_save=False, durable_options=options,
-                            durable_retry_s=0)
+    mgr = CheckpointManager(root, Options(keep_last=2, durable=url, async_save=False, durable_options=options,
+                                          durable_retry_s=0))
     assert_resumes(mgr, 3, step=3)
     server.kill()
     with warnings.catch_warnings():
@@ -136,7 +137,7 @@ def test_the_rollback_is_on_the_tier_before_any_step_after_it(tmp_path, server):
     try:
         options = _options(proxy.endpoint)
         _trajectory_0(root, url, options)
-        with CheckpointManager(root, keep_last=3, durable=url, async_save=False, durable_options=options) as mgr:
+        with CheckpointManager(root, Options(keep_last=3, durable=url, async_save=False, durable_options=options)) as mgr:
             assert_resumes(mgr, 3, step=3)
             proxy.throttle(1e6)  # the 4.3 MB step takes seconds to leave
             mgr.save(4, state_at(TRAJECTORY + 4))
@@ -146,12 +147,12 @@ def test_the_rollback_is_on_the_tier_before_any_step_after_it(tmp_path, server):
             pointer = read_tier_pointer(open_store(url, endpoint=server.endpoint))
             assert (pointer.step, pointer.rollbacks) == (4, ((3, pointer.sequence),))
             assert mgr.durable_status()[4].state != DURABLE
-            with CheckpointManager(tmp_path / "node2", durable=url, durable_options=_options(server.endpoint)) as node:
+            with CheckpointManager(tmp_path / "node2", Options(durable=url, durable_options=_options(server.endpoint))) as node:
                 with pytest.warns(UserWarning, match="durable copy of step 4.*gave up"):
                     assert_resumes(node, 3)
             proxy.throttle(None)
             mgr.wait_durable()
-        with CheckpointManager(tmp_path / "node3", durable=url, durable_options=_options(server.endpoint)) as node:
+        with CheckpointManager(tmp_path / "node3", Options(durable=url, durable_options=_options(server.endpoint))) as node:
             with pytest.warns(UserWarning, match="durable copy of step 5.*gave up"):
                 assert_resumes(node, 4, values_of=TRAJECTORY + 4)
     finally:
@@ -168,12 +169,12 @@ def test_an_older_step_missing_on_the_tier_is_drained_on_start_unless_the_tier_w
     root, url = tmp_path / "run", f"s3://{server.bucket}/older{durable_keep_last}"
     options = _options(server.endpoint)
     tier = dict(durable=url, durable_options=options, durable_keep_last=durable_keep_last)
-    with CheckpointManager(root, keep_last=None, async_save=False, **tier) as mgr:
+    with CheckpointManager(root, Options(keep_last=None, async_save=False, **tier)) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, state_at(step))
         mgr.wait_durable()
     open_store(url, **options).delete_checkpoint("step_00000002")  # never there, as after a failed drain
-    with CheckpointManager(root, keep_last=1, async_save=False, **tier) as mgr:
+    with CheckpointManager(root, Options(keep_last=1, async_save=False, **tier)) as mgr:
         mgr.wait_durable()
         assert (2 in mgr.durable_status()) == drained
         mgr.save(4, state_at(4))  # retention: every older step's own save is durable, or needs not be
@@ -189,18 +190,18 @@ def test_the_run_starts_and_saves_locally_while_the_tier_is_down(tmp_path, serve
     needs the tier, fails clearly instead of starting from scratch."""
     root, url = tmp_path / "run", f"s3://{server.bucket}/down"
     options = _options(server.endpoint)
-    with CheckpointManager(root, durable=url, async_save=False, durable_options=options) as mgr:
+    with CheckpointManager(root, Options(durable=url, async_save=False, durable_options=options)) as mgr:
         mgr.save(10, state_at(10))
         mgr.wait_durable()
     server.kill()
     t0 = time.monotonic()
     with pytest.warns(CheckpointManagerWarning, match="did not answer"):
-        mgr = CheckpointManager(root, durable=url, async_save=False, durable_options=options, durable_retry_s=120)
+        mgr = CheckpointManager(root, Options(durable=url, async_save=False, durable_options=options, durable_retry_s=120))
     with pytest.warns(UserWarning, match="did not answer.*resuming from"):
         assert_resumes(mgr, 10)
     mgr.save(20, state_at(20))  # commits locally and returns: the copy waits for the store
     assert time.monotonic() - t0 < 60 and 20 in mgr.steps()
-    with CheckpointManager(tmp_path / "node2", durable=url, durable_options=options) as node:
+    with CheckpointManager(tmp_path / "node2", Options(durable=url, durable_options=options)) as node:
         with pytest.raises(CheckpointError, match="holds no committed checkpoint, and the durable tier .* did not answer"):
             node.load(state_at(0))
     time.sleep(3)  # an outage of seconds: a drain fails once or twice, and is retried
@@ -215,8 +216,8 @@ def test_close_gives_up_on_drains_after_its_timeout_and_says_which(tmp_path, ser
     root, url = tmp_path / "run", f"s3://{server.bucket}/close"
     server.kill()
     with pytest.warns(CheckpointManagerWarning, match="did not answer"):
-        mgr = CheckpointManager(root, durable=url, async_save=False, durable_options=_options(server.endpoint),
-                                durable_retry_s=600, durable_close_timeout_s=2)
+        mgr = CheckpointManager(root, Options(durable=url, async_save=False, durable_options=_options(server.endpoint),
+                                              durable_retry_s=600, durable_close_timeout_s=2))
     mgr.save(10, state_at(10))
     t0 = time.monotonic()
     with pytest.raises(DrainError, match=r"steps \[10\].*after 2 s"):
@@ -231,7 +232,7 @@ def test_close_gives_up_on_drains_after_its_timeout_and_says_which(tmp_path, ser
 def test_a_manager_that_fails_to_start_releases_the_root(tmp_path):
     root = tmp_path / "run"
     with pytest.raises(Exception, match="no_such_option"):
-        CheckpointManager(root, durable="s3://bucket/x", durable_options={"no_such_option": 1})
+        CheckpointManager(root, Options(durable="s3://bucket/x", durable_options={"no_such_option": 1}))
     with warnings.catch_warnings():
         warnings.simplefilter("error", CheckpointManagerWarning)  # "another CheckpointManager owns ..." fails
         mgr = CheckpointManager(root)
@@ -257,13 +258,13 @@ def test_a_kill_during_a_rollbacks_save_or_drain_loses_nothing(tmp_path, shared_
     # trajectory 0's step 4 is still committed there, except once the new one's commit began:
     # the old copy is uncommitted before the new .metadata goes in
     assert (4 in _committed(durable)) == (point != "drain_commit")
-    with CheckpointManager(root, keep_last=3, durable=durable, async_save=False) as mgr:
+    with CheckpointManager(root, Options(keep_last=3, durable=durable, async_save=False)) as mgr:
         assert_resumes(mgr, 4, values_of=TRAJECTORY + 4)
         mgr.wait_durable()
         pointer = read_pointer(str(root))
     assert read_tier_pointer(open_store(durable)) == pointer
     shutil.rmtree(root)
-    with CheckpointManager(root, durable=durable) as node:
+    with CheckpointManager(root, Options(durable=durable)) as node:
         with pytest.warns(UserWarning, match="durable copy of step 5.*gave up"):
             assert_resumes(node, 4, values_of=TRAJECTORY + 4)
 
@@ -272,14 +273,14 @@ def test_a_tier_written_before_the_pointer_mirror_still_resumes(tmp_path, shared
     """A tier without the run's pointer (written before it was mirrored) is judged by its copies'
     commit sequences alone, as before; the next start of the run mirrors the pointer there."""
     root, durable = tmp_path / "run", os.path.join(shared_mount, "old_tier")
-    with CheckpointManager(root, durable=durable, async_save=False) as mgr:
+    with CheckpointManager(root, Options(durable=durable, async_save=False)) as mgr:
         for step in (10, 20):
             mgr.save(step, state_at(step))
         mgr.wait_durable()
     open_store(durable).delete(["latest"])
-    with CheckpointManager(tmp_path / "node2", durable=durable) as node:
+    with CheckpointManager(tmp_path / "node2", Options(durable=durable)) as node:
         assert_resumes(node, 20)
-    with CheckpointManager(root, durable=durable, async_save=False) as mgr:
+    with CheckpointManager(root, Options(durable=durable, async_save=False)) as mgr:
         mgr.wait_durable()
     assert read_tier_pointer(open_store(durable)) == read_pointer(str(root))
 
@@ -290,17 +291,17 @@ def test_a_node_that_returns_behind_the_run_never_replaces_its_newer_copies(tmp_
     is newer than A's: the run went on elsewhere), and A resumes B's step 12."""
     durable = os.path.join(shared_mount, "two_nodes")
     a, b = tmp_path / "a", tmp_path / "b"
-    with CheckpointManager(a, durable=durable, async_save=False) as mgr:
+    with CheckpointManager(a, Options(durable=durable, async_save=False)) as mgr:
         mgr.save(10, state_at(10))
-    with CheckpointManager(a, async_save=False) as mgr:  # as if its drain had never succeeded
+    with CheckpointManager(a, Options(async_save=False)) as mgr:  # as if its drain had never succeeded
         mgr.save(11, state_at(11))
-    with CheckpointManager(b, durable=durable, async_save=False) as mgr:
+    with CheckpointManager(b, Options(durable=durable, async_save=False)) as mgr:
         assert_resumes(mgr, 10)
         for step in (11, 12):
             mgr.save(step, state_at(TRAJECTORY + step))
         mgr.wait_durable()
         b11 = read_commit_stamp(os.path.join(b, "step_00000011", ".metadata"))
-    with CheckpointManager(a, durable=durable, async_save=False) as mgr:
+    with CheckpointManager(a, Options(durable=durable, async_save=False)) as mgr:
         mgr.wait_durable()
         assert 11 not in mgr.durable_status()  # not drained
         assert durable_commit_stamp(open_store(durable), "step_00000011") == b11
@@ -314,7 +315,7 @@ def test_a_base_of_a_step_drained_on_start_is_drained_too(tmp_path, shared_mount
 
     root, durable = tmp_path / "run", os.path.join(shared_mount, "bases")
     state = frozen_state()
-    with CheckpointManager(root, keep_last=None, durable=durable, full_every=2, async_save=False) as mgr:
+    with CheckpointManager(root, Options(keep_last=None, durable=durable, full_every=2, async_save=False)) as mgr:
         for step in (10, 20, 30):
             state["step"] = step
             mgr.save(step, state)
@@ -322,7 +323,7 @@ def test_a_base_of_a_step_drained_on_start_is_drained_too(tmp_path, shared_mount
     store = open_store(durable)
     for step in (20, 10):
         store.delete_checkpoint(f"step_{step:08d}")
-    with CheckpointManager(root, keep_last=None, durable=durable, durable_keep_last=2, async_save=False) as mgr:
+    with CheckpointManager(root, Options(keep_last=None, durable=durable, durable_keep_last=2, async_save=False)) as mgr:
         mgr.wait_durable()  # no DrainError: 10 went first
         assert sorted(mgr.durable_status()) == [10, 20]
     assert _committed(durable) == [10, 20, 30]  # 10 kept there: 20 refers to it
@@ -336,7 +337,7 @@ def test_a_refusing_tier_stops_the_start_and_releases_the_root(tmp_path):
     root, durable = tmp_path / "run", tmp_path / "not_a_directory"
     durable.write_bytes(b"")
     with pytest.raises(StoreError, match="not_a_directory"):
-        CheckpointManager(root, durable=str(durable))
+        CheckpointManager(root, Options(durable=str(durable)))
     mgr = CheckpointManager(root)
     assert mgr.owner
     mgr.close()
@@ -345,14 +346,14 @@ def test_a_refusing_tier_stops_the_start_and_releases_the_root(tmp_path):
 def test_one_outage_is_retried_for_one_window_whatever_the_steps_waiting(tmp_path, server):
     root, url = tmp_path / "run", f"s3://{server.bucket}/window"
     options = _options(server.endpoint)
-    with CheckpointManager(root, durable=url, async_save=False, durable_options=options, keep_last=None) as mgr:
+    with CheckpointManager(root, Options(durable=url, async_save=False, durable_options=options, keep_last=None)) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, state_at(step))
         mgr.wait_durable()
     server.kill()
     with pytest.warns(CheckpointManagerWarning, match="did not answer"):  # every committed step queued
-        mgr = CheckpointManager(root, durable=url, async_save=False, durable_options=options, keep_last=None,
-                                durable_retry_s=6)
+        mgr = CheckpointManager(root, Options(durable=url, async_save=False, durable_options=options, keep_last=None,
+                                              durable_retry_s=6))
     t0 = time.monotonic()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointManagerWarning)
@@ -370,8 +371,8 @@ def test_close_stopping_early_never_lets_a_late_copy_touch_the_root(tmp_path, se
     root, url = tmp_path / "run", f"s3://{server.bucket}/late"
     proxy = S3Proxy(server.port)
     try:
-        mgr = CheckpointManager(root, keep_last=1, durable=url, async_save=False,
-                                durable_options=_options(proxy.endpoint), durable_close_timeout_s=0.5)
+        mgr = CheckpointManager(root, Options(keep_last=1, durable=url, async_save=False,
+                                              durable_options=_options(proxy.endpoint), durable_close_timeout_s=0.5))
         proxy.throttle(2e6)  # 4.3 MB a step: about 2 s each
         mgr.save(1, state_at(1))
         mgr.save(2, state_at(2))
@@ -379,7 +380,7 @@ def test_close_stopping_early_never_lets_a_late_copy_touch_the_root(tmp_path, se
             warnings.simplefilter("ignore", CheckpointManagerWarning)
             with pytest.raises(DrainError, match="close\\(\\) stopped waiting"):
                 mgr.close()
-        owner = CheckpointManager(root, keep_last=None)  # the root is free: a new owner
+        owner = CheckpointManager(root, Options(keep_last=None))  # the root is free: a new owner
         assert owner.owner
         time.sleep(5)  # longer than the copy under way needed
         assert _local(root) == [1, 2]

@@ -42,7 +42,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from dcp_datastates.core.layout import SMALL_TENSOR_BYTES
+from dcp_datastates.core.placement import SMALL_TENSOR_BYTES
 from dcp_datastates.core.providers import ready_event
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_layout import ItemLocation, RankFiles, location_key
@@ -384,7 +384,7 @@ def ready_events(tensors) -> dict:
 
 
 def report_increments(report, references, digests: dict):
-    """A rank's report (``plan_cache.RankReport``) with what its incremental save refers to: the
+    """A rank's report (``rank_reports.RankReport``) with what its incremental save refers to: the
     base ranks of ``references`` (BaseChunks), once each in a stable order, and ``digests``
     (location_key -> digest). Synchronous and asynchronous saves report alike."""
     bases = {}

@@ -4,8 +4,8 @@ DCP's ``DefaultSavePlanner`` costs tens of microseconds per item: it
 flattens the state dict through a generic traversal, builds each tensor's
 ``TensorProperties`` afresh (``Tensor.is_pinned()`` included), and copies
 every write item twice with ``dataclasses.replace`` while it builds the
-metadata. For a state dict of 20,000 small tensors that was 1.3 s of a
-3.5 s save (docs/benchmarks.md, issue 15). This subclass makes the same
+metadata. For a state dict of tens of thousands of small tensors that was a
+large part of the save (docs/benchmarks.md). This subclass makes the same
 plans and the same ``Metadata`` for the common case, plain tensors and
 plain values, in one pass each:
 
@@ -26,8 +26,8 @@ unchanged local plan is not sent, and a repeated save reuses the cached
 global plan and metadata (the one-pass local plan is still made, to be
 compared: that is what tells a changed structure from an unchanged one).
 The file
-layout is not the planner's business: ``DataStatesWriter`` places every item
-itself (with its stripes and compression) in ``prepare_global_plan``::
+layout is not the planner's business: each rank's ``DataStatesWriter`` places
+its items itself (with its stripes and compression, :mod:`placement`)::
 
     dcp.save(state, storage_writer=DataStatesWriter(path), planner=DataStatesSavePlanner())
 """

@@ -2,12 +2,8 @@
 
 DCP's load planner decides which saved chunks overlap which destination
 shards (that is what lets a checkpoint saved on N ranks load on M). For every
-such ReadItem this reader reads only the bytes it needs: a slice of a saved
-chunk along dim 0 (or the whole chunk) is one contiguous range, read by the
-engine straight into the destination tensor when that is a contiguous CPU
-tensor of the saved dtype. Other slices read their bounding range into a
-temporary buffer and copy the slice out. Every checksum segment a read covers
-is verified (``verify=False`` skips that).
+such ReadItem this reader reads only the bytes it needs (:mod:`read_batch`),
+and verifies every checksum segment a read covers (``verify=False`` skips that).
 
 The reader composes a :class:`storage.Store`, as DCP's ``FileSystemReader``
 composes ``self.fs``: a directory's (the engine's I/O threads read in parallel
@@ -17,24 +13,22 @@ in flight together). Everything above the store is the same code for both.
 
 from __future__ import annotations
 
-import io
 import logging
-import math
 import os
 import posixpath
 import uuid
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_datastates import _dcp_compat
+from dcp_datastates.core.read_batch import ReadBatch
 from dcp_datastates.native import engine as _native
 from dcp_datastates.errors import (
-    ChecksumMismatchError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -45,8 +39,7 @@ from dcp_datastates.format.checkpoint_layout import CheckpointLayout, RankFiles,
 from dcp_datastates.format.rank_index import IndexLimits, RankIndex
 from dcp_datastates.format.checkpoint_files import read_rank_index
 from dcp_datastates.format.metadata_file import read_commit_stamp, read_metadata_file
-from dcp_datastates.format.safe_objects import plain_object_stream
-from dcp_datastates.storage import RangeRead, Store, StoreError, open_store
+from dcp_datastates.storage import Store, open_store
 from dcp_datastates.storage.url import check_location, is_store_url, split_parent, url_scheme
 
 TEMP_BUDGET_BYTES = 512 << 20  # temporaries alive at once while reading non-direct items
@@ -118,6 +111,7 @@ class DataStatesReader(StorageReader):
         self.commit_sequence: int | None = None  # what the decoded .metadata's trailer records
         self._indexes: dict[str, RankIndex] = {}
         self._chunks: dict[str, dict[tuple, Any]] = {}
+        self._object_entries_of: tuple[CheckpointLayout | None, dict[int, int]] = (None, {})
         # DCP's id of this reader's load (StorageMeta.load_id), as FileSystemReader keeps it:
         # made here and by every reset(); read_metadata() stamps it into the metadata.
         self.load_id = str(uuid.uuid4())
@@ -142,23 +136,23 @@ class DataStatesReader(StorageReader):
             self._opened, self._opened_for = open_store(root, **options), self.path
         return self._opened
 
-    def _split(self) -> tuple[str, str]:
-        """``split_parent(path)``, once per path (a relative directory is resolved against the
-        working directory once, at the path's first use, not at every read)."""
+    def _split(self) -> tuple[str | None, str]:
+        """``(store root, key prefix)`` of ``path``, once per path (a relative directory is resolved
+        against the working directory once, at the path's first use, not at every read); the
+        root is None in a given store."""
         if self.path is None:
             raise ValueError(f"{type(self).__name__} has no path: pass one or give dcp.load a checkpoint_id")
         if self._split_of is None or self._split_of[0] != self.path:
-            self._split_of = (self.path, *split_parent(self.path))
+            if self._given_store is None:
+                self._split_of = (self.path, *split_parent(self.path))
+            else:
+                prefix = posixpath.normpath(self.path.strip("/") or ".")
+                self._split_of = (self.path, None, "" if prefix == "." else prefix)
         return self._split_of[1], self._split_of[2]
 
     @property
     def prefix(self) -> str:
         """The checkpoint's key prefix in :attr:`store` (``""``: the store's root)."""
-        if self._given_store is not None:
-            if self.path is None:
-                raise ValueError(f"{type(self).__name__} has no path: pass one or give dcp.load a checkpoint_id")
-            prefix = posixpath.normpath(self.path.strip("/") or ".")
-            return "" if prefix == "." else prefix
         return self._split()[1]
 
     def key(self, name: str) -> str:
@@ -171,7 +165,7 @@ class DataStatesReader(StorageReader):
             raise CorruptCheckpointError(f"{self.location} refers to {name}, outside the store's root")
         return key
 
-    def _where(self, name: str) -> str:
+    def where(self, name: str) -> str:
         """The checkpoint file ``name`` as errors name it."""
         return self.store.where(self.key(name))
 
@@ -231,7 +225,7 @@ class DataStatesReader(StorageReader):
         """Decode and check ``.metadata`` (once per file), raising a typed error naming the file:
         :meth:`read_metadata` for callers other than DCP. Sets :attr:`layout` and
         :attr:`commit_sequence`."""
-        md_path = self._where(METADATA_FILE)
+        md_path = self.where(METADATA_FILE)
         metadata = self._fetch_metadata()
         layout = metadata.storage_data  # validated by the decoding, with the trailer and every item
         if not isinstance(layout, CheckpointLayout):
@@ -278,25 +272,16 @@ class DataStatesReader(StorageReader):
         for name in files.data_paths():
             size = self.store.size(self.key(name))
             if size is None:
-                raise missing_rank_file(self.location, files, "data", self._where(name))
+                raise missing_rank_file(self.location, files, "data", self.where(name))
             sizes.append(size)
         return sizes
-
-    def _read_index(self, files: RankFiles, limits: IndexLimits) -> RankIndex:
-        """The rank's index, its header and checksum checked against ``limits`` before it is
-        read whole."""
-        try:
-            with self.store.open_file(self.key(files.index_path)) as f:
-                return read_rank_index(f, limits)
-        except FileNotFoundError:
-            raise missing_rank_file(self.location, files, "index", self._where(files.index_path)) from None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata is not self._metadata:
             layout = metadata.storage_data
             if not isinstance(layout, CheckpointLayout):
                 raise UnsupportedFormatError(f"{self.location}: metadata was not written by dcp_datastates")
-            layout.validate(self._where(METADATA_FILE))
+            layout.validate(self.where(METADATA_FILE))
             self._metadata, self._layout = metadata, layout
         self._indexes = {}
         self._chunks = {}
@@ -309,12 +294,12 @@ class DataStatesReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         with _native.gc_paused():
-            batch = _ReadBatch(self)
+            batch = ReadBatch(self)
             for item in plan.items:
                 batch.add(item, planner)
                 if batch.temp_bytes >= TEMP_BUDGET_BYTES:
                     batch.run()
-                    batch = _ReadBatch(self)
+                    batch = ReadBatch(self)
             batch.run()
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -344,14 +329,18 @@ class DataStatesReader(StorageReader):
         for k in range(len(bases) - 1):
             if sizes[k] < bases[k + 1] - bases[k]:
                 raise CorruptCheckpointError(
-                    f"data file {self._where(data_names[k])} is truncated: {sizes[k]} bytes, its stripe holds {bases[k + 1] - bases[k]}"
+                    f"data file {self.where(data_names[k])} is truncated: {sizes[k]} bytes, its stripe holds {bases[k + 1] - bases[k]}"
                 )
         # A base rank's objects are its own checkpoint's: none are referred to, and its index may
         # list any number of them (each at least a byte of its data).
         objects = sum(sizes) if files.base else self._object_entries()[files.rank]
-        limits = IndexLimits(self._where(data_names[-1]), sizes[-1], objects, bases[-1])
-        idx = self._read_index(files, limits)
-        index_path = self._where(files.index_path)
+        limits = IndexLimits(self.where(data_names[-1]), sizes[-1], objects, bases[-1])
+        index_path = self.where(files.index_path)
+        try:
+            with self.store.open_file(self.key(files.index_path)) as f:
+                idx = read_rank_index(f, limits)  # its header and checksum checked before it is read whole
+        except FileNotFoundError:
+            raise missing_rank_file(self.location, files, "index", index_path) from None
         idx.apply_stripes(data_names, files.stripes, index_path)
         expected_sid = files.files_save_id(self._layout.save_id)
         if idx.save_id != expected_sid or idx.rank != files.rank:
@@ -370,11 +359,18 @@ class DataStatesReader(StorageReader):
 
     def _object_entries(self) -> dict[int, int]:
         """``format.object_entries`` of the current layout (computed once per layout)."""
-        layout, counts = getattr(self, "_object_entries_of", (None, None))
-        if layout is not self._layout:
-            counts = object_entries(self._layout)
-            self._object_entries_of = (self._layout, counts)
-        return counts
+        if self._object_entries_of[0] is not self._layout:
+            self._object_entries_of = (self._layout, object_entries(self._layout))
+        return self._object_entries_of[1]
+
+    def stored_at(self, idx: RankIndex, relative_path: str, offset: int) -> tuple[str, int, int, int | None]:
+        """Where data offset ``offset`` of the rank whose data file is ``relative_path`` is stored:
+        ``(file name, stripe, the stripe's first data offset, its end)``; the end is None for a
+        rank of one file."""
+        if not idx.stripes:
+            return relative_path, 0, 0, None
+        stripe, base, end = idx.stripe_of(offset)
+        return idx.stripe_files[stripe], stripe, base, end
 
     def chunk_sizes(self, index: MetadataIndex) -> tuple[torch.dtype, tuple[int, ...]]:
         md = self._metadata.state_dict_metadata.get(index.fqn)
@@ -415,8 +411,7 @@ def missing_checkpoint_error(store: Store, prefix: str) -> Exception:
     where = store.where(prefix)
     if store.missing_prefix(prefix):
         return CheckpointNotFoundError(f"no checkpoint at {where}: the directory does not exist")
-    names = [k[len(prefix) + 1 :] for k in store.list(f"{prefix}/")] if prefix else store.list()
-    ours = [n for n in names if is_save_file(n)]
+    ours = [n for n in names_under(store, prefix) if is_save_file(n)]
     if ours:
         return IncompleteCheckpointError(
             f"checkpoint at {where} is incomplete: it has {len(ours)} data/index file(s) "
@@ -426,188 +421,6 @@ def missing_checkpoint_error(store: Store, prefix: str) -> Exception:
     return CheckpointNotFoundError(f"no checkpoint at {where}: {METADATA_FILE} is missing")
 
 
-def _contiguous_range(sizes, offsets, lengths) -> tuple[int, int, bool]:
-    """Element range [start, start+count) of a sub-block in a row-major chunk.
-
-    Returns (start, count, exact): exact when the block is that whole range
-    (a dim-0 slice, or a slice that is full in every inner dim); otherwise
-    the range is the bounding range from its first to its last element.
-    """
-    ndim = len(sizes)
-    if ndim == 0:
-        return 0, 1, True
-    if ndim == 1:  # the common case, kept cheap: one call per saved item on every load
-        return offsets[0], lengths[0], True
-    start = last = 0
-    stride = numel = 1
-    for d in range(ndim - 1, -1, -1):
-        o, n = offsets[d], lengths[d]
-        if n == 0:
-            return 0, 0, True
-        start += o * stride
-        last += (o + n - 1) * stride
-        numel *= n
-        stride *= sizes[d]
-    count = last - start + 1
-    return start, count, count == numel
-
-
-class _ReadBatch:
-    """A set of reads handed to the store together (:meth:`Store.read_batch`: the engine's
-    threads for a directory, ranged reads in flight for object storage), then committed to DCP."""
-
-    def __init__(self, reader: DataStatesReader) -> None:
-        self.reader = reader
-        self.reads: list[RangeRead] = []
-        self.keys: list[str] = []
-        self.keep: list[Any] = []
-        self.after: list[Callable[[], None]] = []
-        self.decode: list[Callable[[], None]] = []  # decompressions, run in parallel before ``after``
-        self.temp_bytes = 0
-
-    def _request(self, key: str, relative_path: str, offset: int, nbytes: int, pointer: int, idx: RankIndex) -> None:
-        """Read ``nbytes`` at data offset ``offset`` of the rank whose data file is ``relative_path``
-        (from the stripe's file that holds them) into ``pointer``, verified against the rank's
-        segments unless the reader's ``verify`` is off."""
-        stripe, base, end = idx.stripe_of(offset) if idx.stripes else (0, 0, None)
-        if stripe:
-            relative_path = idx.stripe_files[stripe]
-        if end is not None and offset + nbytes > end:
-            raise CorruptCheckpointError(
-                f"{self.reader._where(relative_path)}: {key!r} (bytes {offset}..{offset + nbytes}) "
-                f"crosses the end of its stripe at {end} (the metadata is damaged)"
-            )
-        self.reads.append(RangeRead(
-            self.reader.key(relative_path), offset - base, nbytes, pointer,
-            index=idx if self.reader.verify else None, stripe=stripe, data_offset=offset,
-        ))
-        self.keys.append(key)
-
-    def add(self, item: ReadItem, planner: LoadPlanner) -> None:
-        reader = self.reader
-        loc = reader._layout.location(item.storage_index)
-        if loc is None:
-            raise CorruptCheckpointError(
-                f"{reader.location}: metadata has no stored location for {item.storage_index.fqn!r}"
-            )
-        idx = reader.rank_index(loc.relative_path)
-        key = item.storage_index.fqn
-        if item.type == LoadItemType.BYTE_IO:
-            if not 0 <= loc.object_ordinal < len(idx.objects):
-                raise CorruptCheckpointError(
-                    f"{reader.location}: object {key!r} refers to entry {loc.object_ordinal} of an "
-                    f"index with {len(idx.objects)} objects"
-                )
-            offset, nbytes = idx.objects[loc.object_ordinal]
-            buf = bytearray(nbytes)
-            if nbytes:
-                self._request(key, loc.relative_path, offset, nbytes, _native.bytearray_address(buf), idx)
-                self.keep.append(buf)
-            allow = reader.allow_pickle
-            where = reader._where(loc.relative_path)
-
-            def load_object() -> None:
-                # Safe mode: DCP unpickles our own pickle of the checked values, never the saved bytes.
-                stream = io.BytesIO(buf) if allow else plain_object_stream(buf, key, where, map_location=None)
-                planner.load_bytes(item, stream)
-
-            self.after.append(load_object)
-            return
-
-        dtype, sizes = reader.chunk_sizes(item.storage_index)
-        itemsize = dtype.itemsize
-        if loc.length != math.prod(sizes) * itemsize:
-            raise CorruptCheckpointError(
-                f"{reader.location}: {key!r} has {loc.length} stored bytes for a {dtype} chunk of shape {sizes}"
-            )
-        start, count, exact = _contiguous_range(sizes, item.storage_offsets, item.lengths)
-        target = planner.resolve_tensor(item).detach()
-        if tuple(target.shape) != tuple(item.lengths):
-            raise CorruptCheckpointError(
-                f"{key!r}: destination shape {tuple(target.shape)} does not match the read of {tuple(item.lengths)}"
-            )
-        if count == 0:
-            self.after.append(lambda: planner.commit_tensor(item, target))
-            return
-        if loc.is_compressed:
-            from dcp_datastates.core.compression import add_compressed_read
-
-            add_compressed_read(self, item, planner, loc, idx, dtype, sizes, target, start, count, exact)
-            return
-        offset = loc.offset + start * itemsize
-        nbytes = count * itemsize
-        # With verification on, a read that cuts through checksum segments
-        # (a reshard slice) is widened to whole segments so no byte goes unchecked.
-        lo, hi = idx.covering_range(offset, nbytes) if reader.verify else (offset, offset + nbytes)
-        if (
-            exact
-            and (lo, hi) == (offset, offset + nbytes)
-            and target.device.type == "cpu"
-            and target.dtype == dtype
-            and target.is_contiguous()
-        ):
-            self._request(key, loc.relative_path, offset, nbytes, target.data_ptr(), idx)
-            self.keep.append(target)
-            self.after.append(lambda: planner.commit_tensor(item, target))
-            return
-        temp = torch.empty(hi - lo, dtype=torch.uint8)
-        self._request(key, loc.relative_path, lo, hi - lo, temp.data_ptr(), idx)
-        self.keep.append(temp)
-        self.temp_bytes += hi - lo
-        # ``offset - lo`` is a multiple of the itemsize: items and windows are 64-byte aligned
-        self.after.append(copy_box_out(temp, offset - lo, nbytes, dtype, sizes, item, target, planner))
-
-    def run(self) -> None:
-        self._read()
-        if self.decode:
-            from dcp_datastates.core.compression import decode_threads, run_parallel
-
-            run_parallel(self.decode, decode_threads())
-        for fn in self.after:
-            fn()
-
-    def _read(self) -> None:
-        """Carry out every read (in parallel, verified); the first failure is raised, naming the
-        file and the key."""
-        if not self.reads:
-            return
-        try:
-            failures = self.reader.store.read_batch(self.reads, threads=self.reader.concurrency)
-        except StoreError as exc:
-            keys = sorted(set(self.keys))
-            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-            raise StoreError(f"{exc} (loading {', '.join(map(repr, keys[:3]))}{more})", transient=exc.transient) from exc
-        if failures:
-            raise _read_error(failures[0], self.keys, len(failures))
-
-
-def copy_box_out(buffer: torch.Tensor, lead: int, nbytes: int, dtype, sizes, item: ReadItem, target, planner):
-    """The step after a read of a bounding range: ``buffer[lead : lead + nbytes]`` holds a
-    row-major chunk of shape ``sizes`` from the item's first element on; copy the item's
-    box out of it into ``target`` and commit it."""
-    strides = [1] * len(sizes)
-    for d in range(len(sizes) - 2, -1, -1):
-        strides[d] = strides[d + 1] * sizes[d + 1]
-
-    def finish() -> None:
-        elems = buffer[lead : lead + nbytes].view(dtype)
-        src = elems.as_strided(tuple(item.lengths), tuple(strides), elems.storage_offset())
-        target.copy_(src)
-        planner.commit_tensor(item, target)
-
-    return finish
-
-
-def _read_error(failure: _native.ReadFailure, keys: list[str], total: int) -> Exception:
-    more = f" ({total - 1} more read failures)" if total > 1 else ""
-    key = keys[failure.request]
-    where = f"{failure.path} while reading {key!r}"
-    if failure.kind == "checksum":
-        return ChecksumMismatchError(f"{where}: {failure.message}; the file is corrupt{more}")
-    if failure.kind == "truncated":
-        return CorruptCheckpointError(f"{where}: the data file is truncated: {failure.message}{more}")
-    err = OSError(failure.errno, f"reading {key!r} failed: {failure.message}{more}", failure.path)
-    err.offset = failure.offset
-    return err
-
-
+def names_under(store: Store, prefix: str) -> list[str]:
+    """The names of the files under the checkpoint ``prefix`` of ``store`` (``""``: its root)."""
+    return [k[len(prefix) + 1 :] for k in store.list(f"{prefix}/")] if prefix else store.list()

@@ -1,26 +1,23 @@
-"""The state of one save on one rank, its statistics, and errors of background saves.
+"""The state of one save on one rank, and its statistics.
 
 DCP drives a save through a fixed sequence of writer calls (``storage_meta``,
 ``set_up_storage_writer``, ``prepare_local_plan``, ``prepare_global_plan`` on
 the coordinator, ``write_data``, ``finish`` on the coordinator), and for
 ``dcp.async_save`` runs them in a background thread. :class:`RankSave` is what
-those calls share: plain data, created when the save begins and ended (its
-files kept or removed) when it commits or fails.
+those calls share, created when the save begins and ended (its files kept or
+removed) when it commits or fails.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import os
 import threading
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from dcp_datastates.core.save_order import Ticket
-from dcp_datastates.core.snapshot import Snapshot
-from dcp_datastates.errors import CheckpointError
+from dcp_datastates.core.async_save.order import Ticket
+from dcp_datastates.core.async_save.snapshot import Snapshot
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 
 
@@ -53,85 +50,52 @@ class SaveStats:
     rank_files: Any = None
 
 
-@dataclasses.dataclass
-class RankSave:
-    """One save on this rank, from DCP's first call (``storage_meta``) to its end."""
+@dataclasses.dataclass(frozen=True)
+class SaveTarget:
+    """What one save is, fixed when it begins (DCP's first call, ``storage_meta``)."""
 
     path: str
     dest: Any  # where it writes (core.destination): the directory, or the prefix in a store
-    save_id: str  # the id in this save's file names (synchronous saves) and metadata temp name
+    save_id: str  # the id in this save's own file names and its metadata temp name
+    dcp_save_id: str  # writer.save_id when the save began (StorageMeta.save_id)
     thread: threading.Thread
     ticket: Ticket  # its place in the process-wide order of saves
     snapshot: Snapshot | None  # asynchronous saves: the staged snapshot
-    stats: SaveStats
-    writer_serial: int  # which writer (see BackgroundErrors)
-    dcp_save_id: str | None = None  # writer.save_id when the save began (StorageMeta.save_id)
-    is_coordinator: bool = False
-    rank: int = 0
-    layout: CheckpointLayout | None = None  # coordinator: set when the writer (not the planner) placed items
-    # Coordinator, sync saves: rank -> (RankLayout, plan item indices), reused by its own
-    # write_data and by the check of every rank's results.
-    rank_layouts: dict = dataclasses.field(default_factory=dict)
-    tensor_locations: dict | None = None  # async: location_key -> (offset, nbytes) in the snapshot
-    metadata_tmp: Any = None  # the metadata staged for the commit (destination.stage_metadata)
-    metadata_obj: Metadata | None = None
-    written_files: list[str] = dataclasses.field(default_factory=list)  # sync: this rank's file names
-    job: Any = None  # the engine job writing this rank's data file (stopped if the save fails)
-    plan_cached: bool = False  # coordinator: some plans came from DCP's cache; layout from results
-    report: Any = None  # the files this rank wrote (plan_cache.RankReport)
-    ended: bool = False
+    writer_serial: int  # which writer (see async_save.runtime.BackgroundErrors)
 
     @property
     def asynchronous(self) -> bool:
         return self.snapshot is not None
 
 
-class BackgroundErrors:
-    """Errors of asynchronous saves not yet raised to the caller.
+@dataclasses.dataclass(frozen=True)
+class StagedMetadata:
+    """The checkpoint's metadata serialized for the commit, with the layout it holds."""
 
-    A background save's error fails its upload future; it is raised once more
-    by the next save call in the process (``stage()`` or a synchronous save),
-    so a training loop that never looks at its futures still learns of it,
-    and ``writer.close()`` raises the errors of that writer's saves. Writers are
-    told apart by a serial number (``id()`` values are reused).
+    metadata: Metadata
+    layout: CheckpointLayout
+    handle: Any  # destination.stage_metadata's
+
+
+@dataclasses.dataclass
+class RankSave:
+    """One save on this rank, from ``storage_meta`` to its end: what the writer's calls share.
+
+    Only the writer holds and changes it. What the save's calls fix is kept in
+    immutable records: its :class:`SaveTarget`, the coordinator's plans and its
+    prediction of the layout (``coordinator_layout.LayoutPrediction``). The rest
+    is the save's progress: the engine job to stop and the files to remove
+    should it fail, the metadata staged for the commit, and whether it ended.
     """
 
-    def __init__(self) -> None:
-        self._reset()
+    target: SaveTarget
+    stats: SaveStats
+    rank: int = 0
+    is_coordinator: bool = False
+    plans: tuple | None = None  # coordinator: the final plans of a save without cached plans
+    prediction: Any = None  # coordinator: the layout it expects the ranks to report
+    job: Any = None  # the engine job writing this rank's data files
+    written_files: list = dataclasses.field(default_factory=list)  # synchronous: this rank's file names
+    staged: StagedMetadata | None = None
+    ended: bool = False
 
-    def _reset(self) -> None:
-        self._lock = threading.Lock()
-        self._errors: list[tuple[int, str, BaseException]] = []
-
-    def record(self, writer_serial: int, path: str, exc: BaseException) -> None:
-        with self._lock:
-            self._errors.append((writer_serial, path, exc))
-
-    def drain(self) -> list[tuple[int, str, BaseException]]:
-        """Remove and return every unreported error (tests check that none leaked)."""
-        with self._lock:
-            errors, self._errors = self._errors, []
-        return errors
-
-    def raise_first(self, writer_serial: int | None = None) -> None:
-        """Raise (once) the first unreported error, of any writer or of ``writer_serial``'s."""
-        with self._lock:
-            mine = [e for e in self._errors if writer_serial is None or e[0] == writer_serial]
-            for e in mine:
-                self._errors.remove(e)
-        if mine:
-            _, path, exc = mine[0]
-            more = f" ({len(mine) - 1} more failed too)" if len(mine) > 1 else ""
-            raise CheckpointError(f"an earlier asynchronous save to {path} failed{more}: {exc}") from exc
-
-
-BACKGROUND_ERRORS = BackgroundErrors()
-
-# A fork child starts without the parent's errors (its saves are the parent's to report).
-os.register_at_fork(after_in_child=BACKGROUND_ERRORS._reset)
-
-_serials = itertools.count(1)
-
-
-def new_writer_serial() -> int:
-    return next(_serials)

@@ -1,13 +1,11 @@
 """A rank's data written as stripes: one file and one engine job per stripe.
 
-Buffered writes to one file serialize on its inode lock (tmpfs, ext4, xfs):
-two threads writing one file on tmpfs moved 2.19 GB/s here, two threads
-each writing its own file 4.44 GB/s (benchmarks/probe_file_writes.cc,
-docs/benchmarks.md, issue 15). So a
-synchronous save cuts a rank's data into stripes at the starts of large
-tensors (:func:`layout.stripe_starts`; offsets do not move) and writes each
-to its own file, while the engine keeps each I/O thread on a file no other
-thread is writing. The rank's data stays one range of offsets: entries,
+Buffered writes to one file serialize on its inode lock (tmpfs, ext4, xfs),
+so threads writing one file do not add up (benchmarks/probe_file_writes.cc,
+docs/benchmarks.md). A synchronous save therefore cuts a rank's data into
+stripes at the starts of large tensors (:func:`placement.stripe_starts`;
+offsets do not move) and writes each to its own file, while the engine keeps
+each I/O thread on a file no other thread is writing. The rank's data stays one range of offsets: entries,
 checksum segments and the object table all use it, and only the engine
 sees per-file offsets. :class:`StripedWrite` is the one place that
 translates; a rank of one file is a :class:`StripedWrite` of one job.

@@ -43,7 +43,9 @@ from dcp_datastates.errors import CheckpointError, CorruptCheckpointError, Incom
 from dcp_datastates.format.file_names import METADATA_FILE, is_metadata_temporary, layout_files, stray_files
 from dcp_datastates.format.checkpoint_layout import compressed_blocks
 from dcp_datastates.format.rank_index import RankIndex
-from dcp_datastates.core.reader import DataStatesReader
+from dcp_datastates.core.compression.codec import decompress_block, default_threads, run_parallel, zstd_module
+from dcp_datastates.core.compression.read import chunk_frames, frames_past_table
+from dcp_datastates.core.reader import DataStatesReader, names_under
 from dcp_datastates.storage import RangeRead, StoreError
 from dcp_datastates.format.safe_objects import check_object_is_plain
 
@@ -130,13 +132,9 @@ def verify(
     except IncompleteCheckpointError as exc:
         report.problems.append(str(exc))
         return report
-    except StoreError as exc:
-        if exc.transient:
-            raise
-        report.committed = _has_metadata(reader)
-        report.problems.append(str(exc))
-        return report
     except (CheckpointError, OSError, MemoryError) as exc:
+        if isinstance(exc, StoreError) and exc.transient:
+            raise
         report.committed = _has_metadata(reader)
         report.problems.append(str(exc) if isinstance(exc, CheckpointError) else f"{path}: {type(exc).__name__}: {exc}")
         return report
@@ -152,11 +150,9 @@ def verify(
     for files in layout.ranks:
         try:
             indexes[files.data_path] = reader.rank_index(files.data_path)
-        except StoreError as exc:
-            if exc.transient:
-                raise
-            report.problems.append(str(exc))
         except (CheckpointError, OSError, MemoryError) as exc:
+            if isinstance(exc, StoreError) and exc.transient:
+                raise
             report.problems.append(str(exc) if isinstance(exc, CheckpointError) else f"{files.index_path}: {exc}")
     report.ranks = len(layout.own_ranks)
     report.bases = layout.bases
@@ -222,8 +218,8 @@ def _check_digests(reader: DataStatesReader, layout, indexes: dict[str, RankInde
         if state.hexdigest() != digest:
             fqn, off = key
             report.problems.append(
-                f"{reader._where(METADATA_FILE)}: the content digest recorded for {fqn!r} (chunk at {off}) is "
-                f"{digest}, its bytes in {reader._where(rel)} hash to {state.hexdigest()}: a later incremental "
+                f"{reader.where(METADATA_FILE)}: the content digest recorded for {fqn!r} (chunk at {off}) is "
+                f"{digest}, its bytes in {reader.where(rel)} hash to {state.hexdigest()}: a later incremental "
                 "save would refer to these bytes for other ones"
             )
 
@@ -246,10 +242,8 @@ def _check_objects_are_plain(reader: DataStatesReader, layout, indexes: dict[str
 def _in_stripe(reader: DataStatesReader, idx: RankIndex, rel: str, offset: int) -> tuple[str, int]:
     """The store key of the file holding data offset ``offset`` of the rank whose data file is
     ``rel``, and the offset in it."""
-    if not idx.stripes:
-        return reader.key(rel), offset
-    stripe, base, _ = idx.stripe_of(offset)
-    return reader.key(idx.stripe_files[stripe]), offset - base
+    name, _, base, _ = reader.stored_at(idx, rel, offset)
+    return reader.key(name), offset - base
 
 
 def _check_frames_decompress(reader: DataStatesReader, layout, indexes: dict[str, RankIndex], report: VerifyReport) -> None:
@@ -258,8 +252,6 @@ def _check_frames_decompress(reader: DataStatesReader, layout, indexes: dict[str
     Their checksums already passed; this catches a frame that was written wrong.
     Frames are read one batch at a time (bounded memory) and decompressed in parallel.
     """
-    from dcp_datastates.core.compression import decode_threads, decompress_block, run_parallel, zstd_module
-
     try:
         zstd_module()
     except ImportError as exc:
@@ -272,10 +264,9 @@ def _check_frames_decompress(reader: DataStatesReader, layout, indexes: dict[str
         if ordinal < 0 or length < 0:
             continue
         rel = files[rank]
-        entries = indexes[rel].objects[ordinal : ordinal + compressed_blocks(length, block)]
-        for b, (o, n) in enumerate(entries):
+        for b, o, n, raw in chunk_frames(indexes[rel].objects, ordinal, length, block):
             key, o = _in_stripe(reader, indexes[rel], rel, o)
-            frames.append((key, o, n, min(block, length - b * block), f"{reader.store.where(key)}: block {b} of {fqn!r}"))
+            frames.append((key, o, n, raw, f"{reader.store.where(key)}: block {b} of {fqn!r}"))
 
     def check(frame) -> None:
         key, offset, length, raw, what = frame
@@ -284,7 +275,7 @@ def _check_frames_decompress(reader: DataStatesReader, layout, indexes: dict[str
         except CheckpointError as exc:
             report.problems.append(str(exc))
 
-    threads = decode_threads()
+    threads = default_threads()
     for i in range(0, len(frames), 4 * threads):
         run_parallel([lambda f=f: check(f) for f in frames[i : i + 4 * threads]], threads)
 
@@ -317,16 +308,13 @@ def _check_object_entries(reader: DataStatesReader, layout, indexes: dict[str, R
             continue
         idx = indexes.get(files[rank].data_path)
         if length >= 0:  # a compressed chunk: its blocks are consecutive entries
-            last = ordinal + compressed_blocks(length, layout.compression[1]) - 1
-            if idx is not None and last >= len(idx.objects):
-                report.problems.append(
-                    f"{reader._where(files[rank].index_path)}: {fqn!r} is stored as blocks {ordinal}..{last} "
-                    f"of an object table with {len(idx.objects)} entries"
-                )
+            problem = idx is not None and frames_past_table(fqn, ordinal, length, layout.compression[1], len(idx.objects))
+            if problem:
+                report.problems.append(f"{reader.where(files[rank].index_path)}: {problem}")
             continue
         if idx is not None and ordinal >= len(idx.objects):
             report.problems.append(
-                f"{reader._where(files[rank].index_path)}: object {fqn!r} refers to entry {ordinal} "
+                f"{reader.where(files[rank].index_path)}: object {fqn!r} refers to entry {ordinal} "
                 f"of an object table with {len(idx.objects)} entries"
             )
 
@@ -357,7 +345,7 @@ def _spans_by_file(layout, indexes: dict[str, RankIndex]) -> dict[str, list[tupl
 
 
 def _check_tiling(reader: DataStatesReader, rel: str, idx: RankIndex, spans, report: VerifyReport) -> None:
-    where = reader._where(rel)
+    where = reader.where(rel)
     for start, end, key in spans:
         try:
             idx.check_tiled(start, end - start, where, key)
@@ -474,25 +462,18 @@ def _check_padding(reader, rel, idx: RankIndex, stripe: int, spans, report: Veri
     if not pieces:
         return
     buf = torch.empty(min(VERIFY_BUFFER_BYTES, sum(n for _, n in pieces)), dtype=torch.uint8)
-    batch: list[tuple[int, int]] = []
-    used = 0
-    for piece in pieces + [None]:
-        if piece is None or used + piece[1] > buf.numel():
-            reads, pos = [], 0
-            for o, n in batch:
-                reads.append(RangeRead(key, o, n, buf.data_ptr() + pos, checks=[(0, n, _zeros_crc(n))]))
-                pos += n
-            for failure in reader.store.read_batch(reads):
-                o, n = batch[failure.request]
-                if failure.kind == "checksum":
-                    report.problems.append(_nonzero_padding(reader.store, key, o, n, spans, base))
-                else:
-                    report.problems.append(f"{failure.path}: reading the padding at offset {o} failed: {failure.message}")
-            report.padding_bytes_checked += used
-            batch, used = [], 0
-        if piece is not None:
-            batch.append(piece)
-            used += piece[1]
+    for batch, used in _batches(*zip(*pieces), buf.numel()):  # pieces of one gap are never merged
+        reads, pos = [], 0
+        for o, n in batch:
+            reads.append(RangeRead(key, o, n, buf.data_ptr() + pos, checks=[(0, n, _zeros_crc(n))]))
+            pos += n
+        for failure in reader.store.read_batch(reads):
+            o, n = batch[failure.request]
+            if failure.kind == "checksum":
+                report.problems.append(_nonzero_padding(reader.store, key, o, n, spans, base))
+            else:
+                report.problems.append(f"{failure.path}: reading the padding at offset {o} failed: {failure.message}")
+        report.padding_bytes_checked += used
 
 
 def _nonzero_padding(store, key: str, offset: int, nbytes: int, spans, base: int = 0) -> str:
@@ -531,9 +512,7 @@ def _report_failures(failures: list[_native.ReadFailure], starts, spans, report:
 
 def _note_strays(reader: DataStatesReader, layout, report: VerifyReport) -> None:
     """Files a save left that the checkpoint does not name are notes, not problems (format/file_names.py)."""
-    prefix = reader.prefix
-    names = [k[len(prefix) + 1 :] for k in reader.store.list(f"{prefix}/")] if prefix else reader.store.list()
-    for name in stray_files(names, layout_files(layout)):
+    for name in stray_files(names_under(reader.store, reader.prefix), layout_files(layout)):
         if is_metadata_temporary(name):
             report.notes.append(f"{name} is a leftover temporary of an interrupted commit (safe to delete)")
         else:

@@ -5,23 +5,27 @@ each a few lines that hand the work to the module that owns it.
 
 Synchronous saves (``dcp.save``), per rank:
 1. ``storage_meta`` begins the save (its turn in the order of saves,
-   :mod:`save_order`);
-2. ``prepare_global_plan`` (coordinator) fixes each rank's files, stripes
-   and offsets (:mod:`layout`) after the planner deduplicated items;
-3. ``write_data`` writes the rank's file (:mod:`rank_file`): the engine
-   copies, checksums and writes while Python serializes the objects and, on
-   the coordinator, the final metadata;
-4. ``finish`` (coordinator) commits (:mod:`commit`): directory fsync, rename
-   of the temporary metadata to ``.metadata``, directory fsync.
+   :mod:`async_save.order`);
+2. ``prepare_global_plan`` (coordinator) sends every rank the save's
+   :class:`placement.PlacementRule` (file names, compression, stripes) after
+   the planner deduplicated items;
+3. ``write_data`` places the rank's items by that rule (:mod:`placement`) and
+   writes its files (:mod:`rank_file`): the engine copies, checksums and
+   writes while Python serializes the objects and, on the coordinator, the
+   final metadata with the layout it predicts (:mod:`coordinator_layout`);
+   the rank reports its files with its results (:mod:`rank_reports`);
+4. ``finish`` (coordinator) keeps the predicted layout if the reports confirm
+   it (else builds it from them) and commits (:mod:`commit`): directory
+   fsync, rename of the temporary metadata to ``.metadata``, directory fsync.
 
 Asynchronous saves (``dcp.async_save``) start earlier: ``stage()`` captures a
-lazy snapshot (:mod:`snapshot`, :mod:`stager`) that places the rank's tensors
+lazy snapshot (:mod:`async_save`) that places the rank's tensors
 in its own file and streams them through the engine's bounded pool while
 training goes on, and returns a future that completes once every byte has
 left the caller's tensors. DCP's thread takes that future and runs steps 1-4;
 the plan only maps items to bytes the snapshot already placed. An error of a
 background save fails its future and is raised again by the next save call
-(:class:`save_state.BackgroundErrors`).
+(:class:`async_save.runtime.BackgroundErrors`).
 
 Saving into a directory that holds a committed checkpoint is refused unless
 ``overwrite=True``; an overwrite writes new files beside the old ones and
@@ -36,7 +40,6 @@ import os
 import threading
 import time
 import uuid
-import weakref
 from typing import Any, Sequence
 
 import torch.distributed as dist
@@ -47,26 +50,23 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_datastates import _dcp_compat
-from dcp_datastates.core import incremental, plan_cache, rank_file
+from dcp_datastates.core import incremental, rank_file
+from dcp_datastates.core.coordinator_layout import layout_from_reports, predict_layout, predict_staged_layout
 from dcp_datastates.core.destination import destination_of
-from dcp_datastates.core.compression import descriptor_of, resolve_compression
-from dcp_datastates.core.layout import (
+from dcp_datastates.core.compression.codec import descriptor_of, resolve_compression
+from dcp_datastates.core.placement import (
     AUTO_STRIPE_MIN_BYTES,
-    RankLayout,
-    RankPlanData,
+    PlacementRule,
     StagedRankData,
-    assign_checkpoint_layout,
-    assign_staged_layout,
-    has_staged_layout,
     new_save_id,
-    plan_rank_layout,
-    rank_layout_of,
+    place_rank,
+    rule_to_place,
 )
-from dcp_datastates.core.save_order import ORDER
-from dcp_datastates.core.save_state import BACKGROUND_ERRORS, RankSave, SaveStats, new_writer_serial
-from dcp_datastates.core.snapshot import Snapshot
-from dcp_datastates.core.stager import WriterSnapshots
-from dcp_datastates.core.staging import StagingFuture
+from dcp_datastates.core.rank_reports import split_reports, with_report
+from dcp_datastates.core.async_save.handoff import StagingFuture, WriterSnapshots
+from dcp_datastates.core.async_save.runtime import new_writer_serial, runtime
+from dcp_datastates.core.async_save.snapshot import Snapshot
+from dcp_datastates.core.save_state import RankSave, SaveStats, SaveTarget, StagedMetadata
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.metadata_file import encode_metadata
 from dcp_datastates.format.file_names import MAX_STRIPES, METADATA_FILE, layout_files
@@ -91,7 +91,7 @@ def _check_target(path, compression, base) -> None:
             f"DataStatesWriter({os.fspath(path)!r}, {', '.join(unsupported)}=...): a save straight into object "
             "storage writes raw, full checkpoints; for compressed or incremental checkpoints there, save them "
             "to a local directory and have them copied in the background: CheckpointManager(local_root, "
-            "durable=URL, ...) (docs/tiers.md)"
+            "CheckpointManagerOptions(durable=URL, ...)) (docs/tiers.md)"
         )
 
 
@@ -227,7 +227,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         # DCP's id of the save (StorageMeta.save_id), as FileSystemWriter keeps it: made here and
         # by every reset(). Files are named by a separate id, new for every save.
         self.save_id = _new_dcp_id()
-        _live_writers.add(self)
+        runtime().writers.add(self)  # a fork child makes it forget the parent's saves
 
     @property
     def _engine(self):
@@ -250,8 +250,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         """
         if self._closed:
             raise RuntimeError("DataStatesWriter is closed")
-        ORDER.leave_saves_of(threading.current_thread())
-        BACKGROUND_ERRORS.raise_first()
+        runtime().order.leave_saves_of(threading.current_thread())
+        runtime().errors.raise_first()
         if self.path is None:
             raise ValueError(
                 "DataStatesWriter needs its path before dcp.async_save stages the state: pass it to "
@@ -298,17 +298,17 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         last checkpoint.
         """
         me = threading.current_thread()
-        ORDER.leave_saves_of(me)
+        runtime().order.leave_saves_of(me)
         if not self._snapshots.wait_ended(timeout):
             raise TimeoutError(f"DataStatesWriter.close(): the saves staged into {self.path} did not end in {timeout} s")
         save = self._save
-        if save is not None and save.thread is not me:
-            if not ORDER.wait_ended(lambda t: t is save.ticket, timeout):
-                raise TimeoutError(f"DataStatesWriter.close(): the save into {save.path} did not end in {timeout} s")
+        if save is not None and save.target.thread is not me:
+            if not runtime().order.wait_ended(lambda t: t is save.target.ticket, timeout):
+                raise TimeoutError(f"DataStatesWriter.close(): the save into {save.target.path} did not end in {timeout} s")
         if save is not None and not save.ended:  # a save DCP failed between our calls
             self._clean_up(save)
         self._closed = True
-        BACKGROUND_ERRORS.raise_first(self._serial)
+        runtime().errors.raise_first(self._serial)
 
     def __enter__(self) -> DataStatesWriter:
         return self
@@ -358,15 +358,18 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             return False
         return isinstance(path, str) and ("://" not in path or is_store_url(path))
 
-    def _striping_of(self, save: RankSave) -> tuple[int, int]:
-        """(max stripes, min bytes per stripe) for ``layout.stripe_starts``. Into object storage one
-        stripe unless asked: stripes parallelize a file system's writes, and each would be an upload
-        of its own, with its parts in flight in memory; the store's upload has its own parallelism."""
+    def _rule(self, save: RankSave) -> PlacementRule:
+        """How this writer places a synchronous save's items: in files named by the save's id,
+        with its compression and stripes. Into object storage one stripe unless asked: stripes
+        parallelize a file system's writes, and each would be an upload of its own, with its
+        parts in flight in memory; the store's upload has its own parallelism."""
         if self._stripes is not None:
-            return (self._stripes, 0)
-        if save.dest is not None and not save.dest.is_local:
-            return (1, 0)
-        return (self._io_threads, AUTO_STRIPE_MIN_BYTES)
+            striping = (self._stripes, 0)
+        elif not save.target.dest.is_local:
+            striping = (1, 0)
+        else:
+            striping = (self._io_threads, AUTO_STRIPE_MIN_BYTES)
+        return PlacementRule(save.target.save_id, descriptor_of(self.compression), striping)
 
     def _destination(self, path: str):
         """Where a save into ``path`` writes (a store is opened once per path and writer)."""
@@ -377,9 +380,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def storage_meta(self) -> StorageMeta | None:
         # DCP's first call of every save: the save begins here.
-        save = self._begin_save()
-        save.dcp_save_id = self.save_id
-        return StorageMeta(checkpoint_id=save.path, save_id=save.dcp_save_id)
+        target = self._begin_save().target
+        return StorageMeta(checkpoint_id=target.path, save_id=target.dcp_save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         save = self._current()
@@ -391,95 +393,58 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 )
             save.is_coordinator = self.is_coordinator = is_coordinator
             save.rank = int(kwargs.get("rank", _global_rank()))
-            save.dest.prepare()
+            save.target.dest.prepare()
             # Checked again here (stage() did too): an earlier save may have committed since.
             if not self.overwrite:
-                save.dest.refuse_committed()
+                save.target.dest.refuse_committed()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         save = self._current()
         if not plan.usable:  # DCP's plan cache: the plan is the one an earlier save wrote
             save.stats.plan_from_cache = True
             return plan
-        if not save.asynchronous:
+        if not save.target.asynchronous:
             return plan
         with self._failing(save):
-            snap = save.snapshot
-            save.tensor_locations = snap.locations_for(plan.items)
-            staged = StagedRankData(
-                save.rank, snap.save_id, snap.data_file, snap.index_file, snap.tensor_bytes_end, save.tensor_locations,
-                descriptor_of(snap.compression), dict(snap.item_references), dict(snap.item_digests),
-            )
+            # The snapshot placed the rank's tensors: the coordinator predicts the layout from them.
+            staged = rank_file.staged_placement(save.target.snapshot, plan.items)
             return dataclasses.replace(plan, storage_data=staged)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         save = self._current()
-        with self._failing(save), self._gc_paused(save):
-            save.rank_layouts = {}
-            if any(not p.usable for p in plans):
-                return self._prepare_cached_global_plan(save, plans)
-            if has_staged_layout(plans):  # asynchronous: every rank already placed its tensors
-                if any(p.storage_data.references or p.storage_data.digests for p in plans):
-                    save.layout = None  # incremental: finish() builds it from the ranks' results
-                    return plans
-                save.layout = assign_staged_layout(plans, save.save_id)
+        with self._failing(save):
+            if all(p.usable for p in plans):  # else DCP's plan cache stands in for some plans
+                staged = [isinstance(p.storage_data, StagedRankData) for p in plans]
+                if any(staged) and not all(staged):
+                    raise CheckpointError("some ranks saved asynchronously and others not; every rank must use the same call")
+                save.plans = tuple(plans)
+            if save.target.asynchronous:  # each rank's snapshot placed its tensors
                 return plans
-            if any(isinstance(p.storage_data, StagedRankData) for p in plans):
-                raise CheckpointError("some ranks saved asynchronously and others not; every rank must use the same call")
-            compression = descriptor_of(self.compression)
-            plans, save.layout, layouts = assign_checkpoint_layout(plans, save.save_id, compression, self._striping_of(save))
-            save.rank_layouts = {lay.rank: (lay, [item.index for item in p.items]) for lay, p in zip(layouts, plans)}
-            return plans
-
-    def _prepare_cached_global_plan(self, save: RankSave, plans: list[SavePlan]) -> list[SavePlan]:
-        """DCP's save-plan caching: unusable plans stand for plans cached by an earlier save.
-
-        Those ranks write the cached final plan again, in files of their own
-        (see :mod:`plan_cache`); changed synchronous plans get a layout as
-        usual. The checkpoint's layout is built from the write results in
-        ``finish``.
-        """
-        save.plan_cached = True
-        save.layout = None
-        if save.asynchronous:  # each rank's snapshot placed its tensors
-            return plans
-        sent = [p if p.usable else SavePlan([]) for p in plans]
-        placed, _, _ = assign_checkpoint_layout(sent, save.save_id, descriptor_of(self.compression), self._striping_of(save))
-        return [new if old.usable else old for old, new in zip(plans, placed)]
+            rule = self._rule(save)
+            return [dataclasses.replace(p, storage_data=rule) if p.usable else p for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         save = self._current()
+        target = save.target
         with self._failing(save), self._gc_paused(save):
-            metadata_early = lambda: self._serialize_metadata_early(save, planner)  # noqa: E731
-            if not save.is_coordinator:
-                metadata_early = _nothing
-            if save.asynchronous:
-                if not isinstance(plan.storage_data, StagedRankData) or plan.storage_data.save_id != save.snapshot.save_id:
-                    # DCP's plan cache: an earlier save's final plan; map its items to this snapshot
-                    save.stats.plan_from_cache = True
-                    save.tensor_locations = save.snapshot.locations_for(plan.items)
-                results = rank_file.write_snapshot(save, plan, planner, self._settings(), metadata_early)
+            increment = placement = None
+            if target.asynchronous:
+                write = self._start_snapshot_write(save, plan, planner)
             else:
-                layout = self._rank_layout(save, plan)
-                increment = self._increment(save, plan, planner)
-                if increment is not None:
-                    # The written items are placed again without the referred ones; the layout
-                    # is then built from every rank's results, so not serialized early.
-                    plan = incremental.without_references(plan, increment)
-                    layout = plan_rank_layout(plan.items, layout.rank, layout.save_id, layout.compression, layout.striping)
-                    metadata_early = _nothing
-                results = rank_file.write_planned(save, plan, planner, layout, self._settings(), metadata_early)
-                if increment is not None:
-                    results += [
-                        WriteResult(index=index, size_in_bytes=chunk.length, storage_data=chunk.location())
-                        for index, chunk in increment.references.items()
-                    ]
-                    save.report = incremental.report_increments(
-                        save.report, increment.references.values(), increment.digests
-                    )
-            results.append(plan_cache.report_result(save.report))
-            r = save.report
-            save.stats.rank_files = RankFiles(save.rank, r.data_file, r.index_file, r.save_id, tuple(r.stripes))
+                write, increment, placement = self._start_planned_write(save, plan, planner)
+            save.job = write.job
+            if save.is_coordinator and increment is None:
+                self._stage_predicted_metadata(save, planner, placement)
+            results = write.complete(target.dest, save.stats, target.snapshot)
+            report = write.report
+            if increment is not None:
+                results += [
+                    WriteResult(index=index, size_in_bytes=chunk.length, storage_data=chunk.location())
+                    for index, chunk in increment.references.items()
+                ]
+                report = incremental.report_increments(report, increment.references.values(), increment.digests)
+            save.stats.rank_files = RankFiles(save.rank, report.data_file, report.index_file, report.save_id, report.stripes)
+            with_report(results, report)
         self.last_save_stats = save.stats
         if not save.is_coordinator:
             self._end(save)  # the coordinator commits; nothing more happens on this rank
@@ -489,33 +454,26 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         save = self._current()
+        target = save.target
         t0 = time.perf_counter()
         with self._failing(save), self._gc_paused(save):
-            results, reports = plan_cache.split_reports(results)
-            layout = save.layout or metadata.storage_data
-            if (save.plan_cached and save.layout is None) or plan_cache.has_increments(reports) or (
-                isinstance(layout, CheckpointLayout) and not plan_cache.reports_match(layout, reports)
-            ):
-                # Plans from DCP's cache named an earlier save's files: what the ranks wrote decides.
-                where = save.dest.where(METADATA_FILE)
-                layout = save.layout = plan_cache.layout_from_results(results, reports, save.save_id, metadata, where)
-                save.rank_layouts = {}
-                self._discard_metadata_tmp(save)
-            if not isinstance(layout, CheckpointLayout):
-                raise CheckpointError("finish() called without a dcp_datastates layout (prepare_global_plan skipped?)")
-            _check_results(save, layout, results)
-            if metadata is not save.metadata_obj or save.metadata_tmp is None:
-                # The planner did not expose its metadata early: serialize now.
-                self._discard_metadata_tmp(save)
-                self._write_metadata_tmp(save, metadata, layout)
-            replaced = save.dest.files_of_committed() if self.overwrite else []  # read now: another save may have committed
-            save.dest.commit_metadata(save.metadata_tmp, self.overwrite)
+            results, reports = split_reports(results)
+            prediction = save.prediction
+            if prediction is not None and prediction.holds(results, reports):
+                layout = prediction.layout
+            else:
+                layout = layout_from_reports(results, reports, target.save_id, metadata, target.dest.where(METADATA_FILE))
+            staged = save.staged
+            if staged is None or staged.metadata is not metadata or staged.layout is not layout:
+                self._discard_staged_metadata(save)
+                self._stage_metadata(save, metadata, layout)
+            replaced = target.dest.files_of_committed() if self.overwrite else []  # read now: another save may have committed
+            target.dest.commit_metadata(save.staged.handle, self.overwrite)
             # Committed from here on: nothing below may remove this checkpoint's files.
-            save.metadata_tmp = None
-            save.metadata_obj = None
+            save.staged = None
             self._end(save)
         keep = set(layout_files(layout))
-        save.dest.after_commit([f for f in replaced if f not in keep])
+        target.dest.after_commit([f for f in replaced if f not in keep])
         save.stats.commit_s = time.perf_counter() - t0
         self.last_save_stats = save.stats
 
@@ -533,31 +491,33 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         else:
             if self._closed:
                 raise RuntimeError("DataStatesWriter is closed")
-            ticket = ORDER.reserve()
-        ORDER.begin(ticket)  # every earlier save has ended: no collective overlaps
+            ticket = runtime().order.reserve()
+        runtime().order.begin(ticket)  # every earlier save has ended: no collective overlaps
         if snap is None:
             try:
-                BACKGROUND_ERRORS.raise_first()  # a synchronous save is the next save call too
+                runtime().errors.raise_first()  # a synchronous save is the next save call too
             except BaseException:
-                ORDER.end(ticket)
+                runtime().order.end(ticket)
                 raise
         previous = self._save
         if previous is not None and not previous.ended:  # DCP failed between our calls of that save
             self._clean_up(previous)
         stats = SaveStats(asynchronous=snap is not None)
-        path = snap.directory if snap is not None else self.path
-        save = RankSave(
-            path=path, dest=None, save_id=new_save_id(), thread=me, ticket=ticket, snapshot=snap, stats=stats,
-            writer_serial=self._serial,
-        )
-        self._save = save
         if snap is not None:
             stats.stage_call_s = snap.stage_call_s
             stats.staged_s = snap.staged_s
+            path, dest = snap.directory, snap.dest
+        else:
+            try:
+                if self.path is None:
+                    raise ValueError("DataStatesWriter has no path: pass one or give dcp.save a checkpoint_id")
+                path, dest = self.path, self._destination(self.path)
+            except BaseException:
+                runtime().order.end(ticket)
+                raise
+        target = SaveTarget(path, dest, new_save_id(), self.save_id, me, ticket, snap, self._serial)
+        save = self._save = RankSave(target, stats)
         with self._failing(save):
-            if path is None:
-                raise ValueError("DataStatesWriter has no path: pass one or give dcp.save a checkpoint_id")
-            save.dest = snap.dest if snap is not None else self._destination(path)
             if snap is not None and given_path is not None and not snap.dest.same_place(given_path):
                 raise ValueError(
                     f"this save was staged into {snap.directory} (the writer's path when dcp.async_save "
@@ -568,7 +528,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def _current(self) -> RankSave:
         save = self._save
-        if save is None or save.thread is not threading.current_thread() or save.ended:
+        if save is None or save.target.thread is not threading.current_thread() or save.ended:
             raise CheckpointError(
                 "DataStatesWriter was called outside a save (DCP calls storage_meta() first); "
                 "one writer serves one save at a time"
@@ -583,15 +543,15 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         except BaseException as exc:
             if not save.ended:
                 self._clean_up(save)
-                if save.asynchronous:
-                    BACKGROUND_ERRORS.record(save.writer_serial, save.path, exc)
+                if save.target.asynchronous:
+                    runtime().errors.record(save.target.writer_serial, save.target.path, exc)
             raise
 
     @staticmethod
     def _gc_paused(save: RankSave):
         """Pause the cyclic GC (tens of thousands of small objects, no cycles) only in the caller's
         thread: a background save must not switch it off for the training loop meanwhile."""
-        if save.asynchronous or _dcp_compat.runs_one_save(save.thread):
+        if save.target.asynchronous or _dcp_compat.runs_one_save(save.target.thread):
             return contextlib.nullcontext()
         return _native.gc_paused()
 
@@ -599,46 +559,53 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         """The writer's part of the save is over (committed, or this rank's data written)."""
         save.ended = True
         save.job = None
-        if save.snapshot is not None:
-            save.snapshot.end()
-        ORDER.end_unless_bound(save.ticket)
+        if save.target.snapshot is not None:
+            save.target.snapshot.end()
+        runtime().order.end_unless_bound(save.target.ticket)
 
     def _clean_up(self, save: RankSave) -> None:
         """Remove the files of a save that will not commit."""
-        committed = save.dest.committed_by(save.metadata_tmp) if save.dest is not None else False
+        dest, snap = save.target.dest, save.target.snapshot
+        committed = dest.committed_by(save.staged.handle if save.staged is not None else None)
         if committed:
             self._end(save)  # interrupted right after the rename (KeyboardInterrupt): committed, keep it
             return
         # Not committed, or (None) a store that cannot tell: then nothing is removed, since a
         # .metadata that landed would name these files (strays at worst).
-        if save.snapshot is not None:
-            save.snapshot.cancel("save failed", remove=committed is False)
+        if snap is not None:
+            snap.cancel("save failed", remove=committed is False)
         _native.stop_write_job(save.job, "save failed")
         self._end(save)
-        if committed is False and save.dest is not None:
-            save.dest.remove(save.written_files)
-        self._discard_metadata_tmp(save)
+        if committed is False:
+            dest.remove(save.written_files)
+        self._discard_staged_metadata(save)
 
     # -- placement and metadata -----------------------------------------------------
 
-    def _rank_layout(self, save: RankSave, plan: SavePlan) -> RankLayout:
-        """This rank's placement of a synchronous plan: the coordinator's own (computed once, in
-        prepare_global_plan), the plan placed by the same rule on other ranks, or, for a plan DCP's
-        cache returned, placed again in files of this save."""
-        info = plan.storage_data
-        if plan_cache.is_stale(info):
+    def _start_planned_write(self, save: RankSave, plan: SavePlan, planner: SavePlanner):
+        """Place this rank's items of a synchronous plan (less those an incremental save refers to)
+        and start writing them: ``(RankWrite, increment or None, placement)``."""
+        own = self._rule(save)
+        rule = rule_to_place(plan.storage_data, own)
+        if rule is own:  # an earlier save's plan from DCP's cache: placed again in files of this save
             save.stats.plan_from_cache = True
-            # This writer's own compression: DCP's cache is per planner class and process, so
-            # the cached plan may come from another writer (or from a FileSystemWriter save).
-            layout = plan_cache.place_cached_plan(
-                plan, info, save.rank, save.save_id, descriptor_of(self.compression), self._striping_of(save)
-            )
-            save.rank_layouts[layout.rank] = (layout, [item.index for item in plan.items])
-            info = layout.plan_data()
-        if not isinstance(info, RankPlanData):
-            raise CheckpointError("save plan carries no dcp_datastates layout; was prepare_global_plan skipped?")
-        plan_cache.mark_written(plan.storage_data)
-        return rank_layout_of(plan, info, save.rank_layouts.get(info.rank))
+        increment = self._increment(save, plan, planner)
+        if increment is not None:
+            plan = incremental.without_references(plan, increment)
+        placement = place_rank(plan.items, save.rank, rule)
+        save.written_files = placement.file_names()
+        write = rank_file.start_planned(save.target.dest, plan, planner, placement, self._settings(), save.stats)
+        return write, increment, placement
+
+    def _start_snapshot_write(self, save: RankSave, plan: SavePlan, planner: SavePlanner) -> rank_file.RankWrite:
+        """Finish writing this rank's snapshot, by the placement it sent with its local plan."""
+        snap = save.target.snapshot
+        staged = plan.storage_data
+        if not isinstance(staged, StagedRankData) or staged.save_id != snap.save_id:
+            # DCP's plan cache: an earlier save's final plan; map its items to this snapshot
+            save.stats.plan_from_cache = True
+            staged = rank_file.staged_placement(snap, plan.items)
+        return rank_file.start_snapshot(snap, staged, plan, planner, self._settings(), save.stats)
 
     def _increment(self, save: RankSave, plan: SavePlan, planner: SavePlanner) -> incremental.RankIncrement | None:
         """This rank's incremental decisions for a synchronous plan (None: a full save without
@@ -648,7 +615,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         base = None
         if self.base is not None:
             base = incremental.BaseCheckpoint(self.base)
-            base.check_sibling_of(save.path)
+            base.check_sibling_of(save.target.path)
         increment = incremental.decide(plan, planner.resolve_data, base, self.change_tracker, self._io_threads)
         stats = save.stats
         stats.hashed_bytes, stats.referenced_bytes, stats.hash_s = (
@@ -656,88 +623,52 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         )
         return increment
 
-    def _write_metadata_tmp(self, save: RankSave, metadata: Metadata, layout: CheckpointLayout) -> None:
+    def _stage_predicted_metadata(self, save: RankSave, planner: SavePlanner, own) -> None:
+        """Predict the layout (the coordinator's own placement ``own`` included) and serialize the
+        final metadata with it while the engine writes tensor bytes; ``finish`` checks it."""
+        if save.target.asynchronous:
+            prediction = predict_staged_layout(list(save.plans), save.target.save_id) if save.plans else None
+        else:
+            plans = save.plans or _cached_global_plans(planner)
+            prediction = predict_layout(plans, self._rule(save), own) if plans else None
+        save.prediction = prediction
+        metadata = getattr(planner, "metadata", None)
+        if prediction is None or not isinstance(metadata, Metadata):
+            return  # finish() serializes the metadata
+        t = time.perf_counter()
+        self._stage_metadata(save, metadata, prediction.layout)
+        save.stats.metadata_serialize_s = time.perf_counter() - t
+
+    def _stage_metadata(self, save: RankSave, metadata: Metadata, layout: CheckpointLayout) -> None:
         metadata.storage_data = layout
-        metadata.storage_meta = StorageMeta(checkpoint_id=save.path, save_id=save.dcp_save_id)
+        metadata.storage_meta = StorageMeta(checkpoint_id=save.target.path, save_id=save.target.dcp_save_id)
         version = _dcp_compat.dcp_metadata_version()
         if version is not None:
             metadata.version = version
-        save.metadata_tmp = save.dest.stage_metadata(layout.save_id, encode_metadata(metadata, self.sequence))
-        save.metadata_obj = metadata
+        handle = save.target.dest.stage_metadata(layout.save_id, encode_metadata(metadata, self.sequence))
+        save.staged = StagedMetadata(metadata, layout, handle)
 
-    def _serialize_metadata_early(self, save: RankSave, planner: SavePlanner) -> None:
-        """Pickle and write the final metadata while the engine writes tensor bytes."""
-        metadata = getattr(planner, "metadata", None)
-        if not isinstance(metadata, Metadata):
-            return  # finish() will serialize it
-        if save.plan_cached:
-            # Plans from DCP's cache: every rank places its cached plan again, by the rule the
-            # layout follows, in files of this save; the coordinator's planner holds every
-            # rank's global plan, so it can place them all now. finish() checks that each rank
-            # wrote its items where this layout says (else the save fails).
-            save.layout = self._layout_of_global_plans(save, getattr(planner, "global_plan", None))
-        layout = save.layout or metadata.storage_data
-        if not isinstance(layout, CheckpointLayout):
-            return
-        t = time.perf_counter()
-        self._write_metadata_tmp(save, metadata, layout)
-        save.stats.metadata_serialize_s = time.perf_counter() - t
-
-    def _layout_of_global_plans(self, save: RankSave, plans) -> CheckpointLayout | None:
-        """The layout this save's ranks write when DCP's cache gave them their plans: the
-        coordinator's global plans placed in this save's files (None for an asynchronous save,
-        whose snapshots placed the tensors, or where the planner keeps no global plans)."""
-        if save.asynchronous or not isinstance(plans, list) or not plans:
-            return None
-        if not all(isinstance(p, SavePlan) and p.usable for p in plans):
-            return None
-        placed = {rank: lay for rank, (lay, _) in save.rank_layouts.items()}  # this rank's, placed for writing
-        _, layout, layouts = assign_checkpoint_layout(
-            plans, save.save_id, descriptor_of(self.compression), self._striping_of(save), placed
-        )
-        for lay, plan in zip(layouts, plans):
-            save.rank_layouts.setdefault(lay.rank, (lay, [item.index for item in plan.items]))
-        return layout
-
-    def _discard_metadata_tmp(self, save: RankSave) -> None:
-        if save.metadata_tmp is not None:
-            save.dest.discard_metadata(save.metadata_tmp)
-            save.metadata_tmp = None
+    def _discard_staged_metadata(self, save: RankSave) -> None:
+        if save.staged is not None:
+            save.target.dest.discard_metadata(save.staged.handle)
+            save.staged = None
 
     def _forget_parent_saves(self) -> None:
         """In a fork child: the saves this writer staged or ran in the parent go on
         (and are cleaned up) in the parent only; here the writer starts idle."""
         self._lock = threading.Lock()  # another thread may have held it at the fork
-        self._snapshots._reset()
+        self._snapshots = WriterSnapshots()
         self._reset_paths = {}
         self._save = None
 
 
-def _check_results(save: RankSave, layout: CheckpointLayout, results: list[list[WriteResult]]) -> None:
-    """Every rank wrote every item where the layout says (the coordinator's own placements
-    when it has them: cheaper than the layout's lookup table)."""
-    for rank, rank_results in enumerate(results):
-        planned = save.rank_layouts[rank][0].locations if rank in save.rank_layouts else None
-        for wr in rank_results:
-            loc = planned.get(wr.index) if planned is not None else layout.location(wr.index)
-            if loc != wr.storage_data:
-                raise CheckpointError(f"write result for {wr.index.fqn!r} does not match its planned location")
-
-
-# Writers alive in this process, so that a fork child can reset what they inherited.
-_live_writers: weakref.WeakSet = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for writer in list(_live_writers):
-        writer._forget_parent_saves()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _nothing() -> None:
-    pass
+def _cached_global_plans(planner: SavePlanner) -> list[SavePlan] | None:
+    """Every rank's final plan where DCP's cache stood in for some (``DefaultSavePlanner``
+    keeps them as ``global_plan``); None where the planner keeps none."""
+    plans = getattr(planner, "global_plan", None)
+    if isinstance(plans, list) and plans and all(isinstance(p, SavePlan) and p.usable for p in plans):
+        return plans
+    return None
 
 
 def _new_dcp_id() -> str:

@@ -2,9 +2,8 @@
 
 ``.metadata`` stays DCP's pickle, for DCP's own tools. Decoding that pickle
 safely takes a pure-Python unpickler (see :mod:`metadata_file`), which costs
-more than reading the tensors' bytes (docs/benchmarks.md, issue 15: a load of
-20,000 small tensors, 5.89 s before the record and the native read checks,
-3.09 s after). From format 6 on, the writer also stores the same ``Metadata``
+more than reading the tensors' bytes of many small tensors (docs/benchmarks.md).
+From format 6 on, the writer also stores the same ``Metadata``
 as a plain JSON record after the pickle (inside the checksummed region),
 and our reader builds the ``Metadata`` from it: ``json`` is a C parser with
 no way to run code or name a class, and every value is checked while the

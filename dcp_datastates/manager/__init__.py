@@ -1,7 +1,7 @@
-"""Run management: a root of step checkpoints (``checkpoint_root``: names, the ``latest``
-pointer, resume order), what may be deleted in it (``cleanup``), and the manager that
-saves, loads and decides when each happens (``checkpoint_manager``)."""
+"""Run management: :class:`CheckpointManager` and its options (docs/manager.md); the modules
+it orchestrates are listed in :mod:`checkpoint_manager`'s docstring."""
 
 from dcp_datastates.manager.checkpoint_manager import CheckpointManager, ManagedSave, SkippedCheckpointWarning
+from dcp_datastates.manager.options import CheckpointManagerOptions
 
-__all__ = ["CheckpointManager", "ManagedSave", "SkippedCheckpointWarning"]
+__all__ = ["CheckpointManager", "CheckpointManagerOptions", "ManagedSave", "SkippedCheckpointWarning"]

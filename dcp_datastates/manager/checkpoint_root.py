@@ -1,33 +1,13 @@
-"""The on-disk layout of a run's checkpoint root (what ``CheckpointManager`` keeps).
+"""The on-disk layout of a run's checkpoint root (docs/manager.md, "The rules").
 
-::
-
-    ROOT/
-        step_00000100/     a checkpoint (committed when it holds .metadata)
-        step_00000200/
-        latest             {"step": 200, "dir": "step_00000200", "sequence": 14}: the newest
-                           checkpoint known committed and durable, replaced atomically
-                           (and "rollbacks": [[step, sequence], ...] once the run went back)
-
-Step directories are named ``step_`` and the step number, zero-padded to 8
-digits (longer numbers simply get more digits); tools order them by number.
-``latest`` is JSON so shell scripts and other tools can read it; it is only
-ever replaced by renaming a fully written, fsynced temporary over it, so a
-reader sees the old pointer or the new one, never a torn one.
-
-Commit order is a number, not a time: the manager gives every commit in a
-root the next *commit sequence*, which the checkpoint records in its
-``.metadata`` trailer before the rename that commits it, and ``latest``
-records with the step it names. A resume compares sequences to tell a
-checkpoint committed after the pointer moved (a crash between the commit
-and the pointer update) from one the run abandoned.
-
-A rollback (a resume from an older step, then a save) is recorded in the
-pointer as ``[step resumed from, sequence of the first save after it]``: every
-checkpoint of a later step committed before that save belongs to the
-trajectory given up. Locally the pointer alone tells that; a durable tier,
-which holds copies of steps the local root has replaced or deleted, needs
-the record (the manager mirrors the pointer there, :func:`given_up`).
+``ROOT/step_<N>/`` holds the checkpoint of step N (committed once it holds
+``.metadata``; N zero-padded to 8 digits); ``ROOT/latest`` is the JSON pointer
+to the newest checkpoint known committed and durable, with its *commit
+sequence* and the run's rollbacks, only ever replaced by renaming a fsynced
+temporary over it. Commit order is that sequence, which each checkpoint also
+records in its ``.metadata`` trailer, never a clock; a durable tier, which
+holds copies of steps the root has replaced or deleted, is judged by the
+pointer mirrored there (:func:`given_up`).
 """
 
 from __future__ import annotations
@@ -130,6 +110,15 @@ def read_pointer(root: str) -> Pointer | None:
     return Pointer.decode(blob, path)
 
 
+def read_pointer_if_valid(root: str) -> Pointer | None:
+    """:func:`read_pointer`, or None for a pointer that is not one (the owner's start warns
+    about it and rewrites it; otherwise the next commit does)."""
+    try:
+        return read_pointer(root)
+    except ValueError:
+        return None
+
+
 def read_latest(root: str) -> int | None:
     """The step the ``latest`` pointer names, or None when there is no pointer (see :func:`read_pointer`)."""
     pointer = read_pointer(root)
@@ -152,10 +141,7 @@ def newest_sequence(root: str) -> int:
     depends on clocks.
     """
     newest = 0
-    try:
-        pointer = read_pointer(root)
-    except ValueError:
-        pointer = None
+    pointer = read_pointer_if_valid(root)
     if pointer is not None and pointer.sequence is not None:
         newest = pointer.sequence
     for name in step_dirs(root).values():

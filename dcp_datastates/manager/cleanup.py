@@ -15,16 +15,15 @@ Everything that removes files from a root is here, under three rules:
   directories never committed, strays inside committed checkpoints (rank
   files of a killed overwrite, ``.metadata`` temporaries: the rule is
   :mod:`dcp_datastates.format.file_names`), pointer temporaries. After a
-  commit (:func:`retention_victims`): older checkpoints the retention policy
-  does not keep. A checkpoint whose ``.metadata`` cannot be read is left
-  exactly as it is.
+  commit: the older checkpoints :mod:`retention` gives up. A checkpoint whose
+  ``.metadata`` cannot be read is left exactly as it is.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-from typing import Callable, Collection
+from typing import Callable
 
 from dcp_datastates.core.durable import fsync_dir, remove_if_present
 from dcp_datastates.core.reader import DataStatesReader
@@ -36,7 +35,6 @@ from dcp_datastates.manager.checkpoint_root import (
     LATEST_TMP_RE,
     is_committed,
     is_link,
-    ResumeOrder,
     point_latest_at,
     resume_order,
     step_dirs,
@@ -120,70 +118,3 @@ def recover_root(root: str, allow_pickle: bool, warn: Callable[[str], None]) -> 
     elif not order.candidates and (order.pointer is not None or order.pointer_error):
         remove_if_present([os.path.join(root, LATEST_FILE)])
         fsync_dir(root)
-
-
-# -- retention ---------------------------------------------------------------------
-
-
-def retention_keeps(
-    committed: list[int], committed_step: int, keep_last: int | None, keep_every: int | None
-) -> set[int]:
-    """The committed steps (ascending) the policy keeps now that ``committed_step`` committed:
-    it, the ``keep_last`` newest up to it, and every multiple of ``keep_every``. The rule of
-    both tiers (the local root's retention here, the durable tier's in ``durable_tier``)."""
-    upto = [s for s in committed if s <= committed_step]
-    keep = {committed_step}
-    keep.update(upto if keep_last is None else upto[-keep_last:])
-    if keep_every is not None:
-        keep.update(s for s in committed if s % keep_every == 0)
-    return keep
-
-
-def spare_referred(victims, present, bases_of: Callable[[int], "set[int] | None"]) -> set[int]:
-    """``victims`` (steps) less every step a remaining one of ``present`` refers to, to a fixed
-    point, so that whatever stays stays loadable (incremental checkpoints). ``bases_of(step)``:
-    the steps it refers to, or None when that cannot be read: then every older victim stays (a
-    base is always older than what refers to it). The rule of both tiers."""
-    victims = set(victims)
-    while victims:
-        spared: set[int] = set()
-        for s in present:
-            if s in victims:
-                continue
-            bases = bases_of(s)
-            spared |= {v for v in victims if v < s} if bases is None else bases & victims
-        if not spared:
-            break
-        victims -= spared
-    return victims
-
-
-def retention_victims(
-    root: str,
-    committed_step: int,
-    keep_last: int | None,
-    keep_every: int | None,
-    in_flight: Collection[int] = (),
-    order: ResumeOrder | None = None,
-) -> list[str]:
-    """Directory names under ``root`` to delete now that ``committed_step`` is committed.
-
-    Candidates are steps below ``committed_step`` only: committed ones the
-    policy does not keep (``keep_last`` counts steps up to
-    ``committed_step``, so steps of an abandoned trajectory above it take
-    no slot; every multiple of ``keep_every`` is kept) and uncommitted ones
-    (failed saves), except steps in ``in_flight`` (saves still writing).
-    Symbolic links are never followed into. ``order``: the root's :func:`resume_order`, when
-    the caller has it already (one listing of the root for a retention pass).
-    """
-    dirs = step_dirs(root)
-    order = order if order is not None else resume_order(root)
-    committed = sorted([*order.candidates, *order.abandoned])
-    # Steps below S that a rollback went back past belong to a trajectory given up: they take
-    # no slot (and so go), as the abandoned steps above S take none (and stay, to be replaced).
-    gone = {s for s in order.abandoned if s < committed_step}
-    keep = retention_keeps([s for s in committed if s not in gone], committed_step, keep_last, keep_every)
-    return [
-        name for s, name in sorted(dirs.items())
-        if s < committed_step and s not in keep and s not in in_flight and not is_link(root, name)
-    ]

@@ -2,9 +2,8 @@
 
 The drain runs in the training process, in the gaps between checkpoints: a
 ``save()`` that starts while a block is under way is slowed by it (its memory
-traffic, the caches it evicts, the core it takes; on two cores bench_tiers.py
-measured ``save()`` 1.2-1.4x slower than without a drain even with 1 MiB
-blocks and a pause while saves run). So the drain
+traffic, the caches it evicts, the core it takes; docs/benchmarks.md), even
+with small blocks and a pause while saves run. So the drain
 
 - waits while a save of the manager runs (its snapshot copies the training
   state the optimizer's fence may wait for, then it writes the fast tier), and

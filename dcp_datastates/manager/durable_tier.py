@@ -1,36 +1,18 @@
 """The manager's durable tier: background drains, their status, retention there, and fetches.
 
-``CheckpointManager(root, durable=URL)`` keeps committing every save in
-``root`` (the fast tier, as before) and hands each committed step to a
-:class:`DurableTier`, whose one background thread per rank copies the
-rank's files to ``URL`` (:func:`tiers.drain.drain_rank`) and, on rank 0,
-commits the copy there once every rank confirmed (:func:`commit_durable`):
-:func:`run_drain_job`.
-
-The thread stays in the training process on purpose: a drain in a child
-process (its own interpreter lock and allocator) was measured against it
-and blocked ``save()`` no less (bench_tiers.py's loop, 30 saves each, medians
-7.7 ms vs 6.8 ms, local-only 4.9 ms), while costing every rank a second
-Python with torch (4.6 s of a core to start, hundreds of MiB). What slows a
-``save()`` that starts mid-drain is the drain's I/O under way (its memory
-traffic, the caches it evicts, the writeback of its files), so the drain
-works in small blocks, pauses between them while a save runs and keeps
-quiet just before the next save it expects (:mod:`manager.drain_pacing`).
-The training loop never waits for it: a save returns as before. A drain
-that fails because the store does not answer (an outage) is retried in the
-background with capped backoff for ``retry_s``; one that still fails, or
-fails otherwise, is retried with the next step's and reported by
-:meth:`DurableTier.wait` (and so by ``CheckpointManager.wait_durable`` and
-``close``); the local copy of a step that is not durable yet is kept.
-
-Rank 0 also mirrors the run's pointer to the tier (``latest``, with the
-commit sequence and the run's rollbacks, :class:`checkpoint_root.Pointer`)
-before each copy it starts: a new node reads from it which copies belong to
-a trajectory the run gave up, even before any save after a rollback reached
-the tier.
-
-Retention on the durable tier (``keep_last``, ``keep_every``) runs on rank 0
-after each durable commit, newest commits kept, ``.metadata`` deleted first.
+Each committed step is handed to a :class:`DurableTier`, whose one background
+thread per rank copies the rank's files to the tier (:func:`tiers.drain.drain_rank`)
+and, on rank 0, commits the copy there once every rank confirmed, then applies
+the tier's retention (:mod:`manager.retention`): :func:`run_drain_job`. The
+thread stays in the training process (a child process blocked ``save()`` no
+less and costs a second interpreter with torch; docs/benchmarks.md), works in
+small blocks, runs at the lowest priority and keeps out of saves' way
+(:mod:`manager.drain_pacing`). A drain the store does not answer is retried
+with capped backoff for ``retry_s``; one that still fails is retried with the
+next step and reported by :meth:`DurableTier.wait`; the local copy of a step
+not durable yet is kept. Rank 0 mirrors the run's pointer to the tier before
+each copy, so that a new node sees a rollback before any copy after it.
+Docs/tiers.md tells the whole story and its failure rules.
 """
 
 from __future__ import annotations
@@ -50,7 +32,7 @@ from dcp_datastates.format.checkpoint_layout import RankFiles
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_file import CommitStamp
 from dcp_datastates.manager.checkpoint_root import LATEST_FILE, POINTER_LIMIT, Pointer, step_dir_name, step_of
-from dcp_datastates.manager.cleanup import retention_keeps, spare_referred
+from dcp_datastates.manager.retention import RetentionPolicy
 from dcp_datastates.manager.drain_pacing import DrainPacer
 from dcp_datastates.storage import StoreError, open_store
 from dcp_datastates.tiers.drain import (
@@ -98,8 +80,7 @@ class DrainConfig:
     rank: int
     read_back: bool = True
     commit_timeout_s: float = 3600.0
-    keep_last: int | None = None
-    keep_every: int | None = None
+    retention: RetentionPolicy = RetentionPolicy()
     retry_s: float = RETRY_S
 
 
@@ -115,7 +96,7 @@ def run_drain_job(store, job: DrainJob, config: DrainConfig, progress, pace,
         return None, None
     stamp = commit_durable(job.local_dir, step_dir, store, timeout_s=config.commit_timeout_s, stop=stop)
     try:
-        apply_durable_retention(store, job.step, config.keep_last, config.keep_every)
+        apply_durable_retention(store, job.step, config.retention)
     except Exception as exc:  # noqa: BLE001 - the commit stands; retention catches up next time
         return stamp, f"step {job.step} is durable in {store.where('')}, but retention there failed: {exc}"
     return stamp, None
@@ -144,16 +125,13 @@ def read_tier_pointer(store) -> Pointer | None:
     return Pointer.decode(bytes(store.read_range(LATEST_FILE, 0, size)), store.where(LATEST_FILE))
 
 
-def apply_durable_retention(store, committed_step: int, keep_last: int | None, keep_every: int | None) -> None:
-    """Delete the durable copies the policy no longer keeps now that ``committed_step`` committed,
-    but never one a remaining copy refers to (incremental checkpoints, to a fixed point; one whose
-    ``.metadata`` cannot be read protects every older step); newest first, so a crash part-way
-    never leaves a durable copy whose base is gone."""
-    if keep_last is None and keep_every is None:
+def apply_durable_retention(store, committed_step: int, policy: RetentionPolicy) -> None:
+    """Delete the durable copies ``policy`` gives up now that ``committed_step`` committed there
+    (:mod:`manager.retention`: never one a remaining copy refers to; newest first)."""
+    if policy.keep_last is None and policy.keep_every is None:
         return
     listing = durable_steps(store)
     committed = sorted(s for s, (_name, done) in listing.items() if done)
-    keep = retention_keeps(committed, committed_step, keep_last, keep_every)
     read: dict[int, set[int] | None] = {}  # each remaining copy's .metadata is read once
 
     def bases_of(s: int) -> set[int] | None:
@@ -162,8 +140,7 @@ def apply_durable_retention(store, committed_step: int, keep_last: int | None, k
             read[s] = None if names is None else {step_of(n) for n in names}
         return read[s]
 
-    victims = spare_referred({s for s in committed if s < committed_step and s not in keep}, committed, bases_of)
-    for s in sorted(victims, reverse=True):
+    for s in policy.victims(committed_step, committed, bases_of):
         store.delete_checkpoint(step_dir_name(s))
 
 
@@ -182,8 +159,7 @@ class DurableTier:
         url: str,
         *,
         rank: int,
-        keep_last: int | None = None,
-        keep_every: int | None = None,
+        retention: RetentionPolicy = RetentionPolicy(),
         read_back: bool = True,
         commit_timeout_s: float = 3600.0,
         retry_s: float = RETRY_S,
@@ -191,15 +167,10 @@ class DurableTier:
         on_durable: Callable[[int, CommitStamp | None], None] | None = None,
         warn: Callable[[str], None] = lambda m: warnings.warn(m, stacklevel=3),
     ) -> None:
-        for name, value in (("durable_keep_last", keep_last), ("durable_keep_every", keep_every)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        if isinstance(retry_s, bool) or not isinstance(retry_s, (int, float)) or retry_s < 0:
-            raise ValueError(f"durable_retry_s must be a number of seconds >= 0, got {retry_s!r}")
         self.url = url
         self.store = open_store(url, **(store_options or {}))
         self.rank = rank
-        self.config = DrainConfig(rank, read_back, commit_timeout_s, keep_last, keep_every, float(retry_s))
+        self.config = DrainConfig(rank, read_back, commit_timeout_s, retention, float(retry_s))
         self._on_durable = on_durable
         self._pacer = DrainPacer()  # when the drain may start a block (manager.drain_pacing: why)
         self._warn = warn

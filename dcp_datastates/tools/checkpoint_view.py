@@ -40,8 +40,7 @@ from dcp_datastates.errors import (
     UnsafeCheckpointError,
     UnsupportedFormatError,
 )
-from dcp_datastates.format.file_names import layout_files
-from dcp_datastates.format.file_names import METADATA_FILE
+from dcp_datastates.format.file_names import METADATA_FILE, layout_files
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 from dcp_datastates.format.metadata_file import read_metadata_file
 from dcp_datastates.core.reader import DataStatesReader, missing_checkpoint_error
@@ -85,7 +84,7 @@ class CheckpointView:
         if not remote and not os.path.isdir(self.path):
             raise CheckpointNotFoundError(f"no checkpoint at {self.path}: the directory does not exist")
         ours = DataStatesReader(self.path, allow_pickle=allow_pickle)
-        md_path = ours._where(METADATA_FILE)
+        md_path = ours.where(METADATA_FILE)
         try:
             with ours.store.open_file(ours.key(METADATA_FILE)) as f:
                 metadata, _ = read_metadata_file(f, allow_pickle)  # bounded by its structure, not its size
@@ -108,7 +107,7 @@ class CheckpointView:
                     f"{md_path}: storage data is a {type(metadata.storage_data).__name__}; "
                     "neither a dcp_datastates nor a stock DCP checkpoint"
                 )
-            from dcp_datastates.core.compression import check_stock_transforms
+            from dcp_datastates.core.compression.codec import check_stock_transforms
 
             check_stock_transforms(metadata.storage_data, md_path)  # zstd items need zstandard here
             self.format = FORMAT_DCP
@@ -269,7 +268,7 @@ class CheckpointView:
         if len(md.size) == 0:
             return [((), ())]
         for chunk in md.chunks:
-            out.extend(_split_box(tuple(chunk.offsets), tuple(chunk.sizes), itemsize, max_bytes))
+            out.extend(split_box(tuple(chunk.offsets), tuple(chunk.sizes), itemsize, max_bytes))
         return out
 
     def _read(self, items: list[ReadItem], planner: "_BlockPlanner") -> None:
@@ -333,23 +332,9 @@ def read_ahead(blocks: Iterable[T], depth: int = 1) -> Iterator[T]:
         worker.join()
 
 
-def check_output_apart(out: str, sources: list[str]) -> None:
-    """Refuse an output path that is, contains, or lies inside a checkpoint being read.
-
-    Paths are compared resolved (symbolic links followed), so ``--overwrite``
-    can never replace a source or a file inside one (``CKPT/.metadata``).
-    """
-    target = os.path.realpath(out)
-    for src in sources:
-        if is_store_url(src):
-            continue  # in object storage: no local output can overlap it
-        real = os.path.realpath(src)
-        if target == real or target.startswith(real.rstrip(os.sep) + os.sep) or real.startswith(target.rstrip(os.sep) + os.sep):
-            raise ValueError(f"{out}: the output would overlap the checkpoint {src} being read; choose another output")
-
-
-def _split_box(offsets, sizes, itemsize: int, max_bytes: int):
-    """Split a box along its leading dimensions into boxes of at most ``max_bytes`` (down to single rows)."""
+def split_box(offsets, sizes, itemsize: int, max_bytes: int):
+    """Split a box along its leading dimensions into boxes of at most ``max_bytes`` (down to single rows):
+    the blocks every tool reads, so that its memory is bounded by a block."""
     nbytes = math.prod(sizes) * itemsize
     if nbytes <= max_bytes or len(sizes) == 0 or nbytes == 0:
         return [(offsets, sizes)]
@@ -357,7 +342,7 @@ def _split_box(offsets, sizes, itemsize: int, max_bytes: int):
     if inner > max_bytes and len(sizes) > 1:
         out = []
         for i in range(sizes[0]):
-            for o, s in _split_box(offsets[1:], sizes[1:], itemsize, max_bytes):
+            for o, s in split_box(offsets[1:], sizes[1:], itemsize, max_bytes):
                 out.append(((offsets[0] + i,) + o, (1,) + s))
         return out
     rows = max(1, max_bytes // max(inner, 1))

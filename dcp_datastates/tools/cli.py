@@ -1,10 +1,11 @@
 """``dcp-datastates``: list, inspect, verify, convert, export and compare checkpoints.
 
-Each subcommand parses its arguments here and calls a library function in
-the module that owns its job (``listing``, ``convert``, ``export``,
-``diff``), so everything the tool does is also available from Python. This
-is the entry point: it imports the commands, and none of them imports it
-(what they share is in ``common``).
+Each subcommand parses its arguments here and runs the module of
+:mod:`tools.commands` named after it, which calls a library function of its
+own, so everything the tool does is also available from Python. This is the
+entry point: it imports the commands, and none of them imports it (what they
+share is in ``common``). :func:`run` is the in-process entry; :func:`main`,
+the program, also sets the process's heap for streaming.
 Errors are reported as one line on stderr with a non-zero exit status; a
 traceback is printed only with ``--debug``. Exit status: 0 success, 1 a
 failure (a checkpoint that does not verify, an unreadable file, a refused
@@ -14,9 +15,12 @@ conversion), 2 a usage error, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import os
 import sys
 import traceback
+import warnings
 
 from dcp_datastates.tools.common import PROG, one_line
 
@@ -141,46 +145,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _dispatch(args: argparse.Namespace) -> int:
-    if args.command in ("ls", "inspect", "verify", "du"):
-        from dcp_datastates.tools import listing
-
-        return getattr(listing, f"run_{args.command}")(args)
-    if args.command == "convert":
-        from dcp_datastates.tools import convert
-
-        return convert.run_cli(args)
-    if args.command == "export":
-        from dcp_datastates.tools import export
-
-        return export.run_cli(args)
-    if args.command == "diff":
-        from dcp_datastates.tools import diff
-
-        return diff.run_cli(args)
-    raise AssertionError(args.command)
+def run(argv: list[str] | None = None, stdout=None, stderr=None) -> int:
+    """Parse ``argv`` and run the command, writing to ``stdout`` and ``stderr`` (the process's
+    streams when not given); return the exit status. Leaves the process's settings as they
+    were (the in-process entry tests and scripts use; :func:`main` is the program's)."""
+    with contextlib.ExitStack() as stack:
+        if stdout is not None:
+            stack.enter_context(contextlib.redirect_stdout(stdout))
+        if stderr is not None:
+            stack.enter_context(contextlib.redirect_stderr(stderr))
+        stack.enter_context(warnings.catch_warnings())
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:  # --help, --version, a usage error (already printed)
+            return exc.code if isinstance(exc.code, int) else 2
+        return _run(args)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    from dcp_datastates.native.memory import bound_heap
-
-    bound_heap()  # streaming commands: memory bounded by a block, not by the bytes streamed
+def _run(args: argparse.Namespace) -> int:
     try:
-        return _dispatch(args)
+        return importlib.import_module(f"dcp_datastates.tools.commands.{args.command}").run(args)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `dcp-datastates inspect X | head`
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+    except BrokenPipeError:  # `dcp-datastates inspect X | head`: no more output, and none at exit
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except Exception as exc:  # noqa: BLE001 - every failure becomes one line and a status
         if getattr(args, "debug", False):
             traceback.print_exc()
         print(f"{PROG} {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``dcp-datastates`` program: the process's heap set for streaming (memory bounded by a
+    block, not by the bytes streamed, see :mod:`native.memory`), then :func:`run`."""
+    from dcp_datastates.native.memory import bound_heap
+
+    bound_heap()
+    return run(argv)
 
 
 if __name__ == "__main__":

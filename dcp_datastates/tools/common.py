@@ -1,20 +1,19 @@
 """What every ``dcp-datastates`` command shares: its name, how it prints, how ``--keys`` selects.
 
-The commands (``listing``, ``convert``, ``export``, ``diff``) import this
-module, never ``cli``, which imports them: the entry point sits on top and
+The commands (:mod:`tools.commands`) import this module, never ``cli``,
+which imports them: the entry point sits on top and
 nothing reaches back into it. Tables are for people; ``--json`` output
 keeps exact numbers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import warnings
 from typing import Iterable
 
 PROG = "dcp-datastates"
-
-
-# -- errors --------------------------------------------------------------------------
 
 
 def one_line(exc: BaseException) -> str:
@@ -28,7 +27,15 @@ def one_line(exc: BaseException) -> str:
     return "; ".join(lines) if lines else type(exc).__name__
 
 
-# -- text ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def quiet_torch_warnings():
+    """Hide torch's notices that say nothing about the command's work (complex32 is
+    "experimental", DCP runs without a process group), so a tool prints only its own lines."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=".*process group.*not.*initialized", category=UserWarning)
+        yield
 
 
 def human_bytes(n: int | None) -> str:
@@ -65,9 +72,6 @@ def format_fields(fields: list[tuple[str, str]]) -> list[str]:
     """``(name, value)`` pairs as lines with the values aligned: a command's closing summary."""
     width = max(len(name) for name, _ in fields)
     return [f"{name:<{width}}  {value}" for name, value in fields]
-
-
-# -- key globs (--keys) ---------------------------------------------------------------
 
 
 def key_selected(key: str, globs: list[str] | None) -> bool:

@@ -15,6 +15,22 @@ import shutil
 import uuid
 
 from dcp_datastates.core.durable import fsync_dir
+from dcp_datastates.storage.url import is_store_url
+
+
+def check_output_apart(out: str, sources: list[str]) -> None:
+    """Refuse an output path that is, contains, or lies inside a checkpoint being read.
+
+    Paths are compared resolved (symbolic links followed), so ``--overwrite``
+    can never replace a source or a file inside one (``CKPT/.metadata``).
+    """
+    target = os.path.realpath(out)
+    for src in sources:
+        if is_store_url(src):
+            continue  # in object storage: no local output can overlap it
+        real = os.path.realpath(src)
+        if target == real or target.startswith(real.rstrip(os.sep) + os.sep) or real.startswith(target.rstrip(os.sep) + os.sep):
+            raise ValueError(f"{out}: the output would overlap the checkpoint {src} being read; choose another output")
 
 
 @contextlib.contextmanager
