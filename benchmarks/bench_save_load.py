@@ -89,7 +89,7 @@ from bench_common import add_common_args, drop_tree, filesystem_type, fmt, make_
 from bench_common import machine_info as common_machine_info  # noqa: E402
 from dcp_datastates import DataStatesReader, DataStatesSavePlanner, DataStatesWriter  # noqa: E402
 from dcp_datastates import _engine, _probes  # noqa: E402
-from dcp_datastates.core.durable import fsync_dir  # noqa: E402
+from dcp_datastates.storage.fsync_files import fsync_dir  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -36,7 +36,7 @@ import time
 import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "support"))
 
 MiB = 1 << 20
 VARIANTS = ("raw_put", "direct", "direct_noverify", "local_then_drain", "dcp_fsspec")

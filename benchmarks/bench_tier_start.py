@@ -4,7 +4,7 @@
     python benchmarks/bench_tier_start.py [--steps N] [--local N] [--starts N] [--puts N]
                                           [--port P] [--tree DIR] [--json OUT]
 
-On a SeaweedFS server started here (loopback, tests/s3_server.py), a run saves ``--steps``
+On a SeaweedFS server started here (loopback, tests/support/s3_server.py), a run saves ``--steps``
 steps (the last ``--local`` kept locally, all of them on the tier); then the manager is opened
 ``--starts`` times on that root with the tier and without it (median of each), and the run's
 pointer is written to the tier ``--puts`` times (``replace_bytes("latest")``: the mirror each
@@ -47,7 +47,8 @@ def main() -> int:
     tree = os.path.abspath(args.tree) if args.tree else os.path.dirname(HERE)
     if args.tree:
         use_tree(tree)
-    sys.path.insert(0, os.path.join(tree, "tests"))
+    sys.path.insert(0, os.path.join(tree, "tests"))  # an older tree kept its helpers here
+    sys.path.insert(0, os.path.join(tree, "tests", "support"))
     sys.path.insert(0, HERE)
     warnings.simplefilter("ignore")
 

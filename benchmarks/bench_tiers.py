@@ -267,7 +267,7 @@ def main() -> int:
     options = {"durable_dir": {}, "local_only": {}}
     try:
         if args.s3:
-            sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+            sys.path.insert(0, os.path.join(HERE, "..", "tests", "support"))
             from s3_server import WeedServer
 
             server = WeedServer(bucket="bench", nice=args.s3_nice)

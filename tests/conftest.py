@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import subprocess
+import sys
 import warnings
 
 import pytest
@@ -18,40 +19,27 @@ from dcp_datastates import DataStatesReader, DataStatesWriter
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
-# The fast tier (``pytest -q tests --fast``, about a minute on 2 cores): every module but these,
-# which start S3 servers or mount file systems, launch many processes or train, stream gigabytes
-# to measure memory, or run the CLI in subprocesses.
-# CI runs everything (README's test command).
-FULL_SUITE_ONLY = {
-    "test_tier_trajectories", "test_tier_faults", "test_manager_tiers", "test_drain", "test_cli_tiers",
-    "test_store_writer", "test_store_reader", "test_stress", "test_demo", "test_distributed",
-    "test_property", "test_async_memory", "test_hostile_files", "test_crash", "test_fork",
-    "test_cli_export", "test_cli_diff", "test_cli_convert", "test_dcp_parity", "test_incremental",
-    "test_compression", "test_concurrent_commit", "test_fuzz", "test_handoff", "test_manager",
-    "test_tier_stores", "test_storage", "test_cli_listing",
-}
+# The helpers the tests and their child processes import (launchers, workers, servers).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+
+# Markers (pyproject.toml): what a case needs -- ``s3`` (SeaweedFS, added here to every case that
+# uses the server), ``dist`` (gloo process groups), ``subprocess`` (new interpreters), ``cuda`` --
+# and ``slow``, the cases the fast tier leaves out: ``python -m pytest -q tests -m "not slow"``.
+# ``long`` marks the long versions of the reliability cases, run only when selected (``-m long``).
 
 
-def pytest_addoption(parser):
-    parser.addoption("--fast", action="store_true", help="the fast tier: leave out the modules of FULL_SUITE_ONLY")
-
-
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the s3 marks must be in place
 def pytest_collection_modifyitems(config, items):
-    """Skip ``slow``-marked cases unless they were selected with ``-m slow``; with ``--fast``,
-    leave out the modules only the full suite runs.
-
-    CI runs ``pytest -q tests``: the short versions of the reliability cases.
-    The long versions (docs/reliability.md) run with ``pytest -m slow tests``.
-    """
-    if config.getoption("--fast"):
-        kept = [item for item in items if item.module.__name__.rpartition(".")[2] not in FULL_SUITE_ONLY]
-        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
-        items[:] = kept
-    if "slow" in (config.getoption("markexpr", "") or ""):
-        return
-    skip = pytest.mark.skip(reason="long version: select it with -m slow")
+    s3 = pytest.mark.s3
     for item in items:
-        if "slow" in item.keywords:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "s3_server" in item.fixturenames or params.get("durable_url") == "s3":
+            item.add_marker(s3)
+    if "long" in (config.getoption("markexpr", "") or ""):
+        return
+    skip = pytest.mark.skip(reason="long version: select it with -m long")
+    for item in items:
+        if "long" in item.keywords:
             item.add_marker(skip)
 
 
@@ -232,7 +220,7 @@ def run_checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """SeaweedFS on the loopback for the session (tests/s3_server.py), with the client's
+    """SeaweedFS on the loopback for the session (tests/support/s3_server.py), with the client's
     endpoint and dummy credentials in the environment; stopped at the end."""
     pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
     from s3_server import WeedServer, running

@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
 GiB = 1 << 30
 MiB = 1 << 20
 

@@ -31,6 +31,8 @@ safetensors = pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CPLX_UNSUPPORTED = ("model.complex.c128", "model.complex.c32")  # dtypes safetensors has no name for
 

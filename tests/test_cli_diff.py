@@ -20,6 +20,8 @@ from cli_checkpoints import run_cli
 from dcp_datastates import DataStatesWriter
 from dcp_datastates.tools.commands.diff import layer_of
 
+pytestmark = pytest.mark.slow
+
 RTOL = 1e-9
 
 

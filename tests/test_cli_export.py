@@ -22,6 +22,8 @@ import torch.distributed.checkpoint as dcp
 from cli_checkpoints import run_cli
 from dcp_datastates import DataStatesWriter
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
 h5py = pytest.importorskip("h5py")
 ts = pytest.importorskip("tensorstore")
 

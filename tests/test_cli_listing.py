@@ -23,6 +23,7 @@ from dcp_datastates.tools.commands.inspect import rank_numbers
 from dcp_datastates.tools.common import human_bytes
 from dcp_datastates.format.checkpoint_layout import FORMAT_VERSION
 
+
 FAKE_RANK_FILE = "rank00000-0123456789ab.data"
 
 
@@ -60,6 +61,7 @@ def test_helpers_render_sizes_and_rank_lists():
     assert rank_numbers(["__0_0.distcp"]) == "__0_0.distcp"
 
 
+@pytest.mark.subprocess
 def test_help_of_each_command_exits_0():
     for cmd in ("ls", "inspect", "verify", "du"):
         r = run_program(cmd, "--help") if cmd == "ls" else cli(cmd, "--help")  # one as the user runs it
@@ -67,6 +69,7 @@ def test_help_of_each_command_exits_0():
         assert f"dcp-datastates {cmd}" in r.stdout
 
 
+@pytest.mark.subprocess
 def test_the_program_lists_and_fails_verify_with_status_1(run_checkpoints, tmp_path):
     """``python -m dcp_datastates``: the same table and exit status as the in-process entry."""
     listed = run_program("ls", run_checkpoints.root)

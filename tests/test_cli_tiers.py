@@ -13,6 +13,8 @@ from dcp_datastates.manager import CheckpointManager, CheckpointManagerOptions
 from dcp_datastates.storage import open_store
 from manager_workers import state_at
 
+pytestmark = [pytest.mark.s3, pytest.mark.slow]
+
 
 def cli(*argv):
     r = run_cli(*argv)

@@ -26,8 +26,10 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 
 from conftest import assert_same, data_files, index_files, load, raises_from_checkpoint
 from dcp_datastates import DataStatesWriter, verify
-from dcp_datastates.core import durable
+from dcp_datastates.storage import fsync_files
 from dcp_datastates.errors import CheckpointExistsError
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 _OTHER_SAVE = textwrap.dedent(
     """
@@ -170,20 +172,20 @@ def _prepare(tmp_path, existing: bool):
 @pytest.mark.parametrize("mechanism", ["renameat2", "link", "flock"])
 def test_rename_without_replacing(tmp_path, monkeypatch, mechanism):
     if mechanism != "renameat2":
-        monkeypatch.setattr(durable, "_rename_noreplace", lambda src, dst: False)
+        monkeypatch.setattr(fsync_files, "_rename_noreplace", lambda src, dst: False)
     if mechanism == "flock":
         def no_links(src, dst):
             raise OSError(errno.EPERM, "Operation not permitted", src)
 
-        monkeypatch.setattr(durable.os, "link", no_links)
+        monkeypatch.setattr(fsync_files.os, "link", no_links)
     tmp, final, d = _prepare(tmp_path, existing=False)
-    durable.rename_without_replacing(tmp, final, d)
+    fsync_files.rename_without_replacing(tmp, final, d)
     assert not os.path.exists(tmp) and open(final, "rb").read() == b"new"
 
     other = tmp_path / "other"
     other.mkdir()
     tmp, final, d = _prepare(other, existing=True)
     with pytest.raises(FileExistsError) as info:
-        durable.rename_without_replacing(tmp, final, d)
+        fsync_files.rename_without_replacing(tmp, final, d)
     assert info.value.filename == final
     assert open(final, "rb").read() == b"old" and os.path.exists(tmp)

@@ -1,6 +1,6 @@
 """Crash consistency: a save killed by SIGKILL anywhere never costs the last committed checkpoint.
 
-A child process (tests/crash_child.py) saves step 1 of a deterministic state
+A child process (tests/support/crash_child.py) saves step 1 of a deterministic state
 dict (committed), then saves step 2 and is killed inside that save: at chosen
 I/O operations of the data write, the index and metadata writes, the fsyncs,
 the rename that commits, the directory fsyncs around it and (asynchronous
@@ -20,7 +20,7 @@ directory (``overwrite=True``). Then, in this process:
 The child imports torch once and forks one grandchild per kill (see
 crash_child.py), which keeps a kill at about 0.1 s. CI runs every targeted
 point once for sync and async saves and a dozen random kills; the long
-version (``-m slow``) runs 200 random kills (``CRASH_SEED`` picks the seed).
+version (``-m long``) runs 200 random kills (``CRASH_SEED`` picks the seed).
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ from crash_child import MID_DATA_OFFSET, WRITER_KW, empty_like_state, make_state
 from dcp_datastates import CheckpointNotFoundError, DataStatesReader, DataStatesWriter, IncompleteCheckpointError
 from dcp_datastates.format.file_names import DATA_FILE_RE, METADATA_FILE
 
-CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_child.py")
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "crash_child.py")
 CI_RANDOM_KILLS = 12
 SLOW_RANDOM_KILLS = 200
 RANDOM_SPAN = 1.3  # random delays are drawn in [0, 1.3 x step 2's expected duration]
@@ -357,9 +359,9 @@ def test_random_kills_keep_the_committed_checkpoint(tmp_path):
     assert sum(outcomes.values()) == CI_RANDOM_KILLS
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_random_kills_long(tmp_path):
-    """200 random kills; prints a summary (outcomes, files left, time). Run with -m slow -s."""
+    """200 random kills; prints a summary (outcomes, files left, time). Run with -m long -s."""
     seed = int(os.environ.get("CRASH_SEED", time.time_ns() % 1_000_000))
     outcomes, summary = run_random_kills(tmp_path, SLOW_RANDOM_KILLS, seed, dry_runs=5)
     by = collections.Counter()

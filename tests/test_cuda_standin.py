@@ -24,6 +24,8 @@ import pytest
 
 from dcp_datastates import _engine
 
+pytestmark = pytest.mark.subprocess
+
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_standin")
 CASE_TIMEOUT_S = 120  # a hang fails the case instead of the whole run
 

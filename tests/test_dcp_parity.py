@@ -44,6 +44,8 @@ from dcp_datastates import (
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_file import decode_metadata, encode_metadata, read_commit_sequence
 
+pytestmark = [pytest.mark.dist, pytest.mark.subprocess, pytest.mark.slow]
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -16,6 +16,8 @@ from dcp_datastates.demo.__main__ import parse_args
 from dcp_datastates.demo.model import global_batch, lr_at
 from dcp_datastates.demo.report import check_continuation, check_replica, latest_committed_checkpoint
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.dist, pytest.mark.slow]
+
 TINY = ["--vocab", "128", "--seq-len", "32", "--d-model", "64", "--layers", "2", "--heads", "2", "--batch", "8"]
 
 
@@ -52,7 +54,7 @@ def test_demo_crash_and_resume_on_fewer_ranks(tmp_path):
     assert not (tmp_path / "demo").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_demo_resume_on_same_world_size_is_bit_exact(tmp_path):
     proc = _run_demo(tmp_path, "--resume-procs", "2", "--keep")
     assert proc.returncode == 0

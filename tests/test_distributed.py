@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import os
 import shutil
-import sys
 import types
 
 import pytest
@@ -18,13 +17,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dist_helpers as dh  # noqa: E402
 from dcp_datastates import ChecksumMismatchError, DataStatesReader, verify  # noqa: E402
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
 
 def _load_1proc(state, path, **reader_kwargs):

@@ -23,6 +23,8 @@ from dcp_datastates.tiers.drain import (
     fetch_step,
 )
 
+pytestmark = [pytest.mark.s3, pytest.mark.slow]
+
 
 def _state(seed=0):
     g = torch.Generator().manual_seed(seed)

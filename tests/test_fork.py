@@ -19,6 +19,8 @@ import traceback
 
 import pytest
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
 # Per child; the whole case gets a multiple of it. Shorten it (DCPDS_FORK_DEADLINE_S=10)
 # to see how a hang fails.
 CHILD_DEADLINE_S = float(os.environ.get("DCPDS_FORK_DEADLINE_S", "60"))

@@ -90,6 +90,7 @@ def test_a_saved_metadata_names_no_class_of_ours(tmp_path, kind):
     assert_same(load(target(), tmp_path / "c"), make_state())
 
 
+@pytest.mark.subprocess
 def test_dcp_reads_the_metadata_where_dcp_datastates_cannot_be_imported(ckpt):
     script = (
         "import pickle, sys\n"

@@ -6,7 +6,7 @@ interpreter crash. Index mutations with a recomputed checksum go one step
 further, through a whole load: it returns the exact state or raises.
 The ``.metadata`` of every stored format fixture (tests/fixtures: versions 1
 to 4 pickled our layout as classes, 5 as plain data) is mutated too.
-Each property runs a few thousand cases in CI; ``-m slow`` runs ten times more.
+Each property runs a few thousand cases in CI; ``-m long`` runs ten times more.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from dcp_datastates.native.engine import crc32c
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 from dcp_datastates.format.rank_index import decode_index
 from dcp_datastates.format.metadata_file import decode_metadata, split_metadata
+
+pytestmark = pytest.mark.slow
 
 FIXTURES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 CI_EXAMPLES = 2000
@@ -196,7 +198,7 @@ def test_metadata_decoder_on_mutated_pickles_of_every_format(directory, data):
     _decode_metadata_or_named_error(mutated(bytes(pickled), data))
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @LONG
 @given(data=st.data())
 def test_long_fuzz_index_and_metadata(index_blob, metadata_blob, data):

@@ -19,6 +19,8 @@ from dcp_datastates.core.async_save.runtime import runtime
 
 from conftest import assert_same, data_files, load, raises_from_checkpoint
 
+pytestmark = pytest.mark.slow
+
 MiB = 1 << 20
 
 

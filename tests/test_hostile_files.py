@@ -43,6 +43,8 @@ from dcp_datastates.format.storage_data import PLAIN_KEYS, layout_to_plain
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures"))
 from pickle_tools import crafted, old_paths_importable  # noqa: E402
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
 GiB = 1 << 30
 MiB = 1 << 20
 # Peak RSS may grow by this much while refusing a 1 GiB file (KiB, as ru_maxrss counts).

@@ -20,6 +20,8 @@ from dcp_datastates.core.incremental import ChangeTracker, content_digest
 from dcp_datastates.core.verify import verify
 from dcp_datastates.errors import CheckpointError, ChecksumMismatchError, CorruptCheckpointError
 
+pytestmark = [pytest.mark.dist, pytest.mark.subprocess, pytest.mark.slow]
+
 BIG = 1 << 16  # float32 elements: 256 KiB, a chunk an incremental save may refer to
 
 
@@ -570,7 +572,7 @@ def test_a_crash_during_retention_leaves_no_step_without_its_base(tmp_path, mode
     root = tmp_path / "run"
     here = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run(
-        [sys.executable, os.path.join(here, "manager_workers.py"), "crash", str(root), "incremental_retention", mode],
+        [sys.executable, os.path.join(here, "support", "manager_workers.py"), "crash", str(root), "incremental_retention", mode],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)

@@ -25,6 +25,8 @@ from dcp_datastates.manager.checkpoint_manager import CheckpointManager, Checkpo
 from dcp_datastates.manager.cleanup import LOCK_FILE
 from manager_workers import load_step, run_ranks, state_at, zeros_like_state
 
+pytestmark = [pytest.mark.dist, pytest.mark.subprocess, pytest.mark.slow]
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = [pytest.param(True, id="async"), pytest.param(False, id="sync")]
 
@@ -476,7 +478,7 @@ def test_a_second_manager_on_the_root_loads_but_never_deletes(tmp_path):
 
 def _crash_child(root, scenario, mode):
     proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "manager_workers.py"), "crash", str(root), scenario, mode],
+        [sys.executable, os.path.join(HERE, "support", "manager_workers.py"), "crash", str(root), scenario, mode],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)

@@ -21,6 +21,8 @@ from dcp_datastates.tiers.drain import DrainError, durable_steps
 from manager_workers import load_step, run_ranks, state_at
 from test_manager import data_file, flip_byte
 
+pytestmark = [pytest.mark.s3, pytest.mark.dist, pytest.mark.slow]
+
 MODES = [pytest.param(True, id="async"), pytest.param(False, id="sync")]
 
 

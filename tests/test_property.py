@@ -12,7 +12,7 @@
   and objects, saved on 2 gloo ranks with both save paths, loaded on 1 process
   and resharded onto 2 ranks (other placements, DTensor <-> plain tensor).
 
-The ``slow`` versions draw many more examples and larger tensors.
+The ``long`` versions draw many more examples and larger tensors.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import os
 import random
 import shutil
 import string
-import sys
 import tempfile
 
 import pytest
@@ -29,8 +28,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -39,10 +36,10 @@ import dcp_datastates  # noqa: E402
 import stress_helpers as sh  # noqa: E402
 from dcp_datastates import DataStatesReader, DataStatesWriter  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings(
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning",
     "ignore:ComplexHalf support is experimental:UserWarning",
-)
+)]
 
 
 # ---------------------------------------------------------------------------
@@ -231,13 +228,13 @@ _HYPOTHESIS = dict(
 )
 
 
-@settings(max_examples=200, **_HYPOTHESIS)
+@settings(max_examples=60, **_HYPOTHESIS)  # CI; the long version draws 1,500
 @given(tree=state_dicts(tensor_recipes()), config=st.sampled_from(WRITER_CONFIGS))
 def test_random_state_dicts_round_trip_bit_exactly(tmp_path, tree, config):
     check_round_trip(tree, config, tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @settings(max_examples=1500, **_HYPOTHESIS)
 @given(
     tree=state_dicts(tensor_recipes(max_small_dim=9, big_dims=(64, 700)), max_leaves=30),
@@ -297,7 +294,7 @@ def test_random_dtensor_states_2ranks_round_trip(tmp_path):
     _two_rank_round_trips(tmp_path, seeds=[0, 1, 2, 3, 4], reshard=True)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_random_dtensor_states_2ranks_round_trip_long(tmp_path):
     _two_rank_round_trips(tmp_path, seeds=list(range(100, 160)), reshard=True)
     sh.run_ranks("random_dist_load", 3, tmp_path / "logs", root=tmp_path, seeds=list(range(100, 160)))

@@ -19,6 +19,8 @@ from dcp_datastates.storage.local import LocalStore
 from dcp_datastates.storage.url import check_location, is_store_url, parse_s3_url, split_parent, url_scheme
 from test_store_reader import upload
 
+pytestmark = pytest.mark.slow
+
 
 def _state():
     g = torch.Generator().manual_seed(3)

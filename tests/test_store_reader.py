@@ -17,6 +17,8 @@ from dcp_datastates.storage import Store, StoreError, open_store
 from dcp_datastates import StoreReader
 from test_reshard_verify import _SliceLoadPlanner
 
+pytestmark = [pytest.mark.s3, pytest.mark.slow]
+
 
 @pytest.fixture
 def store(durable_url):

@@ -17,6 +17,8 @@ from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.storage import StoreError, open_store
 from dcp_datastates.storage.url import split_parent
 
+pytestmark = [pytest.mark.s3, pytest.mark.dist, pytest.mark.slow]
+
 
 def _state(seed=5):
     g = torch.Generator().manual_seed(seed)

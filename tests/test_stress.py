@@ -38,15 +38,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")  # the helpers the scripts import
 
 import dcp_datastates  # noqa: E402
 import dist_helpers as dh  # noqa: E402
 import stress_helpers as sh  # noqa: E402
 from dcp_datastates import DataStatesReader, DataStatesWriter  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+pytestmark = [pytest.mark.subprocess, pytest.mark.dist, pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
 MiB = 1 << 20
 
@@ -133,7 +132,7 @@ def test_100_async_saves_of_a_mutating_state_through_a_small_cache(tmp_path):
     _check_consecutive_saves(tmp_path, saves=100, width=320, depth=4)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_100_async_saves_of_a_mutating_state_through_a_small_cache_long(tmp_path):
     # ~12 MiB of tensors per save: 6x the cache (the recorded states take ~1.2 GiB of memory).
     _check_consecutive_saves(tmp_path, saves=100, width=512, depth=4)
@@ -168,7 +167,7 @@ def test_two_writers_in_two_threads_at_once(tmp_path, engines):
     _two_writers(tmp_path, engines, saves=30, stall_s=60)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("engines", ["shared", "separate"])
 @pytest.mark.parametrize("switch_interval", [None, 1e-5], ids=["default-switch", "10us-switch"])
 def test_two_writers_in_two_threads_at_once_long(tmp_path, engines, switch_interval):
@@ -207,7 +206,7 @@ def test_four_gloo_ranks_async_saves_load_on_one_process(tmp_path):
     _check_four_rank_saves(tmp_path, saves=4)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_four_gloo_ranks_async_saves_load_on_one_process_long(tmp_path):
     _check_four_rank_saves(tmp_path, saves=20)
 

@@ -18,6 +18,8 @@ from dcp_datastates.storage import open_store
 from dcp_datastates.tiers.drain import DrainError, durable_steps
 from manager_workers import state_at
 
+pytestmark = [pytest.mark.s3, pytest.mark.slow]
+
 pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
 
 FAULT_PORT = 8334

@@ -10,6 +10,8 @@ import pytest
 from dcp_datastates.storage import StoreError, open_store
 from dcp_datastates.storage.local import LocalStore
 
+pytestmark = [pytest.mark.s3, pytest.mark.slow]
+
 
 @pytest.fixture
 def store(durable_url):

@@ -29,6 +29,8 @@ from dcp_datastates.tiers.drain import DrainError, durable_commit_stamp, durable
 from dcp_datastates.format.metadata_file import read_commit_stamp
 from manager_workers import TRAJECTORY, state_at
 
+pytestmark = [pytest.mark.s3, pytest.mark.subprocess, pytest.mark.slow]
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 PORT = 8335
 
@@ -249,7 +251,7 @@ def test_a_kill_during_a_rollbacks_save_or_drain_loses_nothing(tmp_path, shared_
     it too (never trajectory 0's steps 4 or 5, which the tier still holds)."""
     root, durable = tmp_path / "run", os.path.join(shared_mount, f"kill_{point}")
     proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "manager_workers.py"), "tier_rollback_crash", str(root), durable, point],
+        [sys.executable, os.path.join(HERE, "support", "manager_workers.py"), "tier_rollback_crash", str(root), durable, point],
         capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)

@@ -6,14 +6,14 @@ written under a temporary name and fsynced, the directory fsynced (their
 names are durable), the temporary renamed to ``.metadata`` without replacing
 one another save committed meanwhile, and the directory fsynced again (the
 rename is durable). An error after the rename never removes the committed
-checkpoint's files. The file operations are :mod:`durable`'s.
+checkpoint's files. The file operations are those of :mod:`storage.fsync_files`.
 """
 
 from __future__ import annotations
 
 import os
 
-from dcp_datastates.core.durable import fsync_dir, remove_if_present, rename_into_place, rename_without_replacing, write_new_file_durably
+from dcp_datastates.storage.fsync_files import fsync_dir, remove_if_present, rename_into_place, rename_without_replacing, write_new_file_durably
 from dcp_datastates.errors import CheckpointError, CheckpointExistsError
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 from dcp_datastates.format.file_names import METADATA_FILE, layout_files, metadata_tmp_name

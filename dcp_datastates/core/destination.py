@@ -22,7 +22,8 @@ from __future__ import annotations
 import os
 import posixpath
 
-from dcp_datastates.core import commit, durable
+from dcp_datastates.core import commit
+from dcp_datastates.storage import fsync_files
 from dcp_datastates.errors import CheckpointError, CheckpointExistsError
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 from dcp_datastates.format.file_names import METADATA_FILE, layout_files
@@ -76,14 +77,14 @@ class DirectoryDestination:
         return engine.write(self.where(name), regions, keep, **options)
 
     def write_index(self, name: str, blob: bytes) -> None:
-        durable.write_new_file_durably(self.where(name), blob)
+        fsync_files.write_new_file_durably(self.where(name), blob)
 
     def stage_metadata(self, save_id: str, blob: bytes):
         return commit.write_metadata_tmp(self.location, save_id, blob)
 
     def discard_metadata(self, staged) -> None:
         if staged is not None:
-            durable.remove_if_present([staged])
+            fsync_files.remove_if_present([staged])
 
     def committed_by(self, staged) -> bool:
         return commit.renamed_into_place(self.location, staged)
@@ -98,7 +99,7 @@ class DirectoryDestination:
         commit.make_durable_after_commit(self.location, [self.where(f) for f in stale])
 
     def remove(self, names: list[str]) -> None:
-        durable.remove_if_present([self.where(n) for n in names])
+        fsync_files.remove_if_present([self.where(n) for n in names])
 
 
 class StoreDestination:

@@ -48,29 +48,9 @@ TEMP_BUDGET_BYTES = 512 << 20  # temporaries alive at once while reading non-dir
 class DataStatesReader(StorageReader):
     """Read dcp_datastates checkpoints, resharding to any world size through DCP.
 
-    Args:
-        path: the checkpoint: a directory, or a URL of object storage
-            (``s3://bucket/run/step_00000100``; endpoint and credentials as
-            :mod:`storage.s3` takes them); or pass ``checkpoint_id`` to ``dcp.load``.
-            With ``store``, the checkpoint's key prefix in that store.
-        store: an open :class:`storage.Store` to read through (a manager passes its
-            durable tier's); the reader does not close it. Without it, the reader opens
-            the store at ``path``'s parent (so that an incremental checkpoint's bases,
-            its siblings, can be read) and closes it in :meth:`close`.
-        store_options: options of the store the reader opens (an S3 store's
-            ``endpoint``, ``region``, retries; see :func:`storage.open_store`).
-        verify: verify the CRC32C of every byte read (reads are widened to whole
-            checksum segments; a byte no checksum covers is an error).
-        allow_pickle: unpickle anything the checkpoint holds. By default (safe
-            mode) ``.metadata`` is read by an unpickler that admits only DCP's
-            metadata types, and saved Python objects must load with
-            ``torch.load(weights_only=True)`` (plain data and tensors), so a
-            checkpoint from someone else cannot run code; anything else raises
-            :class:`UnsafeCheckpointError` naming the key. Pass ``True`` only
-            for checkpoints you trust.
-        io_threads: engine threads reading (and verifying) a directory in parallel.
-        window_bytes: the largest single read of a directory; also the write window size.
-        concurrency: ranged reads of object storage in flight (None: the store's).
+    Its options (``path``, ``store``, ``store_options``, ``verify``,
+    ``allow_pickle``, ``io_threads``, ``window_bytes``, ``concurrency``) are
+    documented once, in README.md's "Options".
     """
 
     def __init__(

@@ -102,58 +102,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     whose ``stage()`` returns at once while the engine copies the state through
     ``host_cache_bytes`` of reused host memory.
 
-    Args:
-        path: checkpoint directory, or a URL of object storage
-            (``s3://bucket/run/step_00000100``: each rank streams its files there
-            by multipart upload from the engine's pool, ``.metadata`` last;
-            endpoint and credentials as :mod:`storage.s3` takes them, or in
-            ``store_options``). ``dcp.async_save`` stages before it passes
-            ``checkpoint_id`` on, so asynchronous saves need the path here (or
-            set by ``writer.reset(path)`` before ``dcp.async_save``).
-        overwrite: allow saving over a committed checkpoint in ``path``.
-        host_cache_bytes: bytes of reused host staging memory (the engine pool),
-            shared by every writer with the same settings in the process.
-        io_threads: threads that checksum and write windows.
-        window_bytes: size of one write window (one pool slot, one pwrite).
-        direct_io: ``"auto"`` (O_DIRECT where the filesystem allows it),
-            ``"on"`` (require it) or ``"off"`` (buffered writes).
-        sequence: a commit sequence number recorded in ``.metadata``'s trailer
-            (0: none). :class:`CheckpointManager` numbers the commits in its
-            root with it, so that resume orders them without clocks.
-        compression: ``"zstd"`` stores every tensor chunk of 64 KiB or more as
-            zstd frames of 4 MiB blocks (see :mod:`compression`); needs
-            ``pip install "dcp_datastates[zstd]"``. ``None`` (default): raw.
-        compression_level: the zstd level (default 3, DCP's).
-        stripes: how many data files a rank of a synchronous save may write its
-            tensors to, each from its own I/O thread (format 7; buffered
-            writes to one file serialize on its inode lock, so on fast
-            storage one file per thread is faster). ``None`` (default): up to
-            ``io_threads``, and at most one per 32 MiB of the rank's tensors;
-            ``1``: one file per rank. Stripes are cut at large tensors' starts,
-            so a rank has at most as many as it has tensors of 64 KiB or more.
-            Compressed saves and asynchronous snapshots write one file.
-        _extensions: DCP's ``FileSystemWriter`` argument, accepted so that
-            switching is one argument: ``[ZStandard()]`` means ``compression="zstd"``;
-            any other extension is refused.
-        base: a committed checkpoint in a sibling directory to save incrementally
-            against (format 8, docs/incremental.md): each tensor chunk of 64 KiB
-            or more whose bytes equal the base's chunk at the same key, offsets,
-            dtype and shape (XXH3-128 digests, computed now and recorded by the
-            base's save) is not written; the new checkpoint refers to the base's
-            file, offset and checksums. The base must then be kept as long as
-            the new checkpoint is (``CheckpointManager`` does this itself).
-            ``None`` (default): a full save. Not with ``compression``.
-        record_digests: record content digests of the large chunks (so that a
-            later save can use this checkpoint as its base). On when ``base``
-            is given; off by default otherwise (it costs a hash of every byte).
-        change_tracker: an :class:`incremental.ChangeTracker` kept across saves:
-            chunks whose tensors changed since its last save are written
-            without hashing (``CheckpointManager`` passes its own).
-        store_options: options of the object store a URL names (``endpoint``,
-            ``region``, ``part_bytes``, retries: :class:`storage.s3.S3Store`).
-        verify_upload: read every object of a save into object storage back
-            once uploaded and compare its CRC-32C with the bytes sent (the save
-            fails, uncommitted, if the store kept other bytes). On by default.
+    Its options (``path``, ``overwrite``, ``host_cache_bytes``, ``io_threads``,
+    ``window_bytes``, ``direct_io``, ``compression``, ``compression_level``,
+    ``_extensions``, ``sequence``, ``stripes``, ``base``, ``record_digests``,
+    ``change_tracker``, ``store_options``, ``verify_upload``) are documented once,
+    in README.md's "Options".
 
     A planner may set a truthy attribute ``resolve_creates_tensors`` when its
     ``resolve_data`` materialises a new tensor on every call (as the

@@ -17,7 +17,7 @@ import json
 import os
 import re
 
-from dcp_datastates.core.durable import fsync_dir, rename_into_place, remove_if_present, write_new_file_durably
+from dcp_datastates.storage.fsync_files import fsync_dir, rename_into_place, remove_if_present, write_new_file_durably
 from dcp_datastates.format.file_names import METADATA_FILE, step_dir_name, step_of, steps_named  # noqa: F401 - the run's names
 from dcp_datastates.format.metadata_file import read_commit_sequence
 

@@ -25,7 +25,7 @@ import fcntl
 import os
 from typing import Callable
 
-from dcp_datastates.core.durable import fsync_dir, remove_if_present
+from dcp_datastates.storage.fsync_files import fsync_dir, remove_if_present
 from dcp_datastates.core.reader import DataStatesReader
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.file_names import layout_files, stray_files

@@ -9,7 +9,7 @@ long-lived process that is done checkpointing gives the pools back with
 What crosses into the engine is typed: the records re-exported here
 (``HostRegion``, ``StridedRegion``, ``DeviceRegion``, ``ReadRequest``,
 ``SegmentCheck``; jobs answer with ``Segment`` and ``ReadFailure``) are
-described, with every engine call, in ``dcp_datastates/_engine.pyi``.
+described, with every engine call, in ``dcp_datastates/_engine/__init__.pyi``.
 
 A forked process (DataLoader workers, ``multiprocessing`` with fork) inherits
 the engines but not their threads: there they would never finish a job, and

@@ -3,7 +3,9 @@
 :mod:`url` tells a URL from a directory and takes it apart; :mod:`store` is the
 protocol (:class:`Store`); :mod:`local` a directory tree (the engine's batched,
 verified reads), :mod:`s3` S3-compatible object storage; :mod:`segments`
-checks streamed bytes against a rank index's checksum segments.
+checks streamed bytes against a rank index's checksum segments; :mod:`fsync_files`
+holds the POSIX primitives every local write commits through (create and
+fsync, directory fsync, renames that never replace).
 """
 
 from __future__ import annotations

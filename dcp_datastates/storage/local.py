@@ -22,7 +22,7 @@ import os
 import shutil
 import stat
 
-from dcp_datastates.core import durable
+from dcp_datastates.storage import fsync_files
 from dcp_datastates.errors import CheckpointError, CorruptCheckpointError
 from dcp_datastates.format.checkpoint_files import CheckpointFile, open_checkpoint_file
 from dcp_datastates.format.file_names import METADATA_FILE
@@ -68,10 +68,10 @@ class LocalStore(Store):
     def _publish(self, tmp: str, path: str, key: str) -> None:
         directory = os.path.dirname(path)
         try:
-            durable.rename_without_replacing(tmp, path, directory)
-            durable.fsync_dir(directory)
+            fsync_files.rename_without_replacing(tmp, path, directory)
+            fsync_files.fsync_dir(directory)
         except FileExistsError as exc:
-            durable.remove_if_present([tmp])
+            fsync_files.remove_if_present([tmp])
             raise ObjectExistsError(f"{self.where(key)}: already exists (a durable object is never replaced)") from exc
         except OSError as exc:
             raise StoreError(f"publishing {self.where(key)}: {exc.strerror or exc}") from exc
@@ -88,7 +88,7 @@ class LocalStore(Store):
                 os.mkdir(d)
             except FileExistsError:
                 pass
-            durable.fsync_dir(os.path.dirname(d))
+            fsync_files.fsync_dir(os.path.dirname(d))
 
     def _in_dir(self, directory: str, create):
         """``create()`` a file in ``directory`` (made if missing). Another rank's drain may remove
@@ -108,7 +108,7 @@ class LocalStore(Store):
         tmp = self._tmp(path)
         total = 0
         try:
-            durable.remove_if_present([tmp])
+            fsync_files.remove_if_present([tmp])
             with self._in_dir(os.path.dirname(path), lambda: open(tmp, "xb", buffering=0)) as dst:
                 for data in blocks:
                     view = memoryview(data)
@@ -120,15 +120,15 @@ class LocalStore(Store):
                         progress(len(view))
                 os.fsync(dst.fileno())
         except OSError as exc:
-            durable.remove_if_present([tmp])
+            fsync_files.remove_if_present([tmp])
             if isinstance(exc, StoreError):
                 raise
             raise StoreError(f"writing {self.where(key)}: {exc.strerror or exc}") from exc
         except BaseException:
-            durable.remove_if_present([tmp])
+            fsync_files.remove_if_present([tmp])
             raise
         if size is not None and total != size:
-            durable.remove_if_present([tmp])
+            fsync_files.remove_if_present([tmp])
             raise StoreError(f"writing {self.where(key)}: {total} bytes came, {size} were announced")
         self._publish(tmp, path, key)
 
@@ -136,10 +136,10 @@ class LocalStore(Store):
         path = self._path(key)
         tmp = self._tmp(path)
         try:
-            durable.remove_if_present([tmp])
-            self._in_dir(os.path.dirname(path), lambda: durable.write_new_file_durably(tmp, data))
+            fsync_files.remove_if_present([tmp])
+            self._in_dir(os.path.dirname(path), lambda: fsync_files.write_new_file_durably(tmp, data))
         except OSError as exc:
-            durable.remove_if_present([tmp])
+            fsync_files.remove_if_present([tmp])
             raise StoreError(f"writing {self.where(key)}: {exc.strerror or exc}") from exc
         self._publish(tmp, path, key)
 
@@ -156,12 +156,12 @@ class LocalStore(Store):
         tmp = self._tmp(path)
         directory = os.path.dirname(path)
         try:
-            durable.remove_if_present([tmp])
-            self._in_dir(directory, lambda: durable.write_new_file_durably(tmp, data))
-            durable.rename_into_place(tmp, path, directory)
-            durable.fsync_dir(directory)
+            fsync_files.remove_if_present([tmp])
+            self._in_dir(directory, lambda: fsync_files.write_new_file_durably(tmp, data))
+            fsync_files.rename_into_place(tmp, path, directory)
+            fsync_files.fsync_dir(directory)
         except OSError as exc:
-            durable.remove_if_present([tmp])
+            fsync_files.remove_if_present([tmp])
             raise StoreError(f"writing {self.where(key)}: {exc.strerror or exc}") from exc
 
     def read_range(self, key: str, offset: int, length: int) -> bytearray:
@@ -226,10 +226,10 @@ class LocalStore(Store):
         if not os.path.isdir(path):
             return  # already gone (another cleanup got there first)
         try:
-            durable.remove_if_present([os.path.join(path, METADATA_FILE)])
-            durable.fsync_dir(path)
+            fsync_files.remove_if_present([os.path.join(path, METADATA_FILE)])
+            fsync_files.fsync_dir(path)
             shutil.rmtree(path)
-            durable.fsync_dir(os.path.dirname(path))
+            fsync_files.fsync_dir(os.path.dirname(path))
         except OSError as exc:
             raise StoreError(f"deleting {path}: {exc.strerror or exc}") from exc
 
@@ -297,7 +297,7 @@ class LocalStore(Store):
             for name in filenames:
                 if _is_partial(name):
                     removed.append(os.path.join(dirpath, name))
-        durable.remove_if_present(removed)
+        fsync_files.remove_if_present(removed)
         return removed
 
 

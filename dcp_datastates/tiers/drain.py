@@ -366,7 +366,7 @@ def fetch_step(store: Store, step_dir: str, local_dir: str, *, block: int = BLOC
     the bytes copied. Each file is read in ``block``-byte ranges, ``concurrency`` of them in flight,
     each written at its offset. The load that follows verifies every byte it reads against the
     checksums."""
-    from dcp_datastates.core import durable
+    from dcp_datastates.storage import fsync_files
 
     meta_key = f"{step_dir}/{METADATA_FILE}"
     if store.size(meta_key) is None:
@@ -387,16 +387,16 @@ def fetch_step(store: Store, step_dir: str, local_dir: str, *, block: int = BLOC
             if size is None:
                 raise DrainError(f"{store.where(key)}: vanished during the fetch")
             try:
-                durable.remove_if_present([tmp])
+                fsync_files.remove_if_present([tmp])
                 with open(tmp, "xb", buffering=0) as f:
                     _fetch_ranges(store, key, size, f.fileno(), block, pool)
                     os.fsync(f.fileno())
-                durable.rename_into_place(tmp, final, local_dir)
+                fsync_files.rename_into_place(tmp, final, local_dir)
             except BaseException:
-                durable.remove_if_present([tmp])
+                fsync_files.remove_if_present([tmp])
                 raise
             total += size
-    durable.fsync_dir(local_dir)
+    fsync_files.fsync_dir(local_dir)
     return total
 
 

@@ -14,7 +14,7 @@ import os
 import shutil
 import uuid
 
-from dcp_datastates.core.durable import fsync_dir
+from dcp_datastates.storage.fsync_files import fsync_dir
 from dcp_datastates.storage.url import is_store_url
 
 

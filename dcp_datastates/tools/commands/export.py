@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from dcp_datastates.core.durable import fsync_dir
+from dcp_datastates.storage.fsync_files import fsync_dir
 from dcp_datastates.errors import UnsafeCheckpointError
 from dcp_datastates.manager.checkpoint_root import is_committed, step_dirs
 from dcp_datastates.native.memory import release_freed_memory

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from dcp_datastates.core.durable import fsync_dir
+from dcp_datastates.storage.fsync_files import fsync_dir
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.tools.checkpoint_view import CheckpointView
 from dcp_datastates.tools.formats.dcp_save import dcp_save

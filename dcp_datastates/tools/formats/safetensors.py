@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
-from dcp_datastates.core.durable import fsync_dir
+from dcp_datastates.storage.fsync_files import fsync_dir
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.tools.checkpoint_view import read_ahead, split_box
 from dcp_datastates.tools.formats import block_bytes
