@@ -48,8 +48,8 @@ from dcp_datastates.storage.store import Store, StoreError, run_all
 BLOCK_BYTES = 8 << 20  # bytes a fetch or verify reads from the store at a time
 # Bytes the drain reads from the local tier, checks and hands to the store at a time: small, so
 # that a save starting meanwhile waits for little of it (the drain pauses between blocks while a
-# save runs; with 8 MiB blocks, bench_tiers.py's save() was 1.3-2.2x slower than without a drain,
-# with 1 MiB 1.14x). The store gathers blocks into its own parts (S3: 64 MiB).
+# save runs; larger blocks slowed saves measurably, docs/benchmarks.md). The store gathers blocks
+# into its own parts (S3: 64 MiB).
 DRAIN_BLOCK_BYTES = 1 << 20
 CONFIRM_DIR = ".drain"
 
