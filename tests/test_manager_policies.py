@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 import pickle
 import types
 from concurrent.futures import Future
@@ -58,8 +59,9 @@ def test_options_are_frozen_and_replaced_whole():
 
 
 def test_a_manager_takes_options_not_keywords(tmp_path):
-    with pytest.raises(TypeError):
-        CheckpointManager(tmp_path, keep_last=1)
+    with pytest.raises(TypeError, match=r"CheckpointManager\(root, CheckpointManagerOptions\(keep_last=\.\.\., durable=\.\.\.\)\)"):
+        CheckpointManager(tmp_path, keep_last=1, durable="/x")  # named, and nothing is created
+    assert not os.path.exists(tmp_path / ".lock") and os.listdir(tmp_path) == []
     with pytest.raises(TypeError, match="CheckpointManagerOptions"):
         CheckpointManager(tmp_path, {"keep_last": 1})
     assert CheckpointManager(tmp_path).options == CheckpointManagerOptions()

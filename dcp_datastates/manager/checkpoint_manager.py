@@ -114,8 +114,13 @@ class CheckpointManager:
     """
 
     def __init__(
-        self, root: str | os.PathLike, options: CheckpointManagerOptions | None = None, *, process_group: Any = None
+        self, root: str | os.PathLike, options: CheckpointManagerOptions | None = None, *, process_group: Any = None,
+        **settings: Any,
     ) -> None:
+        if settings:  # the settings of older releases, now the options object's fields
+            named = ", ".join(f"{k}=..." for k in settings)
+            raise TypeError(f"CheckpointManager takes its settings as an options object: "
+                            f"CheckpointManager(root, CheckpointManagerOptions({named})) (docs/manager.md)")
         self.options = opts = options if options is not None else CheckpointManagerOptions()
         if not isinstance(opts, CheckpointManagerOptions):
             raise TypeError(f"options must be a CheckpointManagerOptions, got {type(opts).__name__}")
