@@ -665,3 +665,36 @@ def test_an_async_save_that_fails_after_staging_neither_hangs_nor_blocks_the_nex
     assert "cannot schedule" in outcome.get("error", "") and outcome.get("done")
     assert saved_steps(tmp_path / "run") == [20] and read_latest(tmp_path / "run") == 20
     assert os.listdir(tmp_path / "run" / "step_00000010") == [] if os.path.exists(tmp_path / "run" / "step_00000010") else True
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_the_documented_loop_resumes_model_and_optimizer(tmp_path, async_save):
+    """docs/manager.md's loop, followed literally: the resumed optimizer has the saved lr and
+    moments (a load alone fills the state dict; ``set_state_dict`` puts it back)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        return model, torch.optim.AdamW(model.parameters(), lr=1.0)
+
+    model, optimizer = make()
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = 0.125  # as a scheduler would leave it
+    options = Options(async_save=async_save)
+    with CheckpointManager(tmp_path, options) as mgr:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        mgr.save(1, {"model": model_sd, "optim": optim_sd, "step": 1})
+
+    model2, optimizer2 = make()
+    with CheckpointManager(tmp_path, options) as mgr:
+        model_sd, optim_sd = get_state_dict(model2, optimizer2)
+        state = {"model": model_sd, "optim": optim_sd, "step": 0}
+        start = mgr.load(state)
+        if start is not None:
+            set_state_dict(model2, optimizer2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert start == 1 and state["step"] == 1
+    assert optimizer2.param_groups[0]["lr"] == 0.125
+    assert_same(dict(model2.state_dict()), dict(model.state_dict()))
+    assert_same(optimizer2.state_dict()["state"], optimizer.state_dict()["state"])

@@ -15,7 +15,7 @@ from dcp_datastates.storage import StoreError
 from dcp_datastates.manager import CheckpointManagerOptions as Options
 from dcp_datastates.manager.checkpoint_manager import CheckpointManager, CheckpointManagerWarning
 from dcp_datastates.manager.checkpoint_root import step_dirs
-from dcp_datastates.manager.durable_tier import DURABLE, FAILED
+from dcp_datastates.manager.durable_tier import DELETED, DURABLE, FAILED
 from dcp_datastates.storage import open_store
 from dcp_datastates.tiers.drain import DrainError, durable_steps
 from manager_workers import load_step, run_ranks, state_at
@@ -43,9 +43,9 @@ def test_every_commit_is_drained_and_retention_runs_per_tier(tmp_path, durable_u
             mgr.save(step, state_at(step))
         mgr.wait_durable()
         status = mgr.durable_status()
-        assert {s: st.state for s, st in status.items()} == {10: DURABLE, 20: DURABLE, 30: DURABLE, 40: DURABLE}
+        assert {s: st.state for s, st in status.items()} == {10: DELETED, 20: DURABLE, 30: DURABLE, 40: DURABLE}
         assert all(st.bytes_done == st.bytes_total > 4 << 20 for st in status.values())
-        assert mgr.durable_steps() == [20, 30, 40]  # the last 2, and every 20th
+        assert mgr.durable_steps() == [20, 30, 40]  # the last 2, and every 20th: the steps durable_status calls durable
     assert _steps(root) == [40]  # locally the last one: the others were durable before they went
     assert _durable(durable_url) == {20: True, 30: True, 40: True}
 

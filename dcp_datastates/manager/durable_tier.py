@@ -47,7 +47,7 @@ from dcp_datastates.tiers.drain import (
     step_bases,
 )
 
-QUEUED, DRAINING, DURABLE, FAILED = "queued", "draining", "durable", "failed"
+QUEUED, DRAINING, DURABLE, FAILED, DELETED = "queued", "draining", "durable", "failed", "deleted"
 RETRY_S = 1800.0  # how long a drain is retried while the store does not answer (an outage)
 RETRY_FIRST_S, RETRY_MAX_S = 1.0, 60.0  # the backoff between those tries: doubling, capped
 
@@ -57,7 +57,9 @@ class DrainStatus:
     """Where one step's copy to the durable tier stands, on this rank."""
 
     step: int
-    state: str = QUEUED  # queued, draining, durable (rank 0: committed there; others: confirmed), failed
+    # queued, draining, durable (rank 0: committed there; others: confirmed), failed, or deleted (rank 0,
+    # which applies the tier's retention: the copy was durable and retention removed it since)
+    state: str = QUEUED
     bytes_done: int = 0
     bytes_total: int = 0
     seconds: float = 0.0
@@ -85,21 +87,21 @@ class DrainConfig:
 
 
 def run_drain_job(store, job: DrainJob, config: DrainConfig, progress, pace,
-                  stop=None) -> tuple[CommitStamp | None, str | None]:
+                  stop=None) -> tuple[CommitStamp | None, str | None, list[int]]:
     """Copy this rank's files of ``job``'s step to ``store``; on rank 0, commit the copy once
     every rank confirmed, then apply the tier's retention. Returns the stamp of the save
-    committed there (rank 0; None elsewhere) and a warning (retention failed after the
-    commit, which stands); raises if the copy is not durable."""
+    committed there (rank 0; None elsewhere), a warning (retention failed after the
+    commit, which stands) and the steps retention deleted; raises if the copy is not durable."""
     step_dir = step_dir_name(job.step)
     drain_rank(job.local_dir, step_dir, job.files, store, read_back=config.read_back, progress=progress, pace=pace)
     if config.rank != 0:
-        return None, None
+        return None, None, []
     stamp = commit_durable(job.local_dir, step_dir, store, timeout_s=config.commit_timeout_s, stop=stop)
     try:
-        apply_durable_retention(store, job.step, config.retention)
+        deleted = apply_durable_retention(store, job.step, config.retention)
     except Exception as exc:  # noqa: BLE001 - the commit stands; retention catches up next time
-        return stamp, f"step {job.step} is durable in {store.where('')}, but retention there failed: {exc}"
-    return stamp, None
+        return stamp, f"step {job.step} is durable in {store.where('')}, but retention there failed: {exc}", []
+    return stamp, None, deleted
 
 
 def is_outage(exc: BaseException) -> bool:
@@ -125,11 +127,12 @@ def read_tier_pointer(store) -> Pointer | None:
     return Pointer.decode(bytes(store.read_range(LATEST_FILE, 0, size)), store.where(LATEST_FILE))
 
 
-def apply_durable_retention(store, committed_step: int, policy: RetentionPolicy) -> None:
+def apply_durable_retention(store, committed_step: int, policy: RetentionPolicy) -> list[int]:
     """Delete the durable copies ``policy`` gives up now that ``committed_step`` committed there
-    (:mod:`manager.retention`: never one a remaining copy refers to; newest first)."""
+    (:mod:`manager.retention`: never one a remaining copy refers to; newest first); returns
+    their steps."""
     if policy.keep_last is None and policy.keep_every is None:
-        return
+        return []
     listing = durable_steps(store)
     committed = sorted(s for s, (_name, done) in listing.items() if done)
     read: dict[int, set[int] | None] = {}  # each remaining copy's .metadata is read once
@@ -140,8 +143,10 @@ def apply_durable_retention(store, committed_step: int, policy: RetentionPolicy)
             read[s] = None if names is None else {step_of(n) for n in names}
         return read[s]
 
-    for s in policy.victims(committed_step, committed, bases_of):
+    victims = policy.victims(committed_step, committed, bases_of)
+    for s in victims:
         store.delete_checkpoint(step_dir_name(s))
+    return victims
 
 
 def _lower_priority() -> None:
@@ -435,9 +440,13 @@ class DurableTier:
                 backoff = min(backoff * 2, RETRY_MAX_S)
 
     def _drain(self, job: DrainJob, progress) -> None:
-        stamp, warning = run_drain_job(self.store, job, self.config, progress, self._pacer.wait_for_gap,
-                                       stop=lambda: self._stopping)
+        stamp, warning, deleted = run_drain_job(self.store, job, self.config, progress, self._pacer.wait_for_gap,
+                                                stop=lambda: self._stopping)
         self._answered()
+        with self._lock:
+            for s in deleted:
+                if s in self._status and self._status[s].state == DURABLE:
+                    self._status[s].state = DELETED
         if warning is not None:
             self._warn(warning)
         if self.rank == 0 and self._on_durable is not None and not self._stopping:
