@@ -82,13 +82,7 @@ def predict_staged_layout(plans: list[SavePlan], save_id: str) -> LayoutPredicti
     staged: list[StagedRankData] = [p.storage_data for p in plans]
     if any(s.references or s.digests for s in staged):
         return None
-    compressions = {s.compression for s in staged}
-    if len(compressions) > 1:
-        raise CheckpointError(
-            f"ranks staged with different compression settings ({sorted(map(str, compressions))}); "
-            "every rank's DataStatesWriter must use the same compression"
-        )
-    compression = compressions.pop() if compressions else None
+    compression = _one_compression({s.compression for s in staged}, "staged")
     ranks, entries = [], []
     for rank, (plan, s) in enumerate(zip(plans, staged)):
         ranks.append(RankFiles(rank, s.data_file, s.index_file, s.save_id))
@@ -128,13 +122,18 @@ def layout_from_reports(
                 )
             entries.append((*location_key(wr.index.fqn, wr.index.offset), slot, loc.offset, loc.length, loc.object_ordinal))
     ranks += bases
-    if len(compressions) > 1:
-        raise CheckpointError(
-            f"ranks wrote with different compression settings ({sorted(map(str, compressions))}); "
-            "every rank's DataStatesWriter must use the same compression"
-        )
-    compression = compressions.pop() if compressions else None
+    compression = _one_compression(compressions, "wrote")
     layout = CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, save_id, ranks, entries, compression, digests)
     layout.validate(where)
     layout.check_covers(metadata, where)
     return layout
+
+
+def _one_compression(compressions: set, did: str):
+    """The one compression every rank used (None: raw); ranks that disagree are an error."""
+    if len(compressions) > 1:
+        raise CheckpointError(
+            f"ranks {did} with different compression settings ({sorted(map(str, compressions))}); "
+            "every rank's DataStatesWriter must use the same compression"
+        )
+    return compressions.pop() if compressions else None
