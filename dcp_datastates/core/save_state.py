@@ -25,6 +25,7 @@ from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 class SaveStats:
     """Timings of the last save on this rank (seconds), for benchmarks and logs."""
 
+    began_at: float = 0.0  # time.perf_counter() when the save began (async: its snapshot's capture)
     bytes_written: int = 0
     items: int = 0
     direct_io: bool = False

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -399,6 +400,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             save.stats.rank_files = RankFiles(save.rank, report.data_file, report.index_file, report.save_id, report.stripes)
             with_report(results, report)
         self.last_save_stats = save.stats
+        log_rank_written(save.rank, target.path, save.stats)
         if not save.is_coordinator:
             self._end(save)  # the coordinator commits; nothing more happens on this rank
         fut: Future[list[WriteResult]] = Future()
@@ -429,6 +431,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         target.dest.after_commit([f for f in replaced if f not in keep])
         save.stats.commit_s = time.perf_counter() - t0
         self.last_save_stats = save.stats
+        _log.info("committed %s: %d rank file(s), commit %.3f s", target.path, len(layout.ranks), save.stats.commit_s)
 
     # -- one save's life ----------------------------------------------------------
 
@@ -455,8 +458,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         previous = self._save
         if previous is not None and not previous.ended:  # DCP failed between our calls of that save
             self._clean_up(previous)
-        stats = SaveStats(asynchronous=snap is not None)
+        stats = SaveStats(asynchronous=snap is not None, began_at=time.perf_counter())
         if snap is not None:
+            stats.began_at = snap.captured_at
             stats.stage_call_s = snap.stage_call_s
             stats.staged_s = snap.staged_s
             path, dest = snap.directory, snap.dest
@@ -613,6 +617,24 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._snapshots = WriterSnapshots()
         self._reset_paths = {}
         self._save = None
+
+
+_log = logging.getLogger(__name__)
+
+
+def log_rank_written(rank: int, path: str, stats: SaveStats) -> None:
+    """One INFO line per rank and save: bytes, seconds since the save began, rate, and for an
+    asynchronous save how long the caller was blocked (the rest overlapped training)."""
+    if not _log.isEnabledFor(logging.INFO):
+        return
+    seconds = time.perf_counter() - stats.began_at
+    rate = stats.bytes_written / seconds / 1e9 if seconds > 0 else float("inf")
+    line = f"rank {rank} wrote {stats.bytes_written} bytes to {path} in {seconds:.3f} s ({rate:.2f} GB/s)"
+    if stats.asynchronous:
+        line += f"; async: the caller was blocked {stats.stage_call_s:.3f} s, the snapshot was copied after {stats.staged_s:.3f} s"
+    if stats.referenced_bytes:
+        line += f"; {stats.referenced_bytes} bytes referred to in the base"
+    _log.info("%s", line)
 
 
 def _cached_global_plans(planner: SavePlanner) -> list[SavePlan] | None:

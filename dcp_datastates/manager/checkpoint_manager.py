@@ -21,8 +21,10 @@ the group alone touches the pointer, retention and cleanup.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
+import time
 import warnings
 import weakref
 from concurrent.futures import Future
@@ -154,15 +156,16 @@ class CheckpointManager:
         self._root_lock = threading.Lock()
         self._root_released = False
 
-        def start() -> tuple[bool, int, tuple]:
+        def start() -> tuple[bool, int, tuple, bool]:
+            created = not os.path.isdir(self.root)
             os.makedirs(self.root, exist_ok=True)
             if self._take_ownership() and opts.cleanup:
                 recover_root(self.root, opts.allow_pickle, _warn)
             pointer = read_pointer_if_valid(self.root)  # the run's rollbacks on record
-            return self._lock_fd is not None, newest_sequence(self.root), pointer.rollbacks if pointer else ()
+            return self._lock_fd is not None, newest_sequence(self.root), pointer.rollbacks if pointer else (), created
 
         try:
-            self.owner, newest, rollbacks = self._ranks.on_rank0(start, "opening the checkpoint root")
+            self.owner, newest, rollbacks, self._root_created = self._ranks.on_rank0(start, "opening the checkpoint root")
             # Commits are numbered from the newest one in the root (every rank gets rank 0's
             # number, so every rank hands its writer the same sequence for the same save).
             self._seq = self._pointed_seq = newest
@@ -255,6 +258,9 @@ class CheckpointManager:
                 self._pending.append(pending)
             finally:
                 self._reserved_bases.discard(base)  # registered, or not saving
+        _log.debug("step %d: %s save into %s (commit sequence %d%s%s)", step,
+                   "asynchronous" if self.options.async_save else "synchronous", path, pending.seq,
+                   f", incremental on {base}" if base else "", ", replacing a committed one" if replace and committed else "")
         self._saves_changed()
         if not self.options.async_save:
             try:
@@ -329,6 +335,7 @@ class CheckpointManager:
         lists why each was refused.
         """
         self.wait()
+        t0 = time.perf_counter()
         listing = self._ranks.on_rank0(
             lambda: list_checkpoints(self.root, self._tier, self._rollbacks, _warn_manager), "listing the checkpoints"
         )
@@ -348,6 +355,9 @@ class CheckpointManager:
                 self._rolled_back_to = (s, newest) if newest is not None and s < newest else None
                 if self.options.incremental:
                     self._bases.loaded(s)  # every byte was checked: the next save may refer to it
+                where = self.path_of(s) if s in plan.local else f"its durable copy on {self._tier.url}"
+                _log.info("%s step %d from %s in %.3f s%s", "resumed from" if step is None else "loaded", s, where,
+                          time.perf_counter() - t0, f" (newest known: step {newest})" if newest is not None and s != newest else "")
                 return s
             why, bad_files = verdict
             if step is not None:
@@ -357,6 +367,9 @@ class CheckpointManager:
                 self._replaceable.add(s)
             _warn(f"skipping the checkpoint of step {s} ({self.path_of(s)}): {why}; trying an older one")
         if not plan.candidates:
+            why = ("did not exist before this run" if self._root_created
+                   else "holds no committed checkpoint" + (f" (nor does {self._tier.url})" if self._tier else ""))
+            _log.info("resume: %s %s: starting from scratch", self.root, why)
             return None
         raise CorruptCheckpointError(
             f"no checkpoint under {self.root} could be loaded:\n  " + "\n  ".join(refused)
@@ -433,15 +446,17 @@ class CheckpointManager:
         if self._rank == 0:
             try:
                 with self._lock:
-                    if pending.seq > self._pointed_seq:
+                    moved = pending.seq > self._pointed_seq
+                    if moved:
                         pointer = point_latest_at(self.root, pending.step, pending.seq, sorted(self._rollbacks))
                         self._pointed_seq = pending.seq
                         if self._tier is not None:  # before the step's copy: a rollback is seen there first
                             self._tier.mirror_pointer(pointer)
                     self._retention_anchor = pending.step
                     victims = self._local_victims(pending.step)
-                for name in victims:
-                    delete_checkpoint_dir(os.path.join(self.root, name))
+                _log.info("step %d committed in %s%s", pending.step, pending.path,
+                          f"; {LATEST_FILE} -> step {pending.step}" if moved else " (a later save moved the pointer first)")
+                self._delete_for_retention(victims)
             except Exception as exc:  # noqa: BLE001
                 _warn_manager(
                     f"the checkpoint of step {pending.step} is committed in {pending.path}, but updating "
@@ -516,6 +531,12 @@ class CheckpointManager:
             may_delete=may_delete,
         )
         return [dirs[s] for s in victims]
+
+    def _delete_for_retention(self, victims: list[str]) -> None:
+        for name in victims:
+            delete_checkpoint_dir(os.path.join(self.root, name))
+            _log.info("retention (keep_last=%s, keep_every=%s): deleted %s", self.options.keep_last,
+                      self.options.keep_every, os.path.join(self.root, name))
 
     def _settled_locally(self, step: int, name: str) -> bool:
         """Whether local retention may delete ``step`` with a durable tier: its own save is
@@ -613,8 +634,7 @@ class CheckpointManager:
                         self._settled[step] = stamp
                     anchor = self._retention_anchor
                     victims = self._local_victims(anchor) if anchor is not None else []
-                for name in victims:
-                    delete_checkpoint_dir(os.path.join(self.root, name))
+                self._delete_for_retention(victims)
         except Exception as exc:  # noqa: BLE001
             _warn_manager(f"step {step} is durable, but local retention failed: {exc}")
 
@@ -793,9 +813,16 @@ def _unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+_log = logging.getLogger(__name__)
+
+
+# The manager's warnings go through ``warnings`` (what a user sees without configuring anything);
+# each is also logged at INFO, so that a log alone tells why a step was skipped or what failed.
 def _warn(message: str) -> None:
+    _log.info("%s", message)
     warnings.warn(message, SkippedCheckpointWarning, stacklevel=3)
 
 
 def _warn_manager(message: str) -> None:
+    _log.info("%s", message)
     warnings.warn(message, CheckpointManagerWarning, stacklevel=3)

@@ -18,6 +18,7 @@ Docs/tiers.md tells the whole story and its failure rules.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import queue
 import threading
@@ -47,6 +48,7 @@ from dcp_datastates.tiers.drain import (
     step_bases,
 )
 
+_log = logging.getLogger(__name__)
 QUEUED, DRAINING, DURABLE, FAILED, DELETED = "queued", "draining", "durable", "failed", "deleted"
 RETRY_S = 1800.0  # how long a drain is retried while the store does not answer (an outage)
 RETRY_FIRST_S, RETRY_MAX_S = 1.0, 60.0  # the backoff between those tries: doubling, capped
@@ -421,10 +423,12 @@ class DurableTier:
             st.bytes_done += n
 
         while True:
-            st.bytes_done = 0
+            st.bytes_done, t0 = 0, time.monotonic()
             try:
                 self._write_small()  # before the copy: a new node must see a rollback first
                 self._drain(job, progress)
+                _log.info("step %d: rank %d copied %d bytes to %s in %.3f s%s", job.step, self.rank, st.bytes_done,
+                          self.url, time.monotonic() - t0, "; the durable copy is committed" if self.rank == 0 else "")
                 return
             except Exception as exc:  # noqa: BLE001 - retried below, or raised
                 if not is_outage(exc) or self._stopping:
@@ -443,6 +447,8 @@ class DurableTier:
         stamp, warning, deleted = run_drain_job(self.store, job, self.config, progress, self._pacer.wait_for_gap,
                                                 stop=lambda: self._stopping)
         self._answered()
+        for s in deleted:
+            _log.info("durable retention: deleted step %d from %s", s, self.url)
         with self._lock:
             for s in deleted:
                 if s in self._status and self._status[s].state == DURABLE:

@@ -101,6 +101,7 @@ class Snapshot:
         self.staging_error: BaseException | None = None
         self.stage_call_s = 0.0  # seconds the caller spent in stage()
         self.staged_s = 0.0  # seconds from capture to every byte out of the caller's tensors
+        self.captured_at = 0.0  # time.perf_counter() when capture() began
         self.staged = threading.Event()  # every byte left the caller's tensors (or it was abandoned)
         self._versions: list[tuple[str, torch.Tensor, int]] = []
         self._lock = threading.Lock()
@@ -126,7 +127,7 @@ class Snapshot:
     # -- capture (caller's thread) ----------------------------------------------
 
     def capture(self, state_dict: Any, engine, direct_io: str) -> None:
-        self._t_capture = time.perf_counter()
+        self.captured_at = time.perf_counter()
         sources: list[TensorSource] = []
         index: dict[tuple, int] = {}
         to_hash: list[tuple] = []  # (source index, key, tensor to hash, name) of the tensors hashed
@@ -289,7 +290,7 @@ class Snapshot:
             if self.staging_error is not None:
                 return  # raised by the save (locations_for)
             ok = self.job.wait_staged()
-            self.staged_s = time.perf_counter() - self._t_capture
+            self.staged_s = time.perf_counter() - self.captured_at
             if not ok:
                 return  # the job's own error (file, offset, errno) is raised by write_data
             changed = [name for name, t, v in self._versions if _dcp_compat.version_counter(t) != v]
