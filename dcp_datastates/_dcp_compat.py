@@ -319,6 +319,14 @@ def stream_transform_extension_class():
     return StreamTransformExtension
 
 
+def extension_registry():
+    """A new ``_extension.ExtensionRegistry`` with DCP's default extensions (ZStandard): how
+    ``FileSystemReader`` turns the transform descriptors of stored items back into extensions."""
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+
+    return ExtensionRegistry()
+
+
 def load_into_empty_state_dict(storage_reader) -> dict:
     """What ``format_utils.dcp_to_torch_save`` does: every saved item into an empty state dict,
     through DCP's ``_load_state_dict`` and ``_EmptyStateDictLoadPlanner``."""

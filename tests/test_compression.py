@@ -155,9 +155,24 @@ class _Rot13(StreamTransformExtension):
         return input
 
 
+def _extension_base_class():
+    """DCP's base ``_extension.Extension`` (a kind of extension that is not a stream transform)."""
+    return StreamTransformExtension.__mro__[1]
+
+
 def test_unknown_extension_and_bad_arguments_are_refused():
-    with pytest.raises(ValueError, match="_Rot13 .stream.rot13/1."):
-        DataStatesWriter("/nonexistent", _extensions=[_Rot13()])
+    """Any DCP stream transform is accepted (tests/test_stream_transforms.py); another kind of
+    extension is refused by name, and so is zstd asked for twice over a transform."""
+
+    class _Layout(_extension_base_class()):
+        registry_name = staticmethod(lambda: "layout.x")
+        from_descriptor = staticmethod(lambda version: _Layout())
+        get_descriptor = lambda self: "layout.x/1"  # noqa: E731
+
+    with pytest.raises(ValueError, match="extension _Layout: only stream transforms"):
+        DataStatesWriter("/nonexistent", _extensions=[_Layout()])
+    with pytest.raises(ValueError, match="list ZStandard"):
+        DataStatesWriter("/nonexistent", compression="zstd", _extensions=[_Rot13()])
     with pytest.raises(ValueError, match="compression must be"):
         DataStatesWriter("/nonexistent", compression="lz4")
     with pytest.raises(ValueError, match="compression_level"):
@@ -383,8 +398,12 @@ def test_stock_dcp_zstd_checkpoint_through_our_tools(tmp_path):
 def test_stock_zstd_checkpoint_without_zstandard_names_the_extra(tmp_path, monkeypatch):
     dcp.save({"w": torch.arange(1000.0)}, storage_writer=dcp.FileSystemWriter(tmp_path / "s", _extensions=[ZStandard()]),
              no_dist=True)
-    monkeypatch.setitem(sys.modules, "zstandard", None)
-    with pytest.raises(ImportError, match=r"dcp_datastates\[zstd\]"):
+    from dcp_datastates import UnsupportedFormatError
+
+    extension = sys.modules["torch.distributed.checkpoint._extension"]  # where DCP's ZStandard looks
+    monkeypatch.setattr(extension, "zstandard", None)
+    monkeypatch.setattr(extension, "pyzstd", None)
+    with pytest.raises(UnsupportedFormatError, match=r"'stream.zstd/1'.*dcp_datastates\[zstd\]"):
         CheckpointView(tmp_path / "s")
 
 

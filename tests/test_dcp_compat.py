@@ -286,3 +286,24 @@ def test_local_plan_unchanged_follows_dcps_plan_cache():
 
 def test_flattening_is_legacy_only_for_torch_2_3_checkpoints():
     assert _dcp_compat.flattening_is_legacy() is False
+
+
+def test_extension_registry_turns_descriptors_into_stream_transforms():
+    """``ExtensionRegistry``: a new default one knows ZStandard by the descriptor FileSystemWriter
+    records, refuses a name it was not given, and builds a registered one."""
+    registry = _dcp_compat.extension_registry()
+    zstd_cls = _dcp_compat.zstandard_extension_class()
+    (ext,) = registry.from_descriptor_list(["stream.zstd/1"])
+    assert type(ext) is zstd_cls and isinstance(ext, _dcp_compat.stream_transform_extension_class())
+    with pytest.raises(ValueError, match="test.other"):
+        registry.from_descriptor_list(["test.other/1"])
+
+    class Other(_dcp_compat.stream_transform_extension_class()):
+        registry_name = staticmethod(lambda: "test.other")
+        from_descriptor = staticmethod(lambda version: Other())
+        get_descriptor = lambda self: "test.other/1"  # noqa: E731
+        transform_to = transform_from = lambda self, stream: stream  # noqa: E731
+
+    registry.register(Other)
+    assert type(registry.from_descriptor_list(["test.other/1"])[0]) is Other
+    assert _dcp_compat.extension_registry() is not registry  # a new one each time: nothing shared

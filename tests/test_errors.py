@@ -141,9 +141,16 @@ def test_shape_mismatch(ckpt):
         load(target, ckpt)
 
 
-def test_checkpoint_written_by_filesystem_writer_is_named(tmp_path):
+def test_stock_checkpoint_whose_record_leaves_its_directory_is_refused(tmp_path):
+    """A stock DCP checkpoint loads through our reader (tests/test_stock_dcp.py); one whose
+    storage data names a file outside its directory is refused, naming the item."""
     dcp.save(_state(), storage_writer=dcp.FileSystemWriter(tmp_path / "fs"), no_dist=True)
-    assert_metadata_error(tmp_path / "fs", UnsupportedFormatError, "FileSystemReader")
+    md_path = tmp_path / "fs" / ".metadata"
+    md = pickle.loads(md_path.read_bytes())
+    info = next(iter(md.storage_data.values()))
+    info.relative_path = "../elsewhere.distcp"
+    md_path.write_bytes(pickle.dumps(md))
+    assert_metadata_error(tmp_path / "fs", CorruptCheckpointError, "not a file of the checkpoint")
 
 
 def test_newer_format_version_is_refused(ckpt):

@@ -52,7 +52,7 @@ INDEX_ARGS = dict(
 )
 INDEX_GOLDEN = bytes.fromhex(
     "4443504453494458"  # magic b"DCPDSIDX"
-    "08000000"  # format version 8 (u32)
+    "09000000"  # format version 9 (u32)
     "03000000"  # rank 3 (u32)
     "30313233343536373839616200000000"  # save id, ASCII, zero-padded to 16
     "0020000000000000"  # data size 8192 (u64)
@@ -62,12 +62,12 @@ INDEX_GOLDEN = bytes.fromhex(
     "8000000000000000" "a00f000000000000" "efcdab89" "00000000"  # segment: offset 128, 4000 bytes, crc, 0
     "4010000000000000" "2500000000000000"  # object: offset 4160, 37 bytes
     "8010000000000000" "0000000000000000"  # object: offset 4224, 0 bytes
-    "b49f0dab"  # CRC-32C of every byte before it
+    "16519fc2"  # CRC-32C of every byte before it
 )
 
 
 def test_rank_index_bytes():
-    assert FORMAT_VERSION == 8
+    assert FORMAT_VERSION == 9
     blob = encode_index(**INDEX_ARGS)
     assert blob.hex() == INDEX_GOLDEN.hex()
     assert len(blob) == 56 + 2 * 24 + 2 * 16 + 4
@@ -93,7 +93,7 @@ def test_a_rank_index_of_a_newer_version_is_refused_by_name():
     from dcp_datastates.errors import UnsupportedFormatError
 
     body = INDEX_GOLDEN[:8] + struct.pack("<I", FORMAT_VERSION + 1) + INDEX_GOLDEN[12:-4]
-    with pytest.raises(UnsupportedFormatError, match=r"new\.index has format version 9"):
+    with pytest.raises(UnsupportedFormatError, match=r"new\.index has format version 10"):
         decode_index(body + struct.pack("<I", _crc32c(body)), "new.index")
 
 
@@ -183,7 +183,7 @@ LAYOUT = CheckpointLayout(
 )
 PLAIN_GOLDEN = {
     "format": "dcp_datastates",
-    "version": 8,
+    "version": 9,
     "save_id": "0123456789ab",
     "ranks": [
         (0, "rank00000-0123456789ab.data", "rank00000-0123456789ab.index", "", (8192,), ""),
@@ -268,3 +268,83 @@ def test_a_metadata_file_decodes_its_plain_layout():
     blob = pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
     decoded, checked = decode_metadata(blob + encode_trailer(blob, 7), "ckpt/.metadata")
     assert checked and decoded.storage_data == LAYOUT
+
+
+# -- format 9: the pickle's storage data, and DCP's stream transforms --------------------------
+
+
+def test_the_pickled_storage_data_answers_stock_dcp_with_the_named_file():
+    """The pickle stores the plain layout in a defaultdict whose factory is DCP's _StorageInfo of
+    one documented file name: stock DCP's FileSystemReader opens it, and fails naming it."""
+    import pickle
+    import pickletools
+
+    from dcp_datastates._dcp_compat import storage_info_class
+    from dcp_datastates.format.storage_data import STOCK_READER_FILE, storage_data_to_pickle
+
+    assert STOCK_READER_FILE == "dcp_datastates-checkpoint--load-it-with-storage_reader=dcp_datastates.DataStatesReader(path)"
+    blob = pickle.dumps(storage_data_to_pickle(LAYOUT), protocol=pickle.HIGHEST_PROTOCOL)
+    names = [arg for op, arg, _ in pickletools.genops(blob) if op.name == "SHORT_BINUNICODE"]
+    assert ["collections", "defaultdict", "functools", "partial", "torch.distributed.checkpoint.filesystem",
+            "_StorageInfo"] == names[:6]  # nothing of ours is named
+    stock = pickle.loads(blob)
+    assert dict(stock) == PLAIN_GOLDEN
+    assert stock[MetadataIndex("model.w", torch.Size([0, 0]))] == storage_info_class()(STOCK_READER_FILE, 0, 0)
+
+
+@pytest.mark.parametrize("allow_pickle", [False, True])
+def test_the_pickled_storage_data_decodes_to_the_layout_in_both_unpicklers(allow_pickle):
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    md = Metadata({}, storage_data=LAYOUT)
+    blob = encode_metadata(md)
+    body, _record, _ = split_metadata(blob, "m")
+    pickled_only = bytes(body) + encode_trailer(bytes(body))  # decoded from the pickle, not the record
+    decoded, _ = decode_metadata(pickled_only, "m", allow_pickle=allow_pickle)
+    assert decoded.storage_data == LAYOUT
+
+
+def test_a_defaultdict_with_another_factory_is_refused():
+    """The unpicklers admit exactly the factory the writer pickles: no partial of anything else."""
+    import collections
+    import functools
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from dcp_datastates._dcp_compat import storage_info_class
+    from dcp_datastates.errors import UnsafeCheckpointError
+
+    for factory in (functools.partial(storage_info_class(), "../elsewhere", 0, 0), functools.partial(dict)):
+        md = Metadata({}, storage_data=collections.defaultdict(factory, layout_to_plain(LAYOUT)))
+        blob = pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
+        with pytest.raises((CorruptCheckpointError, UnsafeCheckpointError), match="stock-reader record|builtins.dict"):
+            decode_metadata(blob + encode_trailer(blob), "m")
+
+
+STREAM = ("stream", 4 << 20, ("test.rot/1", "stream.zstd/1"))
+
+
+def test_stream_transform_compression_round_trips_through_plain_data_and_the_record():
+    """Format 9: frames of DCP's stream transforms record the descriptors as DCP would."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    layout = CheckpointLayout("dcp_datastates", FORMAT_VERSION, "0123456789ab", LAYOUT.ranks[:2], LAYOUT.entries[:4], STREAM)
+    plain = layout_to_plain(layout)
+    assert plain["compression"] == ("stream", 4194304, ("test.rot/1", "stream.zstd/1"))
+    assert layout_of(plain, "m") == layout and layout.objects_transformed
+    decoded, _ = decode_metadata(encode_metadata(Metadata({}, storage_data=layout)), "m")  # through the record
+    assert decoded.storage_data == layout
+
+
+@pytest.mark.parametrize("compression", [("stream", 4 << 20, ()), ("stream", 4 << 20, ("",)), ("stream", 4 << 20)])
+def test_a_malformed_stream_codec_is_refused(compression):
+    plain = dict(PLAIN_GOLDEN, compression=compression, entries=PLAIN_GOLDEN["entries"][:2], digests=[])
+    with pytest.raises(CorruptCheckpointError, match="compression"):
+        layout_of(plain, "m")
+
+
+def test_a_stream_codec_in_a_layout_before_version_9_is_refused():
+    plain = dict(PLAIN_GOLDEN, version=8, compression=STREAM)
+    with pytest.raises(CorruptCheckpointError, match="compression"):
+        layout_of(plain, "m")

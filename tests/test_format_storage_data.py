@@ -82,10 +82,10 @@ def test_a_saved_metadata_names_no_class_of_ours(tmp_path, kind):
     pickled = (tmp_path / "c" / ".metadata").read_bytes()
     names = pickle_globals(pickled)
     assert names and not [n for n in names if "dcp_datastates" in n], names
-    assert all(n.startswith(("torch.", "collections.", "pathlib.")) for n in names), names
+    assert all(n.startswith(("torch.", "collections.", "pathlib.", "functools.partial")) for n in names), names
     storage = pickle.loads(pickled).storage_data  # DCP's plain pickle.load stops before the trailer
-    assert list(storage) == list(PLAIN_KEYS) and storage["version"] == 8
-    assert plain_types(storage) <= {dict, list, tuple, str, int, type(None)}
+    assert list(storage) == list(PLAIN_KEYS) and storage["version"] == 9
+    assert plain_types(dict(storage)) <= {dict, list, tuple, str, int, type(None)}
     assert (storage["compression"] is not None) == (kind == "zstd")
     assert_same(load(target(), tmp_path / "c"), make_state())
 
@@ -140,7 +140,7 @@ PLAIN_CASES = {
     "a non-string key": (lambda p: {**p, 3: 4}, CorruptCheckpointError, "[3]"),
     "a key missing": (lambda p: {k: v for k, v in p.items() if k != "compression"}, CorruptCheckpointError, "compression"),
     "version 4 as plain data": (lambda p: {**p, "version": 4}, CorruptCheckpointError, "pickled as a class"),
-    "a newer version": (lambda p: {**p, "version": 9, "new": 1}, UnsupportedFormatError, "version 9"),
+    "a newer version": (lambda p: {**p, "version": 10, "new": 1}, UnsupportedFormatError, "version 10"),
     "a bool version": (lambda p: {**p, "version": True}, UnsupportedFormatError, "version True"),
     "another format": (lambda p: {**p, "format": "zarr"}, UnsupportedFormatError, "'zarr'"),
     "no format": (lambda p: {**p, "format": None}, UnsupportedFormatError, "None"),
@@ -338,14 +338,15 @@ def test_the_stand_ins_are_admitted_under_no_other_name(ckpt, name):
 # -- stock DCP -------------------------------------------------------------------------------
 
 
-def test_a_stock_dcp_checkpoint_is_recognised_and_refused_by_our_reader(tmp_path):
+def test_a_stock_dcp_checkpoint_is_recognised_by_our_reader(tmp_path):
     from dcp_datastates.tools.checkpoint_view import FORMAT_DCP, CheckpointView
 
     state = {"w": torch.arange(6.0), "step": 2}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "fs"), no_dist=True)
     md, _ = read_metadata_file(str(tmp_path / "fs" / ".metadata"))  # safe mode
     assert isinstance(md.storage_data, dict) and not isinstance(md.storage_data, CheckpointLayout)
-    with pytest.raises(UnsupportedFormatError, match="FileSystemReader"):
-        DataStatesReader(tmp_path / "fs").read_metadata()
+    reader = DataStatesReader(tmp_path / "fs")
+    reader.read_metadata()
+    assert reader.layout is None and set(reader.stock) == set(md.storage_data)
     view = CheckpointView(tmp_path / "fs")
     assert view.format == FORMAT_DCP and torch.equal(view.read_tensor("w"), state["w"])

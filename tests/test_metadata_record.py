@@ -32,6 +32,7 @@ from dcp_datastates.format import metadata_file
 from dcp_datastates.format.checkpoint_layout import FORMAT_VERSION, CheckpointLayout, RankFiles
 from dcp_datastates.format.metadata_file import decode_metadata, encode_metadata, split_metadata
 from dcp_datastates.format.metadata_record import NotRecordable, decode_record, encode_record
+from dcp_datastates.format.storage_data import layout_to_plain
 
 LAYOUT = CheckpointLayout(
     "dcp_datastates", FORMAT_VERSION, "0123456789ab",
@@ -138,7 +139,7 @@ def test_a_saved_checkpoint_is_read_from_its_record_without_unpickling(tmp_path,
 def _record_file(tmp_path, record: dict) -> pathlib.Path:
     """A .metadata whose record is ``record`` (checksummed: only the record's content is wrong)."""
     md = metadata()
-    plain = metadata_file.layout_to_plain(md.storage_data)
+    plain = layout_to_plain(md.storage_data)
     pickled = pickle.dumps(Metadata(md.state_dict_metadata, md.planner_data, plain, md.storage_meta, md.version))
     path = tmp_path / ".metadata"
     path.write_bytes(_with_record(pickled, json.dumps(record).encode()))
@@ -184,7 +185,7 @@ def test_a_damaged_record_is_a_named_error(tmp_path, record, words):
 
 def test_a_record_that_is_not_json_is_a_named_error(tmp_path):
     md = metadata()
-    plain = metadata_file.layout_to_plain(md.storage_data)
+    plain = layout_to_plain(md.storage_data)
     pickled = pickle.dumps(Metadata(md.state_dict_metadata, md.planner_data, plain, md.storage_meta, md.version))
     for raw in (b"{not json", b"[1, 2]", b"\xff\xfe", b"[" * 100_000):
         (tmp_path / ".metadata").write_bytes(_with_record(pickled, raw))

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from conftest import load, raises_from_checkpoint, save
 from dcp_datastates import ChecksumMismatchError, CorruptCheckpointError, DataStatesReader, DataStatesWriter, verify
 from dcp_datastates.core.placement import AUTO_STRIPE_MIN_BYTES, PAGE, stripe_starts
-from dcp_datastates.format.checkpoint_layout import CheckpointLayout
+from dcp_datastates.format.checkpoint_layout import FORMAT_VERSION, CheckpointLayout
 from dcp_datastates.format.file_names import DATA_FILE_RE, stripe_file_name
 from dcp_datastates.format.metadata_file import encode_metadata, read_metadata_file
 from dcp_datastates.tools.checkpoint_view import CheckpointView
@@ -86,7 +86,7 @@ def test_a_striped_save_round_trips_bit_exact_and_verifies(tmp_path):
     writer = save(state, path, stripes=3)
     layout = _layout(path)
     (rank,) = layout.ranks
-    assert len(rank.stripes) == 2 and layout.version == 8
+    assert len(rank.stripes) == 2 and layout.version == FORMAT_VERSION
     names = sorted(os.listdir(path))
     assert set(rank.data_files()) | {rank.index_file, ".metadata"} == set(names)
     assert rank.data_files()[1:] == [stripe_file_name(rank.data_file, 1), stripe_file_name(rank.data_file, 2)]

@@ -209,7 +209,7 @@ class BaseCheckpoint:
             raise ValueError(f"base checkpoint {self.path}: its directory name {self.name!r} cannot be referred to")
         reader = DataStatesReader(self.path)
         metadata = reader.load_metadata()
-        layout = reader.layout
+        layout = reader.require_layout()  # a stock DCP checkpoint cannot be a base
         self.bases = set(layout.bases)
         slots = layout.slots()
         self._reader = reader

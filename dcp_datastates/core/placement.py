@@ -33,7 +33,7 @@ import weakref
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from dcp_datastates.errors import CheckpointError
-from dcp_datastates.format.checkpoint_layout import ItemLocation, RankFiles, compressed_blocks, location_key
+from dcp_datastates.format.checkpoint_layout import STREAM_CODEC, ItemLocation, RankFiles, compressed_blocks, location_key
 from dcp_datastates.format.file_names import data_file_name, index_file_name
 
 PAGE = 4096
@@ -138,9 +138,12 @@ def place_tensors(sizes: list[int]) -> tuple[list[int], int]:
 
 
 def is_compressible(nbytes: int, compression: tuple | None) -> bool:
-    """Whether a tensor chunk of ``nbytes`` is stored compressed: with compression on, every
-    chunk that is not small (small ones stay packed raw: a frame each would gain nothing)."""
-    return compression is not None and nbytes >= SMALL_TENSOR_BYTES
+    """Whether a tensor chunk of ``nbytes`` is stored as frames: with zstd, every chunk that is
+    not small (small ones stay packed raw: a frame each would gain nothing); with DCP's stream
+    transforms, every chunk that has a byte (a transform may be an encryption)."""
+    if compression is None:
+        return False
+    return nbytes > 0 if compression[0] == STREAM_CODEC else nbytes >= SMALL_TENSOR_BYTES
 
 
 def table_ordinals(items: list[WriteItem], compression: tuple | None, nbytes_of) -> dict:

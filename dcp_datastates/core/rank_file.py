@@ -37,7 +37,7 @@ from dcp_datastates.core.providers import check_planned, finish_regions, provide
 from dcp_datastates.core.rank_reports import RankReport
 from dcp_datastates.core.stripes import StripedWrite
 from dcp_datastates.errors import CheckpointError
-from dcp_datastates.format.checkpoint_layout import ItemLocation, location_key, stripe_span
+from dcp_datastates.format.checkpoint_layout import STREAM_CODEC, ItemLocation, location_key, stripe_span
 from dcp_datastates.format.rank_index import encode_index
 from dcp_datastates.native import engine as _native
 from dcp_datastates.storage import StoreError
@@ -59,6 +59,11 @@ class WriteSettings:
         mine = self.compression
         if mine is not None and mine.descriptor == tuple(descriptor):
             return mine
+        if descriptor[0] == STREAM_CODEC:  # extensions are objects: only this rank's writer holds them
+            raise CheckpointError(
+                f"the save transforms its items through the DCP extensions {', '.join(descriptor[2])}, "
+                "which this rank's DataStatesWriter was not given (give every rank the same _extensions)"
+            )
         return Compression(codec=descriptor[0], block_bytes=descriptor[1])
 
 
@@ -139,9 +144,11 @@ def start_planned(
         report = RankReport(
             placement.data_file, placement.index_file, placement.save_id, placement.compression, placement.stripes
         )
+        codec = settings.compression_for(placement.compression) if placement.compression is not None else None
         return _append_objects(
             job, report, plan, planner, placement.rank, objects_base, placement.tensor_bytes_end, blocks, results, t0, stats,
             lambda: [(loc.offset, loc.offset + loc.length, idx.fqn) for idx, loc in locations.items() if loc.object_ordinal < 0],
+            codec,
         )
     except BaseException:
         for job in started:
@@ -339,6 +346,7 @@ def _start_snapshot_compressed(
         return _append_objects(
             StripedWrite.of_job(job), report, plan, planner, snap.rank, end, small_end, blocks, results, t0, stats,
             lambda: [(off, off + n, fqn) for (fqn, _), (off, n, o) in finals.items() if o < 0 and n >= 0],
+            snap.compression,
         )
     except BaseException:
         _native.stop_write_job(job, "save failed")
@@ -351,9 +359,11 @@ def _start_snapshot_compressed(
 def _append_objects(
     job: StripedWrite, report: RankReport, plan: SavePlan, planner: SavePlanner, rank: int, objects_base: int,
     tensor_end: int, blocks: list, results: list, t0: float, stats, tensor_spans: Callable,
+    codec: Compression | None = None,
 ) -> RankWrite:
     """Serialize the plan's objects and append them after the tensors (``blocks``: the
-    compressed frames, ``(offset, length, fqn)``), seal the jobs."""
+    compressed frames, ``(offset, length, fqn)``), seal the jobs. A ``codec`` that
+    transforms objects (DCP's stream transforms) stores each object as one frame of it."""
     t1 = time.perf_counter()
     objects, object_table, object_keys = [], [], []
     offset = objects_base
@@ -361,6 +371,8 @@ def _append_objects(
         if item.type != WriteItemType.BYTE_IO:
             continue
         blob = provide_object(item, planner.resolve_data(item))
+        if codec is not None and codec.transforms_objects:
+            blob = codec.frame(blob, blob)
         offset = align_up(offset, SMALL_ALIGN)
         results.append(
             WriteResult(

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from dcp_datastates.core.compression.codec import default_threads, run_parallel
 from dcp_datastates.core.compression.read import add_frame_reads, block_span
+from dcp_datastates.core.stock_dcp import add_stock_item
 from dcp_datastates.errors import ChecksumMismatchError, CorruptCheckpointError
 from dcp_datastates.format.rank_index import RankIndex
 from dcp_datastates.format.safe_objects import plain_object_stream
@@ -39,6 +40,8 @@ class ReadBatch:
         self.after: list[Callable[[], None]] = []
         self.decode: list[Callable[[], None]] = []  # decompressions, run in parallel before ``after``
         self.temp_bytes = 0
+        self.read_bytes = 0  # stored bytes requested (compressed frames as stored)
+        self.shared: dict = {}  # stock DCP records read by this batch, by (file, offset): read once
 
     def request(self, key: str, relative_path: str, offset: int, nbytes: int, pointer: int, idx: RankIndex) -> None:
         """Read ``nbytes`` at data offset ``offset`` of the rank whose data file is ``relative_path``
@@ -55,9 +58,13 @@ class ReadBatch:
             index=idx if self.reader.verify else None, stripe=stripe, data_offset=offset,
         ))
         self.keys.append(key)
+        self.read_bytes += nbytes
 
     def add(self, item: ReadItem, planner: LoadPlanner) -> None:
         reader = self.reader
+        if reader.stock is not None:  # a stock DCP checkpoint: its records, as stock_dcp reads them
+            add_stock_item(self, item, planner)
+            return
         loc = reader.layout.location(item.storage_index)
         if loc is None:
             raise CorruptCheckpointError(
@@ -84,10 +91,12 @@ class ReadBatch:
             self.keep.append(buf)
         allow = reader.allow_pickle
         where = reader.where(loc.relative_path)
+        undo = reader.undo_frame if reader.layout.objects_transformed else None
 
         def load_object() -> None:
+            blob = buf if undo is None else undo(buf, None, f"{where}: object {key!r}")
             # Safe mode: DCP unpickles our own pickle of the checked values, never the saved bytes.
-            stream = io.BytesIO(buf) if allow else plain_object_stream(buf, key, where, map_location=None)
+            stream = io.BytesIO(blob) if allow else plain_object_stream(blob, key, where, map_location=None)
             planner.load_bytes(item, stream)
 
         self.after.append(load_object)

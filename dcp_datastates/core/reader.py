@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+import time
 import uuid
 from typing import Any
 
@@ -26,6 +27,9 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_datastates import _dcp_compat
+from dcp_datastates.core import stock_dcp
+from dcp_datastates.core.compression import transforms
+from dcp_datastates.core.compression.codec import frame_undoer
 from dcp_datastates.core.read_batch import ReadBatch
 from dcp_datastates.native import engine as _native
 from dcp_datastates.errors import (
@@ -46,11 +50,12 @@ TEMP_BUDGET_BYTES = 512 << 20  # temporaries alive at once while reading non-dir
 
 
 class DataStatesReader(StorageReader):
-    """Read dcp_datastates checkpoints, resharding to any world size through DCP.
+    """Read dcp_datastates checkpoints, and stock DCP ones (``FileSystemWriter``'s, through
+    :mod:`stock_dcp`), resharding to any world size through DCP.
 
     Its options (``path``, ``store``, ``store_options``, ``verify``,
-    ``allow_pickle``, ``io_threads``, ``window_bytes``, ``concurrency``) are
-    documented once, in README.md's "Options".
+    ``allow_pickle``, ``io_threads``, ``window_bytes``, ``concurrency``,
+    ``_extension_registry``) are documented once, in README.md's "Options".
     """
 
     def __init__(
@@ -64,6 +69,7 @@ class DataStatesReader(StorageReader):
         io_threads: int = _native.DEFAULT_READ_THREADS,
         window_bytes: int = _native.DEFAULT_WINDOW_BYTES,
         concurrency: int | None = None,
+        _extension_registry: Any = None,
     ) -> None:
         super().__init__()
         if path is not None and store is None:
@@ -85,6 +91,13 @@ class DataStatesReader(StorageReader):
         _dcp_compat.quiet_discarded_dcp_debug_records()  # see README, "Performance"
         self._metadata: Metadata | None = None
         self._layout: CheckpointLayout | None = None
+        # A stock DCP checkpoint's records ({MetadataIndex: _StorageInfo}, checked) instead of a
+        # layout, and the DCP extensions that undo each transform chain they name (stock_dcp.py).
+        self.stock: dict | None = None
+        self.stock_chains: dict[tuple, list] = {}
+        self._extension_registry = _extension_registry
+        # How a frame of the layout's compression is undone (codec.frame_undoer); None: no frames.
+        self.undo_frame = None
         # The last .metadata decoded, by the object's identity (Store.identity): reading the same
         # one again (a CheckpointManager check, then dcp.load's read_metadata) does not decode it.
         self._decoded: tuple[tuple, Metadata, int | None] | None = None
@@ -101,6 +114,14 @@ class DataStatesReader(StorageReader):
         """The validated layout of the checkpoint read (its files and where each item is
         stored); None before :meth:`read_metadata`. Read-only: the reader relies on it."""
         return self._layout
+
+    @property
+    def extension_registry(self):
+        """DCP's ``ExtensionRegistry`` that undoes stream transforms: the one given, or DCP's
+        default (which knows ZStandard)."""
+        if self._extension_registry is None:
+            self._extension_registry = transforms.default_registry()
+        return self._extension_registry
 
     # -- where the checkpoint is: a key prefix in a store --------------------------------
 
@@ -171,6 +192,8 @@ class DataStatesReader(StorageReader):
             self.path = os.fspath(checkpoint_id)
         self._metadata = None
         self._layout = None
+        self.stock = None
+        self.undo_frame = None
         self._indexes = {}
         self._chunks = {}
         self.commit_sequence = None
@@ -190,7 +213,7 @@ class DataStatesReader(StorageReader):
 
         DCP before 2.13 catches any error of this call and raises only
         ``AssertionError("metadata is None")``; there the error is also logged
-        (logger ``dcp_datastates``, ERROR) so that ``dcp.load`` still says why.
+        (logger ``dcp_datastates.core.reader``, ERROR) so that ``dcp.load`` still says why.
         """
         # The catch-all is deliberately not named ``kwargs``: DCP 2.13 probes for
         # that name and would retry with per-rank metadata, which we never write.
@@ -205,19 +228,41 @@ class DataStatesReader(StorageReader):
         """Decode and check ``.metadata`` (once per file), raising a typed error naming the file:
         :meth:`read_metadata` for callers other than DCP. Sets :attr:`layout` and
         :attr:`commit_sequence`."""
-        md_path = self.where(METADATA_FILE)
         metadata = self._fetch_metadata()
-        layout = metadata.storage_data  # validated by the decoding, with the trailer and every item
-        if not isinstance(layout, CheckpointLayout):
-            raise UnsupportedFormatError(
-                f"{md_path}: the checkpoint was not written by dcp_datastates (its storage data is a "
-                f"{type(layout).__name__}); load it with torch.distributed.checkpoint.FileSystemReader"
-            )
+        self._take_storage_data(metadata)  # ours validated by the decoding; a stock one checked here
         if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader does
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
-        self._metadata, self._layout = metadata, layout
         return metadata
+
+    def _take_storage_data(self, metadata: Metadata) -> None:
+        """Keep ``metadata`` and what its storage data says: our layout, or a stock DCP
+        checkpoint's records (``FileSystemWriter``'s, read by :mod:`stock_dcp`)."""
+        md_path = self.where(METADATA_FILE)
+        storage_data = metadata.storage_data
+        self.undo_frame = None
+        if isinstance(storage_data, CheckpointLayout):
+            stock, chains = None, {}
+            if storage_data.compression is not None:  # an extension the registry lacks fails here
+                self.undo_frame = frame_undoer(storage_data.compression, self.extension_registry, md_path)
+        else:
+            stock = stock_dcp.stock_storage(storage_data, md_path)
+            chains = stock_dcp.transform_chains(stock, self.extension_registry, md_path)
+            storage_data = None
+        self._metadata, self._layout, self.stock, self.stock_chains = metadata, storage_data, stock, chains
+
+    def require_layout(self) -> CheckpointLayout:
+        """:attr:`layout` after :meth:`load_metadata`, for what needs our format (the manager's
+        steps, an incremental save's base): a stock DCP checkpoint, which the reader loads but
+        which has no layout, is an :class:`UnsupportedFormatError` naming it."""
+        if self._layout is None and self.stock is None:
+            raise RuntimeError(f"{type(self).__name__}.require_layout() before load_metadata()")
+        if self._layout is None:
+            raise UnsupportedFormatError(
+                f"{self.where(METADATA_FILE)}: a stock DCP checkpoint (FileSystemWriter's), not one of "
+                "dcp_datastates: DataStatesReader loads it, but it cannot serve here"
+            )
+        return self._layout
 
     # -- the files, from the store ------------------------------------------------
 
@@ -258,11 +303,9 @@ class DataStatesReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata is not self._metadata:
-            layout = metadata.storage_data
-            if not isinstance(layout, CheckpointLayout):
-                raise UnsupportedFormatError(f"{self.location}: metadata was not written by dcp_datastates")
-            layout.validate(self.where(METADATA_FILE))
-            self._metadata, self._layout = metadata, layout
+            if isinstance(metadata.storage_data, CheckpointLayout):
+                metadata.storage_data.validate(self.where(METADATA_FILE))
+            self._take_storage_data(metadata)
         self._indexes = {}
         self._chunks = {}
 
@@ -273,14 +316,21 @@ class DataStatesReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        t0, read_bytes = time.perf_counter(), 0
         with _native.gc_paused():
             batch = ReadBatch(self)
             for item in plan.items:
                 batch.add(item, planner)
                 if batch.temp_bytes >= TEMP_BUDGET_BYTES:
                     batch.run()
+                    read_bytes += batch.read_bytes
                     batch = ReadBatch(self)
             batch.run()
+            read_bytes += batch.read_bytes
+        if _log.isEnabledFor(logging.INFO):
+            seconds = time.perf_counter() - t0
+            _log.info("read %d bytes of %d item(s) from %s in %.3f s (%.2f GB/s)", read_bytes, len(plan.items),
+                      self.location, seconds, read_bytes / seconds / 1e9 if seconds > 0 else float("inf"))
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -366,7 +416,7 @@ class DataStatesReader(StorageReader):
         return md.properties.dtype, sizes
 
 
-_log = logging.getLogger("dcp_datastates")
+_log = logging.getLogger(__name__)
 
 
 def log_unreported_error(exc: BaseException) -> None:

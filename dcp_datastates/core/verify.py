@@ -43,7 +43,7 @@ from dcp_datastates.errors import CheckpointError, CorruptCheckpointError, Incom
 from dcp_datastates.format.file_names import METADATA_FILE, is_metadata_temporary, layout_files, stray_files
 from dcp_datastates.format.checkpoint_layout import compressed_blocks
 from dcp_datastates.format.rank_index import RankIndex
-from dcp_datastates.core.compression.codec import decompress_block, default_threads, run_parallel, zstd_module
+from dcp_datastates.core.compression.codec import default_threads, run_parallel, zstd_module
 from dcp_datastates.core.compression.read import chunk_frames, frames_past_table
 from dcp_datastates.core.reader import DataStatesReader, names_under
 from dcp_datastates.storage import RangeRead, StoreError
@@ -140,6 +140,9 @@ def verify(
         return report
     report.committed = True
     layout = reader.layout
+    if layout is None:  # a stock DCP checkpoint: the reader loads it, but it records no checksums
+        report.problems.append(f"{path}: a stock DCP checkpoint records no checksums to verify")
+        return report
     _check_items(reader, metadata, report)
 
     # Each rank's index, then every segment of its data file. A base checkpoint's rank (format 8)
@@ -234,7 +237,10 @@ def _check_objects_are_plain(reader: DataStatesReader, layout, indexes: dict[str
         offset, length = indexes[rel].objects[ordinal]
         key, offset = _in_stripe(reader, indexes[rel], rel, offset)
         try:
-            check_object_is_plain(bytes(reader.store.read_range(key, offset, length)), fqn, reader.store.where(key))
+            blob = bytes(reader.store.read_range(key, offset, length))
+            if layout.objects_transformed:  # one frame of DCP's stream transforms
+                blob = reader.undo_frame(blob, None, f"{reader.store.where(key)}: object {fqn!r}")
+            check_object_is_plain(blob, fqn, reader.store.where(key))
         except CheckpointError as exc:
             report.problems.append(str(exc))
 
@@ -252,11 +258,12 @@ def _check_frames_decompress(reader: DataStatesReader, layout, indexes: dict[str
     Their checksums already passed; this catches a frame that was written wrong.
     Frames are read one batch at a time (bounded memory) and decompressed in parallel.
     """
-    try:
-        zstd_module()
-    except ImportError as exc:
-        report.notes.append(f"compressed frames were checksummed but not decompressed: {exc}")
-        return
+    if not layout.objects_transformed:  # zstd frames
+        try:
+            zstd_module()
+        except ImportError as exc:
+            report.notes.append(f"compressed frames were checksummed but not decompressed: {exc}")
+            return
     block = layout.compression[1]
     files = layout.slot_paths()
     frames = []  # (store key, offset, length, raw bytes, what)
@@ -271,7 +278,7 @@ def _check_frames_decompress(reader: DataStatesReader, layout, indexes: dict[str
     def check(frame) -> None:
         key, offset, length, raw, what = frame
         try:
-            decompress_block(bytes(reader.store.read_range(key, offset, length)), raw, what)
+            reader.undo_frame(bytes(reader.store.read_range(key, offset, length)), raw, what)
         except CheckpointError as exc:
             report.problems.append(str(exc))
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from torch.distributed.checkpoint.metadata import MetadataIndex
+if TYPE_CHECKING:  # the layout itself needs no torch: the tools read it without importing torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_datastates.errors import CorruptCheckpointError, UnsupportedFormatError
 from dcp_datastates.format.file_names import BASE_NAME_RE, DATA_FILE_RE, MAX_STRIPES, SAVE_ID_RE, base_file_path, stripe_file_name
@@ -35,9 +36,13 @@ FORMAT_NAME = "dcp_datastates"
 # 8: incremental checkpoints: ``ranks`` may list ranks of base checkpoints (RankFiles.base, sibling
 #    directories) whose bytes items refer to; entries name a rank by its slot in ``ranks``; the
 #    layout records content digests of large chunks (``digests``).
-FORMAT_VERSION = 8
+# 9: frames may be DCP stream transforms (``compression == ("stream", block_bytes, descriptors)``),
+#    objects included; ``.metadata``'s pickle stores the plain layout in a ``defaultdict`` that
+#    makes stock DCP's FileSystemReader fail naming this format (storage_data.py).
+FORMAT_VERSION = 9
 STRIPES_SINCE = 7  # the first version whose ranks record stripes
 BASES_SINCE = 8  # the first version whose layouts may refer to base checkpoints
+STREAM_SINCE = 9  # the first version whose frames may be DCP stream transforms
 
 
 def show(value, limit: int = 100) -> str:
@@ -225,16 +230,26 @@ def check_stripes(stripes, where: str, bad) -> None:
         prev = s
 
 
-COMPRESSION_CODECS = ("zstd",)
+STREAM_CODEC = "stream"  # DCP's stream transforms (format 9): their descriptors follow the block size
+COMPRESSION_CODECS = ("zstd", STREAM_CODEC)
 
 
-def check_compression(compression, where: str) -> None:
-    """A layout's ``compression``: None, or ``(codec, block_bytes)`` with a codec we can decode."""
+def check_compression(compression, where: str, version: int = FORMAT_VERSION) -> None:
+    """A layout's ``compression``: None, ``(codec, block_bytes)`` with a codec we can decode, or
+    (from version 9) ``("stream", block_bytes, descriptors)``, DCP's transform descriptors as
+    FileSystemWriter records them (a non-empty tuple of names)."""
     if compression is None:
         return
-    if not (isinstance(compression, tuple) and len(compression) == 2 and isinstance(compression[1], int)):
+    stream = isinstance(compression, tuple) and len(compression) >= 1 and compression[0] == STREAM_CODEC
+    if not (isinstance(compression, tuple) and len(compression) == (3 if stream else 2) and isinstance(compression[1], int)):
         raise CorruptCheckpointError(f"{where}: the storage layout is corrupt: compression {show(compression)}")
-    codec, block_bytes = compression
+    if stream:
+        descriptors = compression[2]
+        if version < STREAM_SINCE or not (
+            isinstance(descriptors, tuple) and descriptors and all(isinstance(d, str) and d for d in descriptors)
+        ):
+            raise CorruptCheckpointError(f"{where}: the storage layout is corrupt: compression {show(compression)}")
+    codec, block_bytes = compression[:2]
     if codec not in COMPRESSION_CODECS:
         raise UnsupportedFormatError(
             f"{where}: tensors are compressed with {show(codec)}; this dcp_datastates decodes "
@@ -297,6 +312,12 @@ class CheckpointLayout:
         # Strict: a hostile pickle could otherwise set any attribute (a cached ``_table``,
         # a method). Fields added later (with a default, e.g. compression) get the default.
         _set_fields_strictly(self, state, LAYOUT_FIELDS)
+
+    @property
+    def objects_transformed(self) -> bool:
+        """Whether each saved object is stored as one frame of DCP's stream transforms (format 9),
+        to be undone before it is unpickled (zstd leaves objects raw)."""
+        return self.compression is not None and self.compression[0] == STREAM_CODEC
 
     def slots(self) -> dict[int, RankFiles]:
         """``{slot: RankFiles}``: what the third field of an entry names (a position in ``ranks``
@@ -371,6 +392,8 @@ class CheckpointLayout:
     @property
     def locations(self) -> dict[MetadataIndex, ItemLocation]:
         """Every item's location keyed by ``MetadataIndex`` (for tools; builds a new dict)."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
         return {MetadataIndex(fqn, off): loc for (fqn, off), loc in self._lookup().items()}
 
     def validate(self, where: str) -> None:
@@ -379,7 +402,7 @@ class CheckpointLayout:
             raise CorruptCheckpointError(f"{where}: the storage layout is corrupt: it lacks {', '.join(missing)}")
         check_format_version(self.format, self.version, where)
         check_save_id(self.save_id, where)
-        check_compression(self.compression, where)
+        check_compression(self.compression, where, self.version)
         self._validate_structure(where)
 
     def _validate_structure(self, where: str) -> None:

@@ -36,20 +36,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-
-import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from typing import TYPE_CHECKING
 
 from dcp_datastates.errors import CorruptCheckpointError
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout, show
-from dcp_datastates.format.storage_data import layout_to_plain
+from dcp_datastates.format.storage_data import layout_of, layout_to_plain
+
+if TYPE_CHECKING:  # torch is imported where the Metadata is built: summarize_record needs none
+    from torch.distributed.checkpoint.metadata import Metadata
 
 RECORD_VERSION = 1
 _METADATA_FIELDS = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
@@ -62,6 +56,8 @@ class NotRecordable(Exception):
 
 
 def _torch_name(value, kind: type) -> str:
+    import torch
+
     name = str(value).removeprefix("torch.")
     if getattr(torch, name, None) is not value or not isinstance(value, kind):
         raise NotRecordable(f"{value!r} is not a torch.{name}")
@@ -74,6 +70,15 @@ def _is_path(value) -> bool:
 
 def encode_record(metadata: Metadata) -> bytes:
     """The record of ``metadata`` (JSON, UTF-8), or :class:`NotRecordable`."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        Metadata,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
     if type(metadata) is not Metadata or [f.name for f in dataclasses.fields(Metadata)] != list(_METADATA_FIELDS):
         raise NotRecordable("Metadata has fields this record does not know")
     layout = metadata.storage_data
@@ -160,6 +165,8 @@ def _ints(value, what: str) -> list:
 
 
 def _torch_value(name, kind: type, what: str):
+    import torch
+
     value = getattr(torch, name, None) if type(name) is str else None
     _check(isinstance(value, kind), f"{what} {show(name)} is not a torch {kind.__name__}")
     return value
@@ -181,8 +188,8 @@ def _layout_plain(data) -> dict:
             _check(type(e) is list and len(e) == 6, f"layout entry {show(e)} is not a list of 6")
             entries.append((e[0], tuple(e[1]) if type(e[1]) is list else e[1], e[2], e[3], e[4], e[5]))
         out["entries"] = entries
-    if type(out.get("compression")) is list:
-        out["compression"] = tuple(out["compression"])
+    if type(out.get("compression")) is list:  # format 9: a stream codec's descriptors are a list too
+        out["compression"] = tuple(tuple(x) if type(x) is list else x for x in out["compression"])
     if type(out.get("digests")) is list:  # format 8: (fqn, chunk offsets, digest)
         out["digests"] = [
             (d[0], tuple(d[1]) if type(d[1]) is list else d[1], *d[2:]) if type(d) is list and len(d) >= 2 else d
@@ -195,16 +202,18 @@ def decode_record(blob, where: str) -> Metadata:
     """The ``Metadata`` a record stores, its storage data still the plain layout (the caller
     decodes and validates it with :func:`storage_data.layout_of`). A record that is not
     what :func:`encode_record` writes is a :class:`CorruptCheckpointError` naming ``where``."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
     try:
-        try:
-            record = json.loads(bytes(blob))
-        except (ValueError, RecursionError) as exc:
-            raise _Bad(f"it is not JSON ({exc})") from None
-        _check(type(record) is dict, "it is not a JSON object")
-        keys = {"record", "properties", "items", "planner_data", "storage_meta", "version", "storage_data"}
-        _check(set(record) == keys, f"it has keys {sorted(record)!r}")
-        _check(record["record"] == RECORD_VERSION and type(record["record"]) is int,
-               f"record version {show(record['record'])} is not {RECORD_VERSION}")
+        record = _parse(blob)
         properties = []
         _check(type(record["properties"]) is list, "its tensor properties are not a list")
         for p in record["properties"]:
@@ -271,3 +280,42 @@ def decode_record(blob, where: str) -> Metadata:
         )
     except _Bad as exc:
         raise CorruptCheckpointError(f"{where} is corrupt: its metadata record is malformed: {exc}") from None
+
+
+def _parse(blob) -> dict:
+    """The record's JSON object, its keys and record version checked (raises :class:`_Bad`)."""
+    try:
+        record = json.loads(bytes(blob))
+    except (ValueError, RecursionError) as exc:
+        raise _Bad(f"it is not JSON ({exc})") from None
+    _check(type(record) is dict, "it is not a JSON object")
+    keys = {"record", "properties", "items", "planner_data", "storage_meta", "version", "storage_data"}
+    _check(set(record) == keys, f"it has keys {sorted(record)!r}")
+    _check(record["record"] == RECORD_VERSION and type(record["record"]) is int,
+           f"record version {show(record['record'])} is not {RECORD_VERSION}")
+    return record
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordSummary:
+    """What a listing shows of a checkpoint, read from its record without torch: how many keys
+    it saved, and its layout (validated: its ranks and the files they name)."""
+
+    keys: int
+    layout: CheckpointLayout
+
+
+def summarize_record(blob, where: str) -> RecordSummary:
+    """The :class:`RecordSummary` of a record. The layout is decoded and validated as
+    :func:`decode_record`'s caller does; the items are counted, not built into DCP's
+    classes (which needs torch): a load and ``verify`` check each of them."""
+    try:
+        record = _parse(blob)
+        _check(type(record["items"]) is list, "its items are not a list")
+        plain = _layout_plain(record["storage_data"])
+    except _Bad as exc:
+        raise CorruptCheckpointError(f"{where} is corrupt: its metadata record is malformed: {exc}") from None
+    layout = layout_of(plain, where)
+    if layout is None:
+        raise CorruptCheckpointError(f"{where} is corrupt: its metadata record holds no dcp_datastates layout")
+    return RecordSummary(len(record["items"]), layout)

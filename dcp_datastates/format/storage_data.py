@@ -10,11 +10,11 @@ into a validated layout when it is decoded. The plain form::
 
     {
         "format": "dcp_datastates",
-        "version": 8,
+        "version": 9,
         "save_id": "3f9c2a71b0de",
         "ranks": [(rank, data_file, index_file, files_save_id, stripe_starts, base), ...],
         "entries": [(fqn, chunk_offsets or None, slot, offset, length, object_ordinal), ...],
-        "compression": None or (codec, block_bytes),
+        "compression": None or (codec, block_bytes) or ("stream", block_bytes, descriptors),
         "digests": [(fqn, chunk_offsets or None, xxh3_128_hex), ...],
     }
 
@@ -28,6 +28,9 @@ directory name for a base rank that entries refer to; an entry is what
 version 8, a rank number before); ``digests`` (from version 8) lists the
 content digests of large tensor chunks. Only ``str``, ``int``, ``None``,
 tuples, lists and the one dict: exactly these keys (six before version 8).
+From version 9 the pickle holds that dict as a ``defaultdict`` that answers
+stock DCP's lookups (:func:`storage_data_to_pickle`); the record holds the
+plain dict.
 
 Versions 1 to 4 pickled the layout as our classes, under the module path
 each had when it was written: ``dcp_datastates.format.CheckpointLayout`` and
@@ -42,7 +45,8 @@ by :func:`layout_of`: no module of ours has to stay at an old path.
 
 from __future__ import annotations
 
-from torch.distributed.checkpoint.metadata import MetadataIndex
+import collections
+import functools
 
 from dcp_datastates.errors import CorruptCheckpointError
 from dcp_datastates.format.checkpoint_layout import BASES_SINCE, FORMAT_NAME, FORMAT_VERSION, LAYOUT_FIELDS, RANK_FILES_FIELDS, STRIPES_SINCE, CheckpointLayout, RankFiles, check_format_version, show, strict_fields
@@ -199,6 +203,8 @@ def _layout_from_pickled(obj: PickledLayout, where: str) -> CheckpointLayout:
 
 def _entries_of_locations(locations: dict, ranks: list[RankFiles], where: str) -> list[tuple]:
     """Version 1's ``{MetadataIndex: ItemLocation(data file, offset, length, ordinal)}`` as entries."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex  # only pickles of version 1 hold one
+
     rank_of = {r.data_file: r.rank for r in ranks}
     entries = []
     for index, loc in locations.items():
@@ -211,6 +217,57 @@ def _entries_of_locations(locations: dict, ranks: list[RankFiles], where: str) -
             raise _corrupt(where, f"{fqn!r} is stored in {show(ls['relative_path'])}, which is no rank's data file")
         entries.append((fqn, None if off is None else tuple(off), rank, ls["offset"], ls["length"], ls["object_ordinal"]))
     return entries
+
+
+# -- format 9: what stock DCP's FileSystemReader finds in our storage data ---------------------
+
+# Stock DCP's FileSystemReader looks every item up in ``storage_data`` (``storage_data[index]``,
+# a bare ``KeyError: MetadataIndex(...)`` in our plain dict) and opens the file the record names.
+# From format 9 the pickle stores the plain layout in a ``defaultdict`` whose factory makes that
+# record (DCP's own ``_StorageInfo``): a stock reader then fails opening this file, whose name
+# says what the checkpoint is. No such file is ever written; nothing of ours is named in the
+# pickle (``collections.defaultdict``, ``functools.partial`` and DCP's class only).
+STOCK_READER_FILE = "dcp_datastates-checkpoint--load-it-with-storage_reader=dcp_datastates.DataStatesReader(path)"
+
+
+def _storage_info_class():
+    from dcp_datastates._dcp_compat import storage_info_class  # torch: only where a pickle is made or read
+
+    return storage_info_class()
+
+
+def storage_data_to_pickle(layout: CheckpointLayout) -> collections.defaultdict:
+    """The plain form of ``layout`` (:func:`layout_to_plain`) as ``.metadata``'s pickle stores it
+    from format 9: in a ``defaultdict`` that answers stock DCP's lookups (above)."""
+    record = functools.partial(_storage_info_class(), STOCK_READER_FILE, 0, 0)
+    return collections.defaultdict(record, layout_to_plain(layout))
+
+
+class StockReaderRecord:
+    """The stand-in both unpicklers use for ``functools.partial`` in a ``.metadata``: it takes
+    exactly the factory :func:`storage_data_to_pickle` pickles (DCP's ``_StorageInfo`` of
+    :data:`STOCK_READER_FILE`) and nothing else, so no partial of anything is ever built."""
+
+    __slots__ = ("checked",)
+
+    def __new__(cls, func=None, *args):
+        if func is not _storage_info_class() or args:
+            raise CorruptCheckpointError(f"the storage data is corrupt: it makes a partial of {show(func)}")
+        return super().__new__(cls)
+
+    def __setstate__(self, state) -> None:
+        expected = (_storage_info_class(), (STOCK_READER_FILE, 0, 0))
+        if not (isinstance(state, tuple) and len(state) == 4 and state[:2] == expected and not state[2] and state[3] is None):
+            raise CorruptCheckpointError(f"the storage data is corrupt: its stock-reader record is {show(state)}")
+        self.checked = True
+
+
+def _plain_dict_of(factory=None) -> dict:
+    """The stand-in of ``collections.defaultdict`` in a ``.metadata``: the plain dict our layout
+    is, once its factory is exactly the one :func:`storage_data_to_pickle` pickles."""
+    if type(factory) is not StockReaderRecord or not getattr(factory, "checked", False):
+        raise CorruptCheckpointError(f"the storage data is corrupt: a defaultdict of {show(factory)}")
+    return {}
 
 
 # -- decoding either ------------------------------------------------------------------------
@@ -234,3 +291,12 @@ def layout_of(storage_data, where: str) -> CheckpointLayout | None:
     layout.validate(where)
     return layout
 
+
+
+# Every global a .metadata may name whose unpickling resolves to a stand-in of ours (in both
+# unpicklers): the class paths of formats 1-4, and format 9's defaultdict and its factory.
+STAND_INS = {
+    **LEGACY_CLASSES,
+    ("functools", "partial"): StockReaderRecord,
+    ("collections", "defaultdict"): _plain_dict_of,
+}

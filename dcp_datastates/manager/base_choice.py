@@ -1,6 +1,6 @@
 """Which step each incremental save of the manager refers to, and what every step refers to.
 
-With ``incremental`` (docs/manager.md, "Options"), a save refers to a *base*:
+With ``incremental`` (README, "Options"), a save refers to a *base*:
 the newest step this manager committed, or the step it resumed from (every
 byte of which the load checked). A save is full instead when there is no such
 step, or when ``full_every`` saves have passed since the newest full one
@@ -111,7 +111,7 @@ class BaseChoice:
         try:
             reader = DataStatesReader(os.path.join(self.root, name))
             reader.load_metadata()
-            bases = set(reader.layout.bases)
+            bases = set(reader.require_layout().bases)
         except (CheckpointError, OSError):
             return None
         with self._lock:

@@ -19,7 +19,7 @@ import re
 
 from dcp_datastates.storage.fsync_files import fsync_dir, rename_into_place, remove_if_present, write_new_file_durably
 from dcp_datastates.format.file_names import METADATA_FILE, step_dir_name, step_of, steps_named  # noqa: F401 - the run's names
-from dcp_datastates.format.metadata_file import read_commit_sequence
+from dcp_datastates.format.metadata_envelope import read_commit_sequence
 
 LATEST_FILE = "latest"
 LATEST_TMP_RE = re.compile(r"^latest\.[0-9a-f]+\.tmp$")

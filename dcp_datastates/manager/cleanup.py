@@ -82,9 +82,10 @@ def committed_strays(path: str, allow_pickle: bool = False) -> list[str]:
     try:
         reader = DataStatesReader(path, allow_pickle=allow_pickle)
         reader.load_metadata()
+        layout = reader.require_layout()
     except (CheckpointError, OSError):
         return []
-    return stray_files(os.listdir(path), layout_files(reader.layout))
+    return stray_files(os.listdir(path), layout_files(layout))
 
 
 # -- after a crash -----------------------------------------------------------------

@@ -39,7 +39,7 @@ from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_files import read_rank_index
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout, RankFiles
 from dcp_datastates.format.file_names import METADATA_FILE, step_of, steps_named
-from dcp_datastates.format.metadata_file import TRAILER_BYTES, CommitStamp, read_commit_stamp, read_metadata_file, stamp_in_tail
+from dcp_datastates.format.metadata_envelope import TRAILER_BYTES, CommitStamp, read_commit_stamp, stamp_in_tail
 from dcp_datastates.format.rank_index import IndexLimits
 from dcp_datastates.native.engine import crc32c
 from dcp_datastates.storage.segments import SegmentChecker
@@ -225,6 +225,8 @@ def commit_durable(
 
     Every rank of the checkpoint's layout must have confirmed exactly the files the
     layout names for it, and the store must hold each at the confirmed size."""
+    from dcp_datastates.format.metadata_file import read_metadata_file  # torch: not for the tools that list steps
+
     meta_path = os.path.join(local_dir, METADATA_FILE)
     try:
         metadata, _ = read_metadata_file(meta_path, allow_pickle=False)
@@ -312,6 +314,8 @@ def _check_bases_durable(layout, step_dir: str, store: Store) -> None:
 def step_bases(store: Store, step_dir: str) -> set[str] | None:
     """The base directories a committed durable copy refers to (None: not committed, unreadable,
     or not ours): its ``.metadata`` decoded, nothing else read."""
+    from dcp_datastates.format.metadata_file import read_metadata_file
+
     try:
         with store.open_file(f"{step_dir}/{METADATA_FILE}") as f:
             metadata, _ = read_metadata_file(f)

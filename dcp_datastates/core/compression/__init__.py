@@ -22,5 +22,12 @@ and a safe-mode load inspects their pickles).
 The layout records ``("zstd", block_bytes)`` in
 ``CheckpointLayout.compression``; the level is the writer's business only.
 
-:mod:`.codec`: the settings and one frame; :mod:`.write`: saves; :mod:`.read`: loads.
+DCP's other stream transforms (``_extensions=[...]`` other than ``[ZStandard()]``
+alone: an encryption, say) use the same frames (format 9): every tensor
+chunk with a byte, small ones too, and every object goes through them, and
+the layout records ``("stream", block_bytes, descriptors)``, the descriptors
+as DCP records them. :mod:`.transforms` applies and undoes them as DCP does.
+
+:mod:`.codec`: the settings and one frame; :mod:`.transforms`: DCP's stream transforms;
+:mod:`.write`: saves; :mod:`.read`: loads.
 """

@@ -1,5 +1,5 @@
-"""The codec: a writer's compression settings, one zstd frame made and undone, the thread pool
-both sides run frames on, and the stream transforms of stock DCP checkpoints we can undo."""
+"""The codec: a writer's compression settings, one frame made and undone (zstd natively, or
+DCP's stream transforms), and the thread pool both sides run frames on."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import threading
 from typing import Any, Callable, Sequence
 
 from dcp_datastates import _dcp_compat
-from dcp_datastates.errors import CorruptCheckpointError, UnsupportedFormatError
-from dcp_datastates.format.checkpoint_layout import BLOCK_ALIGN, COMPRESSION_CODECS, MAX_BLOCK_BYTES
+from dcp_datastates.errors import CorruptCheckpointError
+from dcp_datastates.core.compression import transforms
+from dcp_datastates.format.checkpoint_layout import BLOCK_ALIGN, COMPRESSION_CODECS, MAX_BLOCK_BYTES, STREAM_CODEC
 
 ZSTD = "zstd"
 DEFAULT_LEVEL = 3  # zstd's default, and what DCP's ZStandard() compresses with
@@ -46,15 +47,32 @@ def descriptor_of(compression: Compression | None) -> tuple | None:
 
 @dataclasses.dataclass(frozen=True)
 class Compression:
-    """A writer's compression settings. ``descriptor`` is what the layout records."""
+    """A writer's compression settings. ``descriptor`` is what the layout records: ``(codec,
+    block bytes)``, and for DCP's stream transforms (``codec == STREAM_CODEC``) their
+    descriptors as DCP records them, third."""
 
     codec: str = ZSTD
     level: int = DEFAULT_LEVEL
     block_bytes: int = DEFAULT_BLOCK_BYTES
+    extensions: tuple = ()  # STREAM_CODEC: DCP's stream transforms, in the order the writer got them
 
     @property
     def descriptor(self) -> tuple:
+        if self.codec == STREAM_CODEC:
+            return (self.codec, self.block_bytes, transforms.descriptors_of(self.extensions))
         return (self.codec, self.block_bytes)
+
+    @property
+    def transforms_objects(self) -> bool:
+        """Whether saved Python objects go through the codec too (a stream transform may be an
+        encryption: every stored byte goes through it; zstd leaves the small objects raw)."""
+        return self.codec == STREAM_CODEC
+
+    def frame(self, data, keep) -> bytes:
+        """One stored frame of ``data`` (a buffer that ``keep`` keeps valid), on a pool thread."""
+        if self.codec == STREAM_CODEC:
+            return transforms.apply(self.extensions, data)
+        return compress_frame(self.level, data, keep)
 
 
 def resolve_compression(
@@ -65,28 +83,26 @@ def resolve_compression(
 ) -> Compression | None:
     """The writer's settings from its arguments, or None for raw tensors.
 
-    ``_extensions=[ZStandard()]`` (DCP's stream transform) means zstd at DCP's
-    level; any other extension is refused: our format has no stream transforms,
-    and silently dropping one (say, encryption) would be worse than failing.
+    ``_extensions=[ZStandard()]`` alone (DCP's stream transform) means native zstd at
+    DCP's level. Any other list of DCP stream transforms (an encryption, say, or
+    ZStandard with another) is applied as DCP applies it, to every stored byte:
+    each block of every tensor chunk and every object (``STREAM_CODEC``).
     """
     if compression not in (None, "none", ZSTD):
         raise ValueError(f"compression must be None, 'none' or {ZSTD!r}, got {compression!r}")
     codec = None if compression in (None, "none") else compression
+    extensions = transforms.check_extensions(extensions or ())
     zstd_cls = _dcp_compat.zstandard_extension_class()
-    for ext in extensions or ():
-        if zstd_cls is not None and isinstance(ext, zstd_cls) and type(ext).get_descriptor is zstd_cls.get_descriptor:
-            codec = ZSTD
-            continue
-        name = type(ext).__name__
-        try:
-            desc = ext.get_descriptor()
-        except Exception:  # noqa: BLE001 - only for the message
-            desc = "?"
-        raise ValueError(
-            f"DataStatesWriter does not support the DCP extension {name} ({desc}); the only stream "
-            f"transform it accepts is torch.distributed.checkpoint._extension.ZStandard (stored as "
-            f"{ZSTD} compression of tensor blocks), also available as compression={ZSTD!r}"
-        )
+    if len(extensions) == 1 and zstd_cls is not None and type(extensions[0]) is zstd_cls:
+        codec = ZSTD  # DCP's own ZStandard: our native zstd frames, at DCP's level
+    elif extensions:
+        if codec is not None or level is not None:
+            raise ValueError(
+                "compression/compression_level and DCP stream transforms (_extensions) were both given; "
+                "to compress and transform, list ZStandard() among the _extensions"
+            )
+        transforms.descriptors_of(extensions)  # each extension must name itself
+        return Compression(STREAM_CODEC, DEFAULT_LEVEL, _checked_block_bytes(block_bytes), extensions)
     if codec is None:
         if level is not None:
             raise ValueError("compression_level was given without compression='zstd'")
@@ -96,13 +112,17 @@ def resolve_compression(
     level = DEFAULT_LEVEL if level is None else level
     if not isinstance(level, int) or not -(1 << 17) <= level <= zstd.MAX_COMPRESSION_LEVEL:
         raise ValueError(f"compression_level must be an integer up to {zstd.MAX_COMPRESSION_LEVEL}, got {level!r}")
+    return Compression(codec, level, _checked_block_bytes(block_bytes))
+
+
+def _checked_block_bytes(block_bytes: int | None) -> int:
     block_bytes = DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes
     if not isinstance(block_bytes, int) or not 4096 <= block_bytes <= MAX_BLOCK_BYTES or block_bytes % BLOCK_ALIGN:
         raise ValueError(
             f"compression block size must be a multiple of {BLOCK_ALIGN} bytes from 4096 to "
             f"{MAX_BLOCK_BYTES}, got {block_bytes!r}"
         )
-    return Compression(codec, level, block_bytes)
+    return block_bytes
 
 
 # -- one frame ------------------------------------------------------------------
@@ -120,6 +140,24 @@ def compress_frame(level: int, data, keep) -> bytes:
     if cctx is None:
         cctx = cache[level] = zstd_module().ZstdCompressor(level=level, write_content_size=True)
     return cctx.compress(data)
+
+
+def frame_undoer(descriptor: tuple, registry, where: str) -> Callable[[Any, int | None, str], bytes]:
+    """``undo(frame, raw bytes expected, what)`` for the frames of a layout whose compression is
+    ``descriptor``: zstd's :func:`decompress_block`, or DCP's stream transforms built through
+    ``registry`` (an ``UnsupportedFormatError`` naming an extension it lacks, here, before any
+    read). ``expected`` None: an object's frame, whose raw size is not recorded."""
+    if descriptor[0] != STREAM_CODEC:
+        return decompress_block
+    chain = transforms.extensions_for(descriptor[2], registry, where)
+
+    def undo(blob, expected: int | None, what: str) -> bytes:
+        out = transforms.undo(chain, blob, what)
+        if expected is not None and len(out) != expected:
+            raise CorruptCheckpointError(f"{what}: the frame undoes to {len(out)} bytes, {expected} expected")
+        return out
+
+    return undo
 
 
 def decompress_block(blob, expected: int, where: str) -> bytes:
@@ -184,26 +222,3 @@ def run_parallel(tasks: list[Callable[[], None]], threads: int) -> None:
     concurrent.futures.wait(futures)
     for f in futures:
         f.result()
-
-
-# -- stock DCP checkpoints --------------------------------------------------------
-
-
-def check_stock_transforms(storage_data: dict, where: str) -> None:
-    """A stock DCP checkpoint's stream transforms (``_StorageInfo.transform_descriptors``)
-    must be ones DCP's reader can undo here: zstd needs its package, others are refused."""
-    descriptors = set()
-    for info in storage_data.values():
-        for desc in getattr(info, "transform_descriptors", None) or ():
-            descriptors.add(desc)
-    for desc in sorted(descriptors):
-        name, _, version = str(desc).partition("/")
-        if name == "stream.zstd":
-            if version.partition(".")[0] != "1":
-                raise UnsupportedFormatError(f"{where}: items are compressed with {desc}, a zstd stream version this torch does not know")
-            zstd_module()
-            continue
-        raise UnsupportedFormatError(
-            f"{where}: items were written through the DCP extension {desc!r}, which dcp_datastates "
-            "cannot undo (it reads stream.zstd only)"
-        )

@@ -1,13 +1,12 @@
 """The read side of compression: the frames a load needs of a compressed chunk, queued on the
-reader's read batch (read and checksum-verified with every other read), then decompressed in
-parallel into their place."""
+reader's read batch (read and checksum-verified with every other read), then undone (zstd, or
+DCP's stream transforms: the reader's ``undo_frame``) in parallel into their place."""
 
 from __future__ import annotations
 
 import ctypes
 from typing import Callable
 
-from dcp_datastates.core.compression.codec import decompress_block
 from dcp_datastates.errors import CorruptCheckpointError
 from dcp_datastates.format.checkpoint_layout import compressed_blocks
 from dcp_datastates.native.engine import bytearray_address
@@ -49,13 +48,14 @@ def add_frame_reads(batch, key: str, loc, idx, block: int, lo: int, hi: int, des
         buf = bytearray(length)
         batch.request(key, loc.relative_path, offset, length, bytearray_address(buf), idx)
         held += length
-        batch.decode.append(_decode_task(buf, raw, dest, b * block - lo, f"{where}: block {b} of {key!r}"))
+        what = f"{where}: block {b} of {key!r}"
+        batch.decode.append(_decode_task(batch.reader.undo_frame, buf, raw, dest, b * block - lo, what))
     return held
 
 
-def _decode_task(buf: bytearray, raw: int, dest, pos: int, where: str) -> Callable[[], None]:
+def _decode_task(undo: Callable, buf: bytearray, raw: int, dest, pos: int, where: str) -> Callable[[], None]:
     def decode() -> None:
-        out = decompress_block(buf, raw, where)
+        out = undo(buf, raw, where)  # codec.frame_undoer: zstd, or DCP's stream transforms
         ctypes.memmove(dest.data_ptr() + pos, out, raw)  # a foreign call: the GIL is released
 
     return decode

@@ -15,7 +15,7 @@ import concurrent.futures
 import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from dcp_datastates.core.compression.codec import Compression, compress_frame, default_threads, frame_pool
+from dcp_datastates.core.compression.codec import Compression, default_threads, frame_pool
 from dcp_datastates.core.placement import PAGE, align_up, is_compressible
 from dcp_datastates.errors import ChecksumMismatchError, CheckpointError
 from dcp_datastates.format.checkpoint_layout import location_key
@@ -66,7 +66,7 @@ class BlockAppender:
         (None once the job failed: nothing more is compressed)."""
         if self.failed:
             return
-        fut = self.pool.submit(compress_frame, self.compression.level, data, keep)
+        fut = self.pool.submit(self.compression.frame, data, keep)
         self._inflight.append((key, fut))
         while len(self._inflight) > 2 * self.threads:
             self._collect_one()
