@@ -59,3 +59,12 @@ class UnsafeCheckpointError(CheckpointError, ValueError):
     (``torch.load(..., weights_only=True)``), unless the reader was created
     with ``allow_pickle=True`` (only for checkpoints you trust).
     """
+
+
+class ModelMismatchError(CheckpointError, ValueError):
+    """A checkpoint's tensors do not match the model they are exported for or loaded into.
+
+    Raised, naming the key, for a tensor the model's config expects that the
+    checkpoint lacks, one the model has no place for, or a shape that differs,
+    instead of writing or loading a model that would start from random weights.
+    """

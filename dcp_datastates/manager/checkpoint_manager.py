@@ -55,6 +55,7 @@ from dcp_datastates.manager.checkpoint_root import (
 from dcp_datastates.manager.cleanup import LOCK_FILE, delete_checkpoint_dir, lock_root, recover_root, unlock_root
 from dcp_datastates.manager.collective import Raise, Ranks, classify, describe
 from dcp_datastates.manager.durable_tier import DrainStatus, DurableTier
+from dcp_datastates.manager.huggingface_init import load_from_huggingface
 from dcp_datastates.manager.options import CheckpointManagerOptions
 from dcp_datastates.manager.resume import plan_load
 from dcp_datastates.manager.retention import RetentionPolicy
@@ -104,7 +105,7 @@ class CheckpointManager:
     """Step-numbered checkpoints under ``root`` with retention, an atomic pointer and resume.
 
     ``options``: a :class:`CheckpointManagerOptions` (None: the defaults; each option is
-    described in docs/manager.md). ``process_group``: the group DCP saves and loads on (an
+    described in README, "Options"). ``process_group``: the group DCP saves and loads on (an
     object, not a setting; by default, with asynchronous saves in a distributed run, a new
     gloo group, so the background save's collectives never interleave with training's).
 
@@ -152,6 +153,7 @@ class CheckpointManager:
         # in the pointer, on every tier (checkpoint_root.given_up). Rank 0's.
         self._rollbacks: set[tuple[int, int]] = set()
         self._rolled_back_to: tuple[int, int] | None = None  # (step loaded, newest known) of a load of an older step
+        self.initialized_from: str | None = None  # the Hugging Face directory a load on a fresh root filled the model from
         # The drain thread's local retention and close() giving the root up, one at a time.
         self._root_lock = threading.Lock()
         self._root_released = False
@@ -326,7 +328,9 @@ class CheckpointManager:
         came between the commit and the pointer update), then older steps,
         skipping incomplete and corrupt ones with a :class:`SkippedCheckpointWarning`.
         It returns None (``state`` untouched) when the root has no committed
-        checkpoint. An explicit ``step`` is loaded or raises. Every byte
+        checkpoint, or, with the option ``init_from_huggingface``, fills the
+        model part of ``state`` from that directory, sets :attr:`initialized_from`
+        and returns 0. An explicit ``step`` is loaded or raises. Every byte
         loaded is checksum-verified; ``full_verify`` first checks every byte
         of the checkpoint (:func:`dcp_datastates.verify`).
 
@@ -367,6 +371,8 @@ class CheckpointManager:
                 self._replaceable.add(s)
             _warn(f"skipping the checkpoint of step {s} ({self.path_of(s)}): {why}; trying an older one")
         if not plan.candidates:
+            if self.options.init_from_huggingface is not None:
+                return self._initialize(state)
             why = ("did not exist before this run" if self._root_created
                    else "holds no committed checkpoint" + (f" (nor does {self._tier.url})" if self._tier else ""))
             _log.info("resume: %s %s: starting from scratch", self.root, why)
@@ -375,6 +381,17 @@ class CheckpointManager:
             f"no checkpoint under {self.root} could be loaded:\n  " + "\n  ".join(refused)
             + (f"\nand {plan.unanswered}" if plan.unanswered else "")
         )
+
+    def _initialize(self, state: dict) -> int:
+        """A root without checkpoints: fill the model part of ``state`` from the Hugging Face
+        directory ``init_from_huggingface`` names (docs/huggingface.md); step 0."""
+        source, part = os.fspath(self.options.init_from_huggingface), self.options.init_prefix
+        if part not in state:
+            raise KeyError(f"the state has no {part!r} entry to load {source} into (init_prefix); its keys: {list(state)}")
+        load_from_huggingface(state[part], source, **self._ranks.dcp_kwargs())
+        _log.info("resume: %s holds no committed checkpoint: %r initialized from %s", self.root, part, source)
+        self.initialized_from = source
+        return 0
 
     def close(self) -> None:
         """Wait for the saves in flight and (with a durable tier) for their copies there,
@@ -605,7 +622,9 @@ class CheckpointManager:
             self._tier.mirror_pointer(survey.mirror)
         for s in survey.undrained:  # in commit order: an incremental step commits there after its bases
             try:
-                files = DataStatesReader(self.path_of(s)).read_metadata().storage_data.own_ranks
+                step_reader = DataStatesReader(self.path_of(s))
+                step_reader.load_metadata()
+                files = step_reader.require_layout().own_ranks
                 mine = next((f for f in files if f.rank == self._rank), None)
             except Exception as exc:  # noqa: BLE001 - this step stays local-only; said once
                 _warn_manager(f"step {s} is committed locally but not on {self._tier.url}, and cannot be drained: {exc}")
@@ -733,7 +752,7 @@ class CheckpointManager:
                 if not report.ok:
                     return "; ".join(report.problems[:3]) or "not committed", True
             reader.load_metadata()
-            for files in reader.layout.ranks[self._rank::self._ranks.world]:  # base ranks too (format 8)
+            for files in reader.require_layout().ranks[self._rank::self._ranks.world]:  # base ranks too (format 8)
                 reader.rank_index(files.data_path)
         except BaseException as exc:  # noqa: BLE001 - classified; unknown errors travel to every rank
             return classify(exc)

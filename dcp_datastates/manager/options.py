@@ -14,7 +14,7 @@ from dcp_datastates.native import engine as _native
 class CheckpointManagerOptions:
     """How a :class:`CheckpointManager` saves, keeps, drains and resumes.
 
-    Each field is described once, in docs/manager.md ("Options"). Invalid
+    Each field is described once, in README ("Options"). Invalid
     values raise ValueError here, naming the field, before any file is touched.
     """
 
@@ -38,6 +38,8 @@ class CheckpointManagerOptions:
     durable_resume: str = "load"
     durable_retry_s: float = RETRY_S
     durable_close_timeout_s: float | None = None
+    init_from_huggingface: str | os.PathLike | None = None
+    init_prefix: str = "model"
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
@@ -54,6 +56,10 @@ class CheckpointManagerOptions:
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         if not _is_seconds(self.durable_retry_s):
             raise ValueError(f"durable_retry_s must be a number of seconds >= 0, got {self.durable_retry_s!r}")
+        if self.init_from_huggingface is not None and not isinstance(self.init_from_huggingface, (str, os.PathLike)):
+            raise ValueError(f"init_from_huggingface must be a directory path or None, got {self.init_from_huggingface!r}")
+        if not isinstance(self.init_prefix, str) or not self.init_prefix:
+            raise ValueError(f"init_prefix must be a non-empty str (the state's model entry), got {self.init_prefix!r}")
         if self.durable_close_timeout_s is not None and not _is_seconds(self.durable_close_timeout_s):
             raise ValueError(
                 f"durable_close_timeout_s must be seconds >= 0 or None, got {self.durable_close_timeout_s!r}"

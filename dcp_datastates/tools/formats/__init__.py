@@ -2,7 +2,8 @@
 
 A ``convert`` format module has ``write(view, tmp, summary, tracker,
 max_shard_bytes)``, which builds the whole output at ``tmp`` from a
-:class:`CheckpointView`, block by block; an ``export`` format module has
+:class:`CheckpointView`, block by block (``huggingface`` plans first, against
+a model's config: its ``HuggingFaceExport`` gives the ``write``); an ``export`` format module has
 ``write(path, datasets, steps, root_attrs, dataset_attrs, blocks)``.
 """
 
@@ -13,7 +14,10 @@ import sys
 
 BLOCK_BYTES = 64 << 20  # the largest block a conversion reads at once from our format
 
-CONVERT = {"torch": "torch_save", "safetensors": "safetensors", "dcp": "dcp", "datastates": "datastates"}
+CONVERT = {
+    "torch": "torch_save", "safetensors": "safetensors", "dcp": "dcp", "datastates": "datastates",
+    "huggingface": "huggingface",
+}
 EXPORT = {"hdf5": "hdf5", "zarr": "zarr"}
 
 

@@ -24,6 +24,7 @@ from dcp_datastates.tools.checkpoint_view import read_ahead, split_box
 from dcp_datastates.tools.formats import block_bytes
 
 INDEX = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"  # what save_pretrained names a model that fits one shard
 
 # torch dtype -> safetensors dtype name (safetensors.torch._TYPES, reversed).
 DTYPES = {
@@ -78,14 +79,20 @@ def shard_header(view, keys: list[str]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def write(view, tmp: str, summary, tracker, max_shard_bytes: int) -> None:
-    """HF-style shards plus ``model.safetensors.index.json``; objects are skipped (listed)."""
+def write(view, tmp: str, summary, tracker, max_shard_bytes: int, *, single_file: bool = False) -> None:
+    """HF-style shards plus ``model.safetensors.index.json``; objects are skipped (listed).
+
+    With ``single_file``, a model that fits one shard is written as
+    ``model.safetensors`` alone, without an index, as ``save_pretrained`` does.
+    """
     if sys.byteorder != "little":  # pragma: no cover - safetensors stores little-endian bytes
         raise CheckpointError("converting to safetensors needs a little-endian machine")
     keys = list(view.tensors)
     shards = plan_shards([(k, view.nbytes(k)) for k in keys], max_shard_bytes)
     os.mkdir(tmp)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    if single_file and len(shards) == 1:
+        names = [SINGLE_FILE]
     weight_map: dict[str, str] = {}
     for name, shard in zip(names, shards):
         path = os.path.join(tmp, name)
@@ -104,15 +111,17 @@ def write(view, tmp: str, summary, tracker, max_shard_bytes: int) -> None:
                     summary.bytes += view.nbytes(fqn)
             f.flush()
             os.fsync(f.fileno())
-    index = {"metadata": {"total_size": summary.bytes}, "weight_map": weight_map}
-    with open(os.path.join(tmp, INDEX), "x") as f:
-        json.dump(index, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(tmp)
     summary.skipped = list(view.objects)
-    summary.files = names + [INDEX]
+    summary.files = list(names)
+    if names != [SINGLE_FILE]:
+        index = {"metadata": {"total_size": summary.bytes}, "weight_map": weight_map}
+        with open(os.path.join(tmp, INDEX), "x") as f:
+            json.dump(index, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        summary.files.append(INDEX)
+    fsync_dir(tmp)
 
 
 def _row_major_blocks(view, fqn: str) -> Iterator[torch.Tensor]:
