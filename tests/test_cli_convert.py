@@ -433,6 +433,7 @@ def big_checkpoint(tmp_path_factory):
 MEMORY_CHILD = r"""
 import json, os, re, sys
 from dcp_datastates.tools import cli
+import dcp_datastates.tools.commands.convert  # torch and DCP: imported before any peak is measured
 
 def hwm_kib():
     return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1))
@@ -484,19 +485,24 @@ def test_memory_is_bounded_by_one_tensor(big_checkpoint, tmp_path):
     assert view.read_block("layer2.weight", (0,), (3,)).tolist() == [3.0, 3.0, 3.0]
 
 
-def test_interrupted_convert_leaves_no_output(big_checkpoint, tmp_path):
-    """SIGTERM in the middle of a conversion: status 130, no OUT, no temporary file left."""
-    out = tmp_path / "out.pt"
+@pytest.mark.parametrize("sig,to,name", [(signal.SIGTERM, "torch", "out.pt"), (signal.SIGHUP, "safetensors", "out")],
+                         ids=["SIGTERM-file", "SIGHUP-directory"])
+def test_interrupted_convert_leaves_no_output(big_checkpoint, tmp_path, sig, to, name):
+    """SIGTERM (a scheduler's kill) or SIGHUP (the terminal closed) in the middle of a
+    conversion: status 130, no OUT, no temporary file or directory left."""
+    from dcp_datastates.tools.output import partial_output_of
+
+    out = tmp_path / name
     p = subprocess.Popen(
-        [sys.executable, "-m", "dcp_datastates", "convert", big_checkpoint, "--to", "torch", str(out), "--quiet"],
+        [sys.executable, "-m", "dcp_datastates", "convert", big_checkpoint, "--to", to, str(out), "--quiet"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and p.poll() is None:
-        if any(n.startswith(".out.pt.convert-") for n in os.listdir(tmp_path)):
+        if any(partial_output_of(n) == name for n in os.listdir(tmp_path)):
             break
         time.sleep(0.002)
-    p.send_signal(signal.SIGTERM)
+    p.send_signal(sig)
     _, stderr = p.communicate(timeout=120)
     if p.returncode == 0:
         pytest.skip("the conversion finished before it could be interrupted")

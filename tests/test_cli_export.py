@@ -7,7 +7,6 @@ bit for bit (raw bytes, so NaN payloads, -0.0, bfloat16 and float8 count).
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -126,7 +125,10 @@ def assert_same_checkpoints(out, fmt, checkpoints, steps):
 
 
 def no_leftovers(out):
-    return not glob.glob(f"{out}.tmp-*") and not glob.glob(f"{out}.old-*")
+    from dcp_datastates.tools.output import partial_output_of
+
+    out = str(out)
+    return not any(partial_output_of(n) == os.path.basename(out) for n in os.listdir(os.path.dirname(out)))
 
 
 def save(path, state):

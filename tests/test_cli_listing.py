@@ -324,14 +324,10 @@ def test_usage_sorts_a_checkpoints_files_by_one_rule():
     uncommitted checkpoint is stray; of a corrupt one only the .metadata temporaries are sure."""
     from dcp_datastates.tools.commands.du import usage
 
-    class View:
-        def files(self):
-            return [".metadata", FAKE_RANK_FILE]
-
     stray_rank = "rank00001-0123456789ab.data"
     files = [(".metadata", 10, 4096), (FAKE_RANK_FILE, 100, 4096), (stray_rank, 1000, 4096),
              (".metadata.0123456789ab.tmp", 7, 0), (".drain/rank00000.json", 20, 0), ("README", 3, 4096)]
-    u = usage("ckpt", 5, "committed", files, View())
+    u = usage("ckpt", 5, "committed", files, [".metadata", FAKE_RANK_FILE])
     assert (u.checkpoint_bytes, u.stray_bytes, u.other_bytes) == (110, 1027, 3)
     assert u.stray_files == [stray_rank, ".metadata.0123456789ab.tmp", ".drain/rank00000.json"]
     assert (u.files, u.apparent_bytes, u.allocated_bytes) == (6, 1140, 4 * 4096)

@@ -516,7 +516,7 @@ def test_incremental_steps_drain_after_their_bases_and_resume_on_a_new_node(tmp_
         assert _referred(root / "step_00000003")["frozen"] == "step_00000001"
     results = list(verify_location(f"{durable_url}/step_00000003")) if durable_url.startswith("s3://") else None
     if results is not None:
-        assert all(ok for ok, _ in results), results
+        assert all(o.ok for o in results), [o.text for o in results]
     node2 = tmp_path / "node2"
     with CheckpointManager(node2, Options(durable=durable_url, durable_resume=how, async_save=False)) as mgr:
         got = zeros_like_state(state)

@@ -5,14 +5,15 @@ or one block of a tensor, at a time, so its memory is bounded by the largest
 block and not by the checkpoint. :class:`CheckpointView` opens a checkpoint
 written by dcp_datastates or by DCP's stock ``FileSystemWriter`` and reads any
 box of any tensor's global (unsharded) shape through the same
-``StorageReader.read_data`` that ``dcp.load`` uses, with a one-key load
-planner. For our format every byte read is checksum-verified; in both
+``DataStatesReader.read_data`` that ``dcp.load`` uses (for both formats), with
+a one-key load planner. For our format every byte read is checksum-verified; in both
 formats ``.metadata`` is unpickled by the restricted unpickler and saved
 Python objects must be plain data unless ``allow_pickle`` is given.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import io
 import math
@@ -38,13 +39,9 @@ from dcp_datastates.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     UnsafeCheckpointError,
-    UnsupportedFormatError,
 )
 from dcp_datastates.format.file_names import METADATA_FILE, layout_files
-from dcp_datastates.format.checkpoint_layout import CheckpointLayout
-from dcp_datastates.format.metadata_file import read_metadata_file
-from dcp_datastates.core.reader import DataStatesReader, missing_checkpoint_error
-from dcp_datastates.format.safe_objects import CheckedObject, load_plain_object
+from dcp_datastates.core.reader import DataStatesReader
 from dcp_datastates.storage.url import is_store_url
 
 T = TypeVar("T")
@@ -72,47 +69,23 @@ class CheckpointView:
 
     Args:
         path: the checkpoint directory (holding ``.metadata``), or its URL in object storage
-            (``s3://bucket/run/step_...``: ours only; read with ranged reads).
+            (``s3://bucket/run/step_...``; read with ranged reads).
         allow_pickle: unpickle saved objects (and stock DCP metadata) without
             restriction. Only for checkpoints you trust.
+        extension_registry: DCP's ``ExtensionRegistry`` that undoes the stream transforms the
+            checkpoint's items went through (default: DCP's, which knows ZStandard).
     """
 
-    def __init__(self, path: str | os.PathLike, *, allow_pickle: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, *, allow_pickle: bool = False, extension_registry=None) -> None:
         self.path = os.fspath(path)
         self.allow_pickle = allow_pickle
         remote = is_store_url(self.path)
         if not remote and not os.path.isdir(self.path):
             raise CheckpointNotFoundError(f"no checkpoint at {self.path}: the directory does not exist")
-        ours = DataStatesReader(self.path, allow_pickle=allow_pickle)
-        md_path = ours.where(METADATA_FILE)
-        try:
-            with ours.store.open_file(ours.key(METADATA_FILE)) as f:
-                metadata, _ = read_metadata_file(f, allow_pickle)  # bounded by its structure, not its size
-        except FileNotFoundError:
-            raise missing_checkpoint_error(ours.store, ours.prefix) from None
-        if isinstance(metadata.storage_data, CheckpointLayout):
-            self.format = FORMAT_OURS
-            self.reader = ours
-            self.metadata = metadata  # validated by read_metadata_file: decoded once
-        else:
-            from torch.distributed.checkpoint import FileSystemReader
-
-            if remote:
-                raise UnsupportedFormatError(
-                    f"{md_path}: not a dcp_datastates checkpoint; stock DCP checkpoints are read from a local "
-                    "directory only (copy it there first)"
-                )
-            if not isinstance(metadata.storage_data, dict):
-                raise CorruptCheckpointError(
-                    f"{md_path}: storage data is a {type(metadata.storage_data).__name__}; "
-                    "neither a dcp_datastates nor a stock DCP checkpoint"
-                )
-            from dcp_datastates.core.compression.codec import check_stock_transforms
-
-            check_stock_transforms(metadata.storage_data, md_path)  # zstd items need zstandard here
-            self.format = FORMAT_DCP
-            self.reader = FileSystemReader(self.path)
-            self.metadata = metadata
+        # One reader for both formats: ours, and stock DCP's records (core/stock_dcp.py).
+        self.reader = DataStatesReader(self.path, allow_pickle=allow_pickle, _extension_registry=extension_registry)
+        self.metadata = self.reader.load_metadata()  # bounded by its structure, not its size; checked
+        self.format = FORMAT_OURS if self.reader.layout is not None else FORMAT_DCP
         self.reader.set_up_storage_reader(self.metadata, True)
         self.tensors: dict[str, TensorStorageMetadata] = {}
         self.objects: list[str] = []
@@ -158,12 +131,7 @@ class CheckpointView:
 
     def file_size(self, name: str) -> int | None:
         """The size of the checkpoint's file ``name`` (one of :meth:`files`), None if missing."""
-        if self.format == FORMAT_OURS:
-            return self.reader.store.size(self.reader.key(name))
-        try:
-            return os.lstat(os.path.join(self.path, name)).st_size
-        except FileNotFoundError:
-            return None
+        return self.reader.store.size(self.reader.key(name))
 
     def training_step(self) -> int | None:
         """The checkpoint's training step: its int ``step`` entry (an object, or an integer
@@ -284,6 +252,22 @@ class CheckpointView:
             raise CorruptCheckpointError(f"{self.path}: reading {', '.join(map(repr, keys))} failed: {exc}") from exc
 
 
+_unclosed_read_aheads: set = set()  # (stop, slots, worker) of every read-ahead not closed yet
+
+
+@atexit.register
+def _stop_unclosed_read_aheads() -> None:
+    """At exit, stop the read-aheads an interrupt left running (raised while one started its
+    producer, or while its generator, never closed, was still held by a frame) and wait for the
+    read in flight: a producer left inside the engine while the interpreter finalizes would
+    abort the process."""
+    for stop, slots, worker in list(_unclosed_read_aheads):
+        stop.set()
+        slots.release()
+        if worker.ident is not None:  # started (an interrupt may even have come before start())
+            worker.join()
+
+
 def read_ahead(blocks: Iterable[T], depth: int = 1) -> Iterator[T]:
     """Yield from ``blocks`` while a thread produces the next ``depth`` items.
 
@@ -315,6 +299,8 @@ def read_ahead(blocks: Iterable[T], depth: int = 1) -> Iterator[T]:
             q.put((end, exc))
 
     worker = threading.Thread(target=produce, name="dcp_datastates-read-ahead", daemon=True)
+    handle = (stop, slots, worker)
+    _unclosed_read_aheads.add(handle)  # first: an interrupt inside start() leaves it to the exit hook
     worker.start()
     try:
         while True:
@@ -330,6 +316,7 @@ def read_ahead(blocks: Iterable[T], depth: int = 1) -> Iterator[T]:
         stop.set()
         slots.release()  # a producer waiting for a slot sees ``stop``
         worker.join()
+        _unclosed_read_aheads.discard(handle)
 
 
 def split_box(offsets, sizes, itemsize: int, max_bytes: int):
@@ -383,10 +370,6 @@ class _BlockPlanner(LoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.storage_index.fqn
-        if not self.view.allow_pickle and not isinstance(value, CheckedObject):
-            # stock DCP's reader hands over the saved bytes: load them as our reader does
-            self.value = load_plain_object(value.read(), fqn, self.view.path)
-            return
         try:  # trusted, or our reader's own pickle of the values it checked
             self.value = torch.load(value, map_location="cpu", weights_only=False)
         except Exception as exc:  # noqa: BLE001 - torch.load raises many kinds; report them as one

@@ -10,7 +10,11 @@ What ``ls``, ``du`` and ``verify`` share. States of a checkpoint:
   or from a newer format): run ``verify`` to see why.
 
 A store (``s3://bucket/prefix``) is listed in one request per page, its
-objects' sizes asked per object; a directory is scanned.
+objects' sizes asked per object; a directory is scanned. What a run root
+stands for (its committed steps, or the one ``latest`` names) is
+:func:`checkpoints_named`, for ``verify`` and ``inspect`` alike; what a
+listing shows of a checkpoint is :func:`summarize_checkpoint`, read without
+torch where the metadata has a plain record.
 """
 
 from __future__ import annotations
@@ -69,21 +73,36 @@ def find_checkpoints(path: str) -> list[tuple[int | None, str]]:
 
     Under a run root that is every ``step_<N>`` directory (committed or not,
     even empty: a step directory is a checkpoint in the making) and every
-    other subdirectory holding checkpoint files. Sorted by step, then name.
+    other subdirectory holding checkpoint files, except a tool's partial
+    output (:func:`partial_outputs`). Sorted by step, then name.
     """
+    from dcp_datastates.tools.output import partial_output_of
+
     require_dir(path)
     if looks_like_checkpoint(path):
         return [(step_of(os.path.basename(os.path.normpath(path))), path)]
     found = []
     for name in os.listdir(path):
         sub = os.path.join(path, name)
-        if not os.path.isdir(sub):  # a symlinked checkpoint is listed too (du counts it once)
+        # a symlinked checkpoint is listed too (du counts it once); a tool's partial output is not one
+        if not os.path.isdir(sub) or partial_output_of(name) is not None:
             continue
         step = step_of(name)
         if step is not None or looks_like_checkpoint(sub):
             found.append((step, sub))
     found.sort(key=lambda sp: (sp[0] is None, sp[0] or 0, os.path.basename(sp[1])))
     return found
+
+
+def partial_outputs(path: str) -> list[str]:
+    """The partial outputs of ``convert`` and ``export`` directly under the directory ``path``
+    (hidden temporaries, :func:`output.partial_output_of`): being written now, or left by a tool
+    that was killed before it could remove them. Sorted by name; none in a checkpoint."""
+    from dcp_datastates.tools.output import partial_output_of
+
+    if looks_like_checkpoint(path):
+        return []
+    return sorted(os.path.join(path, n) for n in os.listdir(path) if partial_output_of(n) is not None)
 
 
 def open_checkpoint(path: str, allow_pickle: bool = False):
@@ -101,6 +120,47 @@ def open_checkpoint(path: str, allow_pickle: bool = False):
     except Exception as exc:  # noqa: BLE001 - whatever makes it unreadable is reported, not raised
         return CORRUPT, None, one_line(exc)
     return (COMMITTED if view.format == FORMAT_OURS else STOCK_DCP), view, None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSummary:
+    """What ``ls`` and ``du`` show of a committed checkpoint: its keys, its ranks and the files
+    its metadata names (relative to it, ``.metadata`` first)."""
+
+    keys: int
+    ranks: int
+    files: list[str]
+
+
+def summarize_checkpoint(path: str):
+    """``(state, CheckpointSummary or None, error message or None)``: :func:`open_checkpoint`'s
+    answer, reduced to what a listing shows.
+
+    A local checkpoint of ours (format 6 on) is summarized from its metadata's
+    plain record, checksum verified and layout validated, without importing
+    torch; ``verify`` and a load check every item. Anything else (stock DCP,
+    older formats, a URL) is opened by :func:`open_checkpoint`.
+    """
+    from dcp_datastates.format.file_names import layout_files
+    from dcp_datastates.format.metadata_envelope import read_record
+    from dcp_datastates.format.metadata_record import summarize_record
+
+    if not is_store_url(path):
+        where = os.path.join(path, METADATA_FILE)
+        if not os.path.lexists(where):
+            return INCOMPLETE, None, f"{path} has no {METADATA_FILE}: the save never committed"
+        try:
+            record = read_record(where)
+            if record is not None:
+                summary = summarize_record(record, where)
+                files = [METADATA_FILE] + layout_files(summary.layout)
+                return COMMITTED, CheckpointSummary(summary.keys, len(summary.layout.own_ranks), files), None
+        except Exception as exc:  # noqa: BLE001 - as open_checkpoint: unreadable is a state, with why
+            return CORRUPT, None, one_line(exc)
+    state, view, error = open_checkpoint(path)
+    if view is None:
+        return state, None, error
+    return state, CheckpointSummary(len(view.metadata.state_dict_metadata), rank_count(view), view.files()), None
 
 
 def rank_count(view) -> int:
@@ -140,3 +200,74 @@ def stored_steps(store) -> list[StoredStep]:
             state = INCOMPLETE
         out.append(StoredStep(step, name, state, {r: store.size(f"{name}/{r}") or 0 for r in rests}))
     return out
+
+
+def checkpoints_named(location: str, latest: bool = False) -> list[str]:
+    """The checkpoints ``location`` stands for, in step order.
+
+    A checkpoint (a directory holding checkpoint files, a step's URL
+    ``s3://bucket/run/step_N``) stands for itself, and so does anything else
+    that is no run root (a missing path, an empty directory: the command says
+    what it is). A run root (a directory of checkpoint directories, e.g. a
+    CheckpointManager root, or a tier's root URL
+    ``s3://bucket/run``) stands for every committed checkpoint under it, or,
+    with ``latest``, for the one its ``latest`` pointer names. ``latest`` on a
+    checkpoint, a root without a pointer, or a pointer naming a step that is
+    missing or not committed, raises an error naming the root.
+    """
+    if is_store_url(location):
+        return _stored_checkpoints(location, latest)
+    is_root = os.path.isdir(location) and not looks_like_checkpoint(location)
+    found = find_checkpoints(location) if is_root else []
+    if not found:
+        if latest:
+            raise ValueError(f"{location} is not a run root (a directory of step directories), which --latest takes")
+        return [location]
+    if not latest:
+        return [path for _, path in found if os.path.isfile(os.path.join(path, METADATA_FILE))]
+    from dcp_datastates.manager.checkpoint_root import LATEST_FILE, read_pointer, step_dirs
+
+    pointer = read_pointer(location)
+    where = os.path.join(location, LATEST_FILE)
+    if pointer is None:
+        raise CheckpointNotFoundError(
+            f"{where}: no such pointer: {location} is not a CheckpointManager root, or has no committed step yet"
+        )
+    name = step_dirs(location).get(pointer.step)
+    if name is None:
+        raise CheckpointNotFoundError(f"{where} names step {pointer.step}, which has no directory in {location}")
+    path = os.path.join(location, name)
+    if not os.path.isfile(os.path.join(path, METADATA_FILE)):
+        raise CheckpointNotFoundError(f"{where} names step {pointer.step}, whose checkpoint {path} is not committed")
+    return [path]
+
+
+def _stored_checkpoints(url: str, latest: bool) -> list[str]:
+    """:func:`checkpoints_named` of a URL: a step's URL, or a tier's root (its pointer mirrored there)."""
+    from dcp_datastates.storage import open_store
+
+    root, step_dir = split_step_url(url)
+    if step_dir is not None:
+        if latest:
+            raise ValueError(f"{url} is a checkpoint, not a run root: --latest takes a tier's root URL")
+        return [url]
+    store = open_store(root)
+    try:
+        steps = [s for s in stored_steps(store) if s.state == COMMITTED]
+        if not latest:
+            return [f"{root}/{s.name}" for s in steps]
+        from dcp_datastates.manager.checkpoint_root import LATEST_FILE
+        from dcp_datastates.manager.durable_tier import read_tier_pointer
+
+        pointer = read_tier_pointer(store)
+        where = store.where(LATEST_FILE)
+    finally:
+        store.close()
+    if pointer is None:
+        raise CheckpointNotFoundError(
+            f"{where}: no such pointer: {root} is not a durable tier of a CheckpointManager run"
+        )
+    named = [s for s in steps if s.step == pointer.step]
+    if not named:
+        raise CheckpointNotFoundError(f"{where} names step {pointer.step}, which has no committed copy under {root}")
+    return [f"{root}/{named[0].name}"]

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
             help="unpickle saved Python objects without restriction (only for checkpoints you trust)",
         )
 
+    def latest(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--latest", action="store_true", help="of a run root, only the step its latest pointer names")
+
     p = add("ls", "list the checkpoints under a directory or a durable tier: steps, sizes, committed or not")
     p.add_argument("root", metavar="ROOT", help="a directory of checkpoints (e.g. a CheckpointManager root), one "
                    "checkpoint, or a durable tier (s3://bucket/prefix)")
@@ -86,14 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     p = add("inspect", "show every key of a checkpoint: dtype, global shape, chunks, bytes, rank files")
-    p.add_argument("ckpt", metavar="CKPT", help="a checkpoint directory (ours or stock DCP), or its s3:// URL (ours)")
+    p.add_argument("ckpt", metavar="CKPT", help="a checkpoint directory (ours or stock DCP), or its s3:// URL (ours); "
+                   "a run root (a directory of step directories, or s3://bucket/prefix): each committed step")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--chunks", action="store_true", help="list every saved chunk (box, file, offset, bytes)")
+    latest(p)
 
     p = add("verify", "check every checksum of checkpoints; exit status 1 on any fault")
     p.add_argument("ckpts", metavar="CKPT", nargs="+", help="checkpoint directories, or durable copies: "
-                   "s3://bucket/prefix/step_N (one), s3://bucket/prefix (every committed step)")
+                   "s3://bucket/prefix/step_N (one); run roots: a directory of step directories, or "
+                   "s3://bucket/prefix (every committed step)")
     allow_pickle(p)
+    latest(p)
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--digests", action="store_true", help="also recompute the content digests incremental "
                    "saves trust (XXH3-128 of every chunk that records one; format 8)")
@@ -108,15 +116,24 @@ def build_parser() -> argparse.ArgumentParser:
         "Convert a checkpoint, streaming tensor by tensor (memory is bounded by the largest tensor, "
         "not the checkpoint). --to torch: one torch.save file; --to safetensors: HF-style shards "
         "plus model.safetensors.index.json; --to dcp: DCP's FileSystemWriter format; --to datastates: "
-        "a stock DCP checkpoint into ours.",
+        "a stock DCP checkpoint or a Hugging Face directory into ours; --to huggingface: the model part, "
+        "as transformers' from_pretrained loads it.",
     )
-    p.add_argument("ckpt", metavar="CKPT", help="the checkpoint to convert (a directory, or its s3:// URL)")
-    p.add_argument("--to", required=True, choices=["torch", "safetensors", "dcp", "datastates"], help="output format")
+    p.add_argument("ckpt", metavar="CKPT", help="the checkpoint to convert (a directory, or its s3:// URL), or a "
+                   "Hugging Face model directory (safetensors)")
+    p.add_argument("--to", required=True, choices=["torch", "safetensors", "dcp", "datastates", "huggingface"],
+                   help="output format (huggingface: what transformers' from_pretrained loads, docs/huggingface.md)")
     p.add_argument("out", metavar="OUT", help="output file (torch) or directory (the others)")
     p.add_argument("--max-shard-size", type=_size, default=_size("5GB"), help="safetensors shard size (default 5GB)")
+    p.add_argument("--prefix", metavar="KEY", help="huggingface: the state's entry holding the model (default model), "
+                   "stripped from the names; from a Hugging Face directory: the entry its tensors go under")
+    p.add_argument("--config", metavar="DIR", help="huggingface: a directory with the model's config.json (and "
+                   "tokenizer): tensors checked against it, tied weights stored once, its files copied")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="huggingface: cast floating-point weights")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     allow_pickle(p)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON instead of text")
 
     p = add(
         "export", "export checkpoints to HDF5 or zarr for analysis (one dataset per key, a step axis)",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
 import warnings
 from typing import Iterable
 
@@ -36,6 +37,12 @@ def quiet_torch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         warnings.filterwarnings("ignore", message=".*process group.*not.*initialized", category=UserWarning)
         yield
+
+
+def print_json(doc) -> None:
+    """A command's ``--json`` output, the one way every command writes it: one JSON document on
+    stdout (exact numbers, indented), and nothing else there."""
+    print(json.dumps(doc, indent=2))
 
 
 def human_bytes(n: int | None) -> str:

@@ -1,21 +1,68 @@
 """Writing a tool's output so that it is never seen half-written.
 
 ``convert`` and ``export`` build their output under a temporary name next to
-OUT and only then move it into place. A failure or an interrupt therefore
+OUT and only then move it into place. A failure or an interrupt (Ctrl-C, and
+SIGTERM or SIGHUP, which :func:`signals_interrupt` turns into one) therefore
 leaves no OUT (the caller removes the temporary), and an existing OUT that
 ``--overwrite`` replaces is moved aside only once the new output is complete,
 and is put back if the final rename fails.
+
+Those temporaries have one form, ``.OUT.<what>-<12 hex digits>``
+(:func:`temporary_path`), so that what a killed tool could not remove
+(SIGKILL, a crash of the machine) is recognized: ``du`` reports it as a
+partial output (:func:`partial_output_of`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
+import signal
+import threading
 import uuid
 
 from dcp_datastates.storage.fsync_files import fsync_dir
 from dcp_datastates.storage.url import is_store_url
+
+
+PARTIAL_KINDS = ("convert", "export", "replaced")  # an output being built, or an old one moved aside
+_PARTIAL_RE = re.compile(r"^\.(?P<out>.+)\.(?:" + "|".join(PARTIAL_KINDS) + r")-[0-9a-f]{12}$")
+
+
+def temporary_path(out: str, what: str) -> str:
+    """A new hidden name beside ``out`` for the ``what`` (one of :data:`PARTIAL_KINDS`) of it:
+    where a tool builds it, or moves the OUT it replaces aside."""
+    if what not in PARTIAL_KINDS:
+        raise ValueError(f"unknown temporary kind {what!r}; one of {', '.join(PARTIAL_KINDS)}")
+    return os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.{what}-{uuid.uuid4().hex[:12]}")
+
+
+def partial_output_of(name: str) -> str | None:
+    """The OUT whose temporary (:func:`temporary_path`) the file or directory ``name`` is, else None."""
+    m = _PARTIAL_RE.match(name)
+    return m.group("out") if m else None
+
+
+@contextlib.contextmanager
+def signals_interrupt():
+    """SIGTERM (a scheduler's kill) and SIGHUP (the terminal closed) unwind like Ctrl-C, so
+    the temporary output is removed. Only in the main thread, where signals are delivered;
+    the previous handlers are restored at the end."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def check_output_apart(out: str, sources: list[str]) -> None:
@@ -70,7 +117,7 @@ def move_into_place(tmp: str, out: str, overwrite: bool) -> None:
     elif os.path.isfile(tmp) and os.path.isfile(out) and not os.path.islink(out):
         os.replace(tmp, out)  # atomic: readers see the old file or the new one
     else:
-        old = os.path.join(parent, f".{os.path.basename(out)}.replaced-{uuid.uuid4().hex[:12]}")
+        old = temporary_path(out, "replaced")
         os.rename(out, old)
         try:
             os.rename(tmp, out)

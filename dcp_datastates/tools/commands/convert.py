@@ -12,21 +12,27 @@ and an existing one (replaced only with ``overwrite``) stays intact until then.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import signal
 import sys
-import uuid
 from typing import Callable
 
 from dcp_datastates.errors import CheckpointExistsError
 from dcp_datastates.storage.url import absolute
 from dcp_datastates.tools import formats
 from dcp_datastates.tools.checkpoint_view import CheckpointView
-from dcp_datastates.tools.common import PROG, format_fields, human_bytes, quiet_torch_warnings
+from dcp_datastates.tools.common import PROG, format_fields, human_bytes, print_json, quiet_torch_warnings
 from dcp_datastates.tools.formats.safetensors import INDEX as SAFETENSORS_INDEX
-from dcp_datastates.tools.output import check_output_apart, move_into_place, naming_output_errors, remove_output
+from dcp_datastates.tools.formats.safetensors import SINGLE_FILE as SAFETENSORS_SINGLE
+from dcp_datastates.tools.safetensors_view import FORMAT_HUGGINGFACE
+from dcp_datastates.tools.output import (
+    check_output_apart,
+    move_into_place,
+    naming_output_errors,
+    remove_output,
+    signals_interrupt,
+    temporary_path,
+)
 from dcp_datastates.tools.progress import ByteCounter, LazyProgress
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size ("5GB")
@@ -58,9 +64,18 @@ def convert_checkpoint(
     overwrite: bool = False,
     allow_pickle: bool = False,
     progress: Progress | None = None,
+    prefix: str | None = None,
+    config_dir: str | os.PathLike | None = None,
+    dtype: str | None = None,
 ) -> ConvertSummary:
     """Convert the checkpoint ``src`` into ``out`` in format ``to`` (one of :data:`formats.CONVERT`).
 
+    ``src`` is a checkpoint of ours, a stock DCP one, or a Hugging Face
+    safetensors directory (its tensors put under ``prefix``, default
+    ``model``). ``to="huggingface"`` writes what ``from_pretrained`` loads:
+    the tensors under ``prefix`` (default ``model``) with it stripped,
+    cast to ``dtype``, with ``config_dir``'s config and tokenizer files
+    (see :mod:`tools.formats.huggingface`).
     ``out`` is a file for ``torch`` and a directory for the others. An
     existing ``out`` is refused unless ``overwrite``; it is replaced only once
     the new output is complete. Raises (naming the file and key) on an
@@ -71,21 +86,65 @@ def convert_checkpoint(
         raise ValueError(f"unknown output format {to!r}; choose one of {', '.join(formats.CONVERT)}")
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    out = os.path.abspath(os.fspath(out))
-    view = CheckpointView(src, allow_pickle=allow_pickle)
-    check_output_apart(out, [view.path])
-    _check_replaceable(out, overwrite)
+    view = open_source(src, allow_pickle=allow_pickle, prefix=prefix)
+    if prefix is not None and to != "huggingface" and view.format != FORMAT_HUGGINGFACE:
+        raise ValueError("prefix applies to conversions to huggingface or from a Hugging Face directory only")
+    if to == "huggingface":
+        from dcp_datastates.tools.formats.huggingface import HuggingFaceExport
+
+        export = HuggingFaceExport.plan(view, config_dir=config_dir, prefix=prefix, dtype=dtype)
+        return write_output(export.view, out, to, export.write_with(max_shard_bytes), overwrite=overwrite,
+                            progress=progress)
+    if config_dir is not None or dtype is not None:
+        raise ValueError("config_dir and dtype apply to conversions to huggingface only")
     writer = formats.module(formats.CONVERT[to])
     if to == "safetensors":
         writer.check_dtypes(view)
+
+    def write(tmp: str, summary: ConvertSummary, tracker: ByteCounter) -> None:
+        writer.write(view, tmp, summary, tracker, max_shard_bytes)
+
+    return write_output(view, out, to, write, overwrite=overwrite, progress=progress)
+
+
+def open_source(src: str | os.PathLike, *, allow_pickle: bool = False, prefix: str | None = None):
+    """The checkpoint ``src`` opened for reading key by key: ours or stock DCP
+    (:class:`CheckpointView`), or a Hugging Face safetensors directory
+    (:class:`SafetensorsDirView`, its keys put under ``prefix``, default ``model``, and the
+    tied weights its ``config.json`` describes added, as the model's ``state_dict()`` holds them)."""
+    from dcp_datastates.tools.safetensors_view import SafetensorsDirView, is_safetensors_dir
+
+    if is_safetensors_dir(src):
+        from dcp_datastates.format.huggingface_model import tied_aliases
+        from dcp_datastates.tools.formats.huggingface import DEFAULT_PREFIX
+
+        prefix = DEFAULT_PREFIX if prefix is None else prefix
+        return SafetensorsDirView(src, prefix=prefix, aliases=tied_aliases(src))
+    return CheckpointView(src, allow_pickle=allow_pickle)
+
+
+def write_output(
+    view,
+    out: str | os.PathLike,
+    to: str,
+    write: Callable[[str, ConvertSummary, ByteCounter], None],
+    *,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> ConvertSummary:
+    """Build ``out`` with ``write(tmp, summary, tracker)`` under a temporary name beside it, then
+    rename it into place: the one way every conversion's output appears, whole or not at all."""
+    out = os.path.abspath(os.fspath(out))
+    check_output_apart(out, [view.path])
+    _check_replaceable(out, overwrite)
     summary = ConvertSummary(absolute(view.path), view.format, out, to)
     tracker = ByteCounter(sum(view.nbytes(k) for k in view.tensors), progress)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(out)}.convert-{uuid.uuid4().hex[:12]}")
+    tmp = temporary_path(out, "convert")
     try:
         with quiet_torch_warnings(), naming_output_errors(tmp, out):
-            writer.write(view, tmp, summary, tracker, max_shard_bytes)
+            write(tmp, summary, tracker)
         _check_replaceable(out, overwrite)  # again: something may have appeared meanwhile
         move_into_place(tmp, out, overwrite)
     except BaseException:
@@ -103,7 +162,7 @@ def _looks_replaceable(path: str) -> bool:
         names = os.listdir(path)
     except OSError:
         return False
-    return not names or ".metadata" in names or SAFETENSORS_INDEX in names
+    return not names or ".metadata" in names or SAFETENSORS_INDEX in names or SAFETENSORS_SINGLE in names
 
 
 def _check_replaceable(out: str, overwrite: bool) -> None:
@@ -114,36 +173,22 @@ def _check_replaceable(out: str, overwrite: bool) -> None:
     if os.path.isdir(out) and not os.path.islink(out) and not _looks_replaceable(out):
         raise CheckpointExistsError(
             f"{out} is a directory that holds neither a checkpoint (.metadata) nor a safetensors output "
-            f"({SAFETENSORS_INDEX}); refusing to replace it even with --overwrite"
+            f"({SAFETENSORS_INDEX} or {SAFETENSORS_SINGLE}); refusing to replace it even with --overwrite"
         )
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM (a scheduler's kill) unwinds like Ctrl-C, so the temporary output is removed."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def run(args) -> int:
-    """``dcp-datastates convert``: convert, print a summary table; exit status 0."""
-    with LazyProgress(f"convert to {args.to}", quiet=args.quiet) as progress, _sigterm_as_interrupt():
+    """``dcp-datastates convert``: convert, print a summary table (``--json``: the
+    :class:`ConvertSummary` as one document); exit status 0."""
+    with LazyProgress(f"convert to {args.to}", quiet=args.quiet) as progress, signals_interrupt():
         summary = convert_checkpoint(
             args.ckpt, args.out, args.to, max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
-            allow_pickle=args.allow_pickle, progress=progress,
+            allow_pickle=args.allow_pickle, progress=progress, prefix=args.prefix, config_dir=args.config,
+            dtype=args.dtype,
         )
+    if summary.to == "huggingface" and "config.json" not in summary.files:
+        print(f"{PROG} convert: note: no --config given: weights only, no config.json; tied weights are written "
+              "as saved and nothing was checked against a model", file=sys.stderr)
     if summary.skipped:
         shown = ", ".join(summary.skipped[:8]) + (", ..." if len(summary.skipped) > 8 else "")
         print(
@@ -151,13 +196,16 @@ def run(args) -> int:
             f"entr{'y' if len(summary.skipped) == 1 else 'ies'} (safetensors holds tensors only): {shown}",
             file=sys.stderr,
         )
+    if args.json:
+        print_json(dataclasses.asdict(summary))
+        return 0
     rows = [
         ("source", f"{summary.source} ({summary.source_format})"),
         ("output", f"{summary.out} ({summary.to})"),
         ("tensors", f"{summary.tensors} ({human_bytes(summary.bytes)})"),
         ("objects", str(summary.objects)),
     ]
-    if summary.to == "safetensors":
+    if summary.to in ("safetensors", "huggingface"):
         rows[-1] = ("objects", f"{summary.objects} written, {len(summary.skipped)} skipped (safetensors holds tensors only)")
     files = summary.files
     rows.append(("files", ", ".join(files) if len(files) <= 4 else f"{len(files)}: {files[0]} ... {files[-1]}"))

@@ -22,7 +22,6 @@ the rest moved.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import reprlib
@@ -33,7 +32,7 @@ import torch
 
 from dcp_datastates.format.file_names import step_of
 from dcp_datastates.tools.checkpoint_view import DEFAULT_BLOCK_BYTES, CheckpointView
-from dcp_datastates.tools.common import dtype_name, format_table, human_bytes, quiet_torch_warnings, select_keys
+from dcp_datastates.tools.common import dtype_name, format_table, human_bytes, print_json, quiet_torch_warnings, select_keys
 from dcp_datastates.tools.progress import ByteCounter, LazyProgress
 from dcp_datastates.errors import UnsafeCheckpointError
 
@@ -469,8 +468,7 @@ def run(args) -> int:
     if args.plot:
         plot_change_per_layer(report, args.plot)
     if args.json:
-        json.dump(report.to_json(top=args.top, plot=args.plot), sys.stdout, indent=1)
-        sys.stdout.write("\n")
+        print_json(report.to_json(top=args.top, plot=args.plot))
     else:
         sys.stdout.write(format_report(report, args.top, args.plot))
     return 0

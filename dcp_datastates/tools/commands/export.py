@@ -18,9 +18,10 @@ Conventions (the same for HDF5 and zarr, documented in docs/cli.md):
   ``torch.from_numpy(a).view(torch.bfloat16)`` restores the values bit-exactly.
 * dataset names are the keys, with ``%`` -> ``%25``, ``/`` -> ``%2F`` and a
   leading ``.`` -> ``%2E``; the attribute ``key`` holds the key unchanged.
-* the output is written under ``OUT.tmp-<pid>`` and renamed to ``OUT`` only
-  once complete, so an interrupted export never leaves an ``OUT`` that looks
-  finished.
+* the output is written under a hidden temporary name beside ``OUT``
+  (``.OUT.export-<id>``, :func:`output.temporary_path`) and renamed to ``OUT``
+  only once complete, so an interrupted export never leaves an ``OUT`` that
+  looks finished.
 """
 
 from __future__ import annotations
@@ -42,7 +43,14 @@ from dcp_datastates.storage.url import absolute
 from dcp_datastates.tools import formats
 from dcp_datastates.tools.checkpoint_view import DEFAULT_BLOCK_BYTES, CheckpointView, read_ahead
 from dcp_datastates.tools.common import dtype_name, format_fields, human_bytes, key_selected, quiet_torch_warnings
-from dcp_datastates.tools.output import check_output_apart, move_into_place, naming_output_errors, remove_output
+from dcp_datastates.tools.output import (
+    check_output_apart,
+    move_into_place,
+    naming_output_errors,
+    remove_output,
+    signals_interrupt,
+    temporary_path,
+)
 from dcp_datastates.tools.progress import ByteCounter, LazyProgress
 
 FORMAT_NAME = "dcp_datastates export"
@@ -134,7 +142,7 @@ def export_checkpoints(
         "objects": objects,
     }
     total = len(views) * sum(views[0].nbytes(d.key) for d in datasets)
-    tmp = f"{out}.tmp-{os.getpid()}"
+    tmp = temporary_path(out, "export")
     try:
         with quiet_torch_warnings(), naming_output_errors(tmp, out):
             backend.write(tmp, datasets, len(views), root_attrs, {d.name: _dataset_attrs(d, steps) for d in datasets},
@@ -369,7 +377,7 @@ def _fsync_tree(path: str) -> None:
 
 def run(args) -> int:
     """``dcp-datastates export``: export, then print what was written (a short aligned table)."""
-    with LazyProgress("export", quiet=args.quiet) as progress:
+    with LazyProgress("export", quiet=args.quiet) as progress, signals_interrupt():
         summary = export_checkpoints(
             args.ckpts, args.out, args.format, keys=args.keys, block_bytes=args.block_bytes,
             overwrite=args.overwrite, progress=progress,

@@ -3,20 +3,21 @@
 Reads ``.metadata`` and (ours) the rank indexes, never a tensor byte, from a
 directory or an ``s3://`` URL alike (:class:`CheckpointView` reads through
 the store). :func:`inspect_checkpoint` returns JSON-ready data; :func:`run`
-prints it as a table or JSON.
+prints it as a table or JSON, for one checkpoint or for each committed step
+of a run root (:func:`checkpoints.checkpoints_named`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
+from dcp_datastates.errors import CheckpointNotFoundError
 from dcp_datastates.format.file_names import DATA_FILE_RE
 from dcp_datastates.storage.url import is_store_url
 from dcp_datastates.tools import checkpoints
 from dcp_datastates.tools.checkpoint_view import FORMAT_OURS, CheckpointView
-from dcp_datastates.tools.common import dtype_name, format_table, human_bytes
+from dcp_datastates.tools.common import dtype_name, format_table, human_bytes, print_json
 
 
 def inspect_checkpoint(path: str) -> dict[str, Any]:
@@ -155,9 +156,21 @@ def _inspect_lines(info: dict[str, Any], chunks: bool) -> list[str]:
 
 
 def run(args) -> int:
-    info = inspect_checkpoint(args.ckpt)
+    """One checkpoint (a checkpoint, or a run root with ``--latest``): its table or JSON document.
+    A run root: each committed step's, in step order (JSON: ``{"root", "checkpoints": [...]}``)."""
+    paths = checkpoints.checkpoints_named(args.ckpt, args.latest)
+    if not paths:
+        raise CheckpointNotFoundError(f"{args.ckpt}: no committed checkpoint there")
+    if paths == [args.ckpt] or args.latest:
+        info = inspect_checkpoint(paths[0])
+        if args.json:
+            print_json(info)
+        else:
+            print("\n".join(_inspect_lines(info, args.chunks)))
+        return 0
     if args.json:
-        print(json.dumps(info, indent=2))
-    else:
-        print("\n".join(_inspect_lines(info, args.chunks)))
+        print_json({"root": args.ckpt, "checkpoints": [inspect_checkpoint(p) for p in paths]})
+        return 0
+    for i, path in enumerate(paths):
+        print(("\n" if i else "") + "\n".join(_inspect_lines(inspect_checkpoint(path), args.chunks)), flush=True)
     return 0

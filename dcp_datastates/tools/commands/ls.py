@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import os
 import sys
 
@@ -18,7 +17,7 @@ from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.storage.url import is_store_url
 from dcp_datastates.tools import checkpoints
 from dcp_datastates.tools.checkpoints import COMMITTED, INCOMPLETE, STOCK_DCP
-from dcp_datastates.tools.common import PROG, format_table, human_bytes, one_line
+from dcp_datastates.tools.common import PROG, format_table, human_bytes, one_line, print_json
 
 
 @dataclasses.dataclass
@@ -48,10 +47,10 @@ class Listing:
 def describe_checkpoint(path: str, step: int | None = None) -> CheckpointEntry:
     """The ``ls`` row of one checkpoint directory: reads its ``.metadata`` and directory entries only."""
     files = checkpoints.dir_files(path)
-    state, view, error = checkpoints.open_checkpoint(path)
+    state, summary, error = checkpoints.summarize_checkpoint(path)
     ranks = keys = None
-    if view is not None:
-        ranks, keys = checkpoints.rank_count(view), len(view.metadata.state_dict_metadata)
+    if summary is not None:
+        ranks, keys = summary.ranks, summary.keys
     md = next((st for name, st in files if name == METADATA_FILE), None)
     if md is not None:
         mtime = md.st_mtime
@@ -106,7 +105,7 @@ def run(args) -> int:
         ]}
         if tiers is not None:
             doc["durable_only"] = sorted(s for s in tiers if s not in local_steps)
-        print(json.dumps(doc, indent=2))
+        print_json(doc)
         return 0
     if not listing.checkpoints:
         print(f"no checkpoints under {listing.root}")
@@ -143,7 +142,7 @@ def _run_store(url: str, as_json: bool) -> int:
     rows = [(s.step, s.name, s.state, len(s.sizes), sum(s.sizes.values())) for s in checkpoints.stored_steps(open_store(url))]
     if as_json:
         keys = ("step", "name", "state", "objects", "bytes")
-        print(json.dumps({"root": url, "checkpoints": [dict(zip(keys, r)) for r in rows]}, indent=2))
+        print_json({"root": url, "checkpoints": [dict(zip(keys, r)) for r in rows]})
         return 0
     if not rows:
         print(f"no checkpoints under {url}")
