@@ -38,8 +38,12 @@ BLOCK = 8 << 20
 # The child: baseline RSS after imports, run the command, report time and peak RSS growth.
 CHILD = textwrap.dedent(
     """
-    import json, os, sys, time
-    import torch, dcp_datastates.tools.cli as cli
+    import importlib, json, os, pkgutil, sys, time
+    import torch, dcp_datastates, dcp_datastates.tools.cli as cli, dcp_datastates.tools.commands as commands
+    # Everything a command imports, before the clock: the figure is the command's work (the package
+    # loads its names and the commands their modules on first use).
+    [getattr(dcp_datastates, name) for name in dcp_datastates.__all__]
+    [importlib.import_module(f"{commands.__name__}.{m.name}") for m in pkgutil.iter_modules(commands.__path__)]
     def hwm():
         with open("/proc/self/status") as f:
             for ln in f:

@@ -107,7 +107,14 @@ def _require_torch() -> None:
     check_torch_version()
 
 
+# The subpackages and modules reachable as attributes (``dcp_datastates.errors.X``,
+# ``dcp_datastates.native.engine.ForkedEngineError``), imported on first use like the names.
+_SUBMODULES = frozenset({"errors", "core", "format", "integrations", "manager", "native", "storage", "tiers", "tools"})
+
+
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"dcp_datastates.{name}")
     target = _ALIASES.get(name, name)
     module = _PUBLIC.get(target)
     if module is None:

@@ -363,3 +363,8 @@ def allowed_private_globals() -> tuple:
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
     return _MEM_FORMAT_ENCODING, torch.serialization._get_layout
+
+
+# Every module that touches DCP imports this one: a torch too old for the package is refused
+# here, whichever module is imported first (the package's names check it again on first use).
+check_torch_version()

@@ -79,6 +79,23 @@ def test_public_names_import_on_first_use_with_the_torch_check(monkeypatch):
         dcp_datastates.DataStatesWriter
 
 
+def test_submodules_are_attributes_and_any_first_import_checks_torch(tmp_path):
+    """``dcp_datastates.errors.X`` after a bare ``import dcp_datastates``, as the docs spell errors;
+    and a first import of a module deeper down (the torchtitan integration's) refuses an old torch."""
+    script = (
+        "import sys, torch, dcp_datastates\n"
+        "assert dcp_datastates.errors.ModelMismatchError.__name__ == 'ModelMismatchError'\n"
+        "torch.__version__ = '2.10.0'\n"
+        "try:\n"
+        "    import dcp_datastates.core.writer\n"
+        "except ImportError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "refused: dcp_datastates needs torch 2.11 or newer; this is torch 2.10.0"
+
+
 @pytest.fixture
 def run_root(run_checkpoints, tmp_path):
     """A copy of the run root with a ``latest`` pointer (step 20) and an uncommitted step 40."""

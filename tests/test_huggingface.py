@@ -224,3 +224,47 @@ def test_fsdp2_two_ranks_load_import_and_manager_init(runs, tmp_path):
     run_ranks("fsdp_load_hf", 2, tmp_path / "logs", worker_script=hf_workers.__file__, worker_cases=hf_workers.CASES,
               hf_dir=run["pretrained"], imported=str(tmp_path / "ours"), root=str(tmp_path / "root"),
               reference=str(tmp_path / "reference.pt"))
+
+
+def test_a_head_trained_untied_is_refused_where_the_config_ties_it(runs, tmp_path):
+    """A checkpoint whose lm_head was trained apart from the embedding, with a config that ties them:
+    the export would drop the head (from_pretrained ties it back), a load would leave the model's own
+    head as it was; both refuse, naming the keys."""
+    run = runs["gpt2"]
+    torch.manual_seed(3)
+    untied = transformers.AutoModelForCausalLM.from_config(
+        transformers.GPT2Config(**{**run["model"].config.to_dict(), "tie_word_embeddings": False}))
+    with torch.no_grad():
+        untied.lm_head.weight.fill_(7.0)
+    dcp.save({"model": untied.state_dict()}, storage_writer=DataStatesWriter(str(tmp_path / "ckpt")))
+    with pytest.raises(ModelMismatchError, match=r"'model.lm_head.weight' differs from 'model.transformer.wte.weight'"):
+        export_to_huggingface(tmp_path / "ckpt", tmp_path / "hf", config_dir=run["config"])
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(ModelMismatchError, match=r"'lm_head.weight' is a tensor of its own"):
+        load_from_huggingface(untied.state_dict(), run["pretrained"])
+    assert torch.equal(untied.lm_head.weight, torch.full_like(untied.lm_head.weight, 7.0))  # nothing loaded
+
+
+def test_an_output_in_object_storage_is_refused_not_written_locally(runs, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"the output of convert --to huggingface takes a local directory"):
+        export_to_huggingface(runs["gpt2"]["ckpt"], "s3://bucket/run/hf", config_dir=runs["gpt2"]["config"])
+    assert os.listdir(tmp_path) == []
+
+
+def test_docs_stateful_first_start_from_huggingface(runs, tmp_path):
+    """docs/huggingface.md's first start of a run whose state is a Stateful: the model is loaded
+    from the Hugging Face directory when the root has nothing to resume from."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    run = runs["gpt2"]
+    torch.manual_seed(11)
+    model = transformers.AutoModelForCausalLM.from_config(run["model"].config)
+    with CheckpointManager(tmp_path / "root", CheckpointManagerOptions(async_save=False)) as mgr:
+        start = mgr.load({"app": {"model": model.state_dict()}})
+        if start is None:
+            model_sd = get_model_state_dict(model)
+            load_from_huggingface(model_sd, run["pretrained"])
+            set_model_state_dict(model, model_sd)
+            start = 0
+    assert start == 0 and torch.equal(_logits(model), _logits(run["model"]))

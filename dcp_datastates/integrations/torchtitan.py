@@ -24,6 +24,7 @@ torchtitan is imported by this module only, so the package imports without it.
 
 from __future__ import annotations
 
+import datetime
 import os
 import shutil
 from dataclasses import dataclass
@@ -48,12 +49,14 @@ from dcp_datastates.core.reader import DataStatesReader
 from dcp_datastates.core.writer import DataStatesWriter
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.native import engine as _native
+from dcp_datastates.storage.url import url_scheme
 
 __all__ = ["DataStatesCheckpointManager"]
 
 # Where a Hugging Face export is saved before rank 0 converts it: inside the checkpoint folder,
 # under a name torchtitan's listing and purge (which match ``step-N``) pass by.
 HF_EXPORT_STAGING = ".datastates_hf_export"
+HF_EXPORT_WAIT = datetime.timedelta(hours=6)  # how long the other ranks wait for rank 0's export
 
 # torchtitan internals this module relies on (tests/test_torchtitan.py pins each):
 # * CheckpointManager._save, in async_with_pinned_mem mode, builds its pinned-memory
@@ -198,7 +201,16 @@ class DataStatesCheckpointManager(CheckpointManager):
         model's ``config.json`` and tokenizer when ``hf_assets_path`` holds them)."""
         from dcp_datastates.integrations.huggingface import export_to_huggingface
 
+        if url_scheme(checkpoint_id) is not None:  # the same on every rank: every rank raises
+            raise CheckpointError(
+                f"last_save_in_hf writes safetensors into a local folder, and {checkpoint_id} is a URL: "
+                "export the last checkpoint with `dcp-datastates convert CKPT --to huggingface OUT` instead"
+            )
         staging = os.path.join(self.folder, HF_EXPORT_STAGING)
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        # The other ranks wait for rank 0's export on a gloo group of their own: the trainer's default
+        # group (NCCL on GPUs) has the training timeout, which exporting a large model would trip.
+        wait_group = dist.new_group(backend="gloo", timeout=HF_EXPORT_WAIT) if distributed else None
         writer = DataStatesWriter(staging, overwrite=True, **self._writer_options)
         try:
             dcp.save(self.sd_adapter.to_hf(state_dict), storage_writer=writer)
@@ -211,7 +223,9 @@ class DataStatesCheckpointManager(CheckpointManager):
                 shutil.rmtree(staging)
             except Exception as exc:  # noqa: BLE001 - every rank raises it, below
                 failure = exc
-        why = _from_rank0(None if failure is None else f"{type(failure).__name__}: {failure}")
+        why = _from_rank0(None if failure is None else f"{type(failure).__name__}: {failure}", wait_group)
+        if wait_group is not None:
+            dist.destroy_process_group(wait_group)
         if why is not None:
             raise CheckpointError(
                 f"the Hugging Face export into {checkpoint_id} failed on rank 0 ({why}); the weights are kept "
@@ -262,12 +276,12 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _from_rank0(value):
-    """``value`` as rank 0 has it, on every rank (itself without a process group)."""
+def _from_rank0(value, group=None):
+    """``value`` as rank 0 has it, on every rank of ``group`` (itself without a process group)."""
     if not (dist.is_available() and dist.is_initialized()):
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 

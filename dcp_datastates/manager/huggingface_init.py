@@ -40,12 +40,36 @@ def load_from_huggingface(
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     path = os.fspath(model_dir)
+    if no_dist is None:
+        no_dist = not (dist.is_available() and dist.is_initialized())
+    try:
+        wanted, problem = _checked_targets(model_state, path), None
+    except (ModelMismatchError, CheckpointNotFoundError, TypeError) as exc:
+        wanted, problem = None, (type(exc).__name__, str(exc))
+    # Checked on every rank (a DTensor's local shard, a directory on node-local disk): a refusal on
+    # one rank is raised on all, before any rank enters dcp.load's collectives.
+    problems = [problem]
+    if not no_dist:
+        problems = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(problems, problem, group=process_group)
+    for rank, found in enumerate(problems):
+        if found is not None:
+            kind, text = found
+            error = {"TypeError": TypeError, "CheckpointNotFoundError": CheckpointNotFoundError}.get(kind, ModelMismatchError)
+            raise error(text if len(problems) == 1 else f"rank {rank}: {text}")
+    dcp.load(wanted, storage_reader=HuggingFaceStorageReader(path), process_group=process_group, no_dist=no_dist)
+    return list(wanted)
+
+
+def _checked_targets(model_state: dict[str, Any], path: str) -> dict[str, Any]:
+    """The entries of ``model_state`` to load from ``path``, once every key, tie and shape agrees."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
     if not os.path.isdir(path) or not any(n.endswith(".safetensors") for n in os.listdir(path)):
         raise CheckpointNotFoundError(f"{path}: no Hugging Face model there (no *.safetensors file)")
     if not isinstance(model_state, dict):
         raise TypeError(f"the model part of the state must be a dict (a state_dict), got {type(model_state).__name__}")
-    reader = HuggingFaceStorageReader(path)
-    stored = reader.read_metadata().state_dict_metadata
+    stored = HuggingFaceStorageReader(path).read_metadata().state_dict_metadata
     tied = tied_aliases(path)
     wanted: dict[str, Any] = {}
     for key, value in model_state.items():
@@ -59,13 +83,22 @@ def load_from_huggingface(
                 f"{path}: the model's {key!r} is in none of its safetensors files"
                 + ("" if tied else " (and no config.json there says it is a tied weight)")
             )
+        elif not _same_storage(value, model_state[tied[key]]):
+            raise ModelMismatchError(
+                f"{path}: the files store {key!r} as {tied[key]!r} (its config ties them), but this model's "
+                f"{key!r} is a tensor of its own: loading {tied[key]!r} would leave it as it is; build the "
+                "model with its weights tied, as the config says"
+            )
     extra = [k for k in stored if k not in wanted]
     if extra:
         raise ModelMismatchError(
             f"{path}: {extra[0]!r} has no place in the model ({len(extra)} unexpected: {', '.join(extra[:6])}"
             f"{', ...' if len(extra) > 6 else ''}); is it the model this run trains?"
         )
-    if no_dist is None:
-        no_dist = not (dist.is_available() and dist.is_initialized())
-    dcp.load(wanted, storage_reader=HuggingFaceStorageReader(path), process_group=process_group, no_dist=no_dist)
-    return list(wanted)
+    return wanted
+
+
+def _same_storage(a: Any, b: Any) -> bool:
+    """Whether two entries of a state dict are one tensor (tied weights), DTensors by their local shards."""
+    a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (a, b))
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.storage_offset() == b.storage_offset()

@@ -118,12 +118,24 @@ def move_into_place(tmp: str, out: str, overwrite: bool) -> None:
         os.replace(tmp, out)  # atomic: readers see the old file or the new one
     else:
         old = temporary_path(out, "replaced")
-        os.rename(out, old)
-        try:
-            os.rename(tmp, out)
-        except BaseException:
-            os.rename(old, out)
-            raise
+        with _signals_held():  # an interrupt between the two renames would leave no OUT
+            os.rename(out, old)
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(old, out)
+                raise
         fsync_dir(parent)
         remove_output(old)
     fsync_dir(parent)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Hold SIGINT, SIGTERM and SIGHUP for this thread until the block ends (then they arrive)."""
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

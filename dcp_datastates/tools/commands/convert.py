@@ -18,7 +18,7 @@ import sys
 from typing import Callable
 
 from dcp_datastates.errors import CheckpointExistsError
-from dcp_datastates.storage.url import absolute
+from dcp_datastates.storage.url import absolute, refuse_url
 from dcp_datastates.tools import formats
 from dcp_datastates.tools.checkpoint_view import CheckpointView
 from dcp_datastates.tools.common import PROG, format_fields, human_bytes, print_json, quiet_torch_warnings
@@ -134,6 +134,8 @@ def write_output(
 ) -> ConvertSummary:
     """Build ``out`` with ``write(tmp, summary, tracker)`` under a temporary name beside it, then
     rename it into place: the one way every conversion's output appears, whole or not at all."""
+    refuse_url(out, f"the output of convert --to {to}", "Convert into a local directory and copy that to object "
+               "storage, or save there directly with DataStatesWriter('s3://...').")
     out = os.path.abspath(os.fspath(out))
     check_output_apart(out, [view.path])
     _check_replaceable(out, overwrite)

@@ -127,6 +127,14 @@ def _match_model(source, names: dict[str, str], model: ModelKeys, lead: str) -> 
             f"which the checkpoint lacks ({len(missing)} missing: {', '.join(missing[:6])}"
             f"{', ...' if len(missing) > 6 else ''}); check the prefix and the config"
         )
+    for alias, key in model.tied.items():
+        if alias in names and key in names and not _same_tensor_values(source, names[alias], names[key]):
+            raise ModelMismatchError(
+                f"{source.path}: {names[alias]!r} differs from {names[key]!r}, but the model of "
+                f"{model.config_path} ties {alias!r} to {key!r} and stores only the latter (from_pretrained "
+                "would make both the same): the checkpoint was trained untied; export with a config that does "
+                "not tie them (tie_word_embeddings=false)"
+            )
     extra = [k for k in names if k not in model.stored and k not in model.tied]
     if extra:
         raise ModelMismatchError(
@@ -135,6 +143,18 @@ def _match_model(source, names: dict[str, str], model: ModelKeys, lead: str) -> 
             "check the prefix and the config"
         )
     return out
+
+
+def _same_tensor_values(source, a: str, b: str) -> bool:
+    """Whether tensors ``a`` and ``b`` of ``source`` hold the same bytes (compared block by block)."""
+    ma, mb = source.tensors[a], source.tensors[b]
+    if tuple(ma.size) != tuple(mb.size) or ma.properties.dtype != mb.properties.dtype:
+        return False
+    for offsets, sizes in source.block_boxes(a):
+        x, y = source.read_block(a, offsets, sizes), source.read_block(b, offsets, sizes)
+        if not torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)):
+            return False
+    return True
 
 
 def copy_model_files(config_dir: str, out: str, dtype: torch.dtype | None) -> list[str]:
