@@ -145,12 +145,15 @@ def _match_model(source, names: dict[str, str], model: ModelKeys, lead: str) -> 
     return out
 
 
+COMPARE_BLOCK_BYTES = 8 << 20  # the two blocks compared at a time: small beside the export's own
+
+
 def _same_tensor_values(source, a: str, b: str) -> bool:
     """Whether tensors ``a`` and ``b`` of ``source`` hold the same bytes (compared block by block)."""
     ma, mb = source.tensors[a], source.tensors[b]
     if tuple(ma.size) != tuple(mb.size) or ma.properties.dtype != mb.properties.dtype:
         return False
-    for offsets, sizes in source.block_boxes(a):
+    for offsets, sizes in source.block_boxes(a, COMPARE_BLOCK_BYTES):
         x, y = source.read_block(a, offsets, sizes), source.read_block(b, offsets, sizes)
         if not torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)):
             return False
