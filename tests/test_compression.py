@@ -38,7 +38,6 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 StreamTransformExtension, ZStandard = stream_transform_extension_class(), zstandard_extension_class()
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture
@@ -276,19 +275,13 @@ def test_block_aligned_slices_decompress_in_place(tmp_path, small_blocks, monkey
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_two_ranks_save_compressed_loads_on_one_and_two(tmp_path, asynchronous):
     path = tmp_path / "c"
-    dist_helpers.run_ranks(
-        "save_compressed", 2, tmp_path / "logs", worker_script=os.path.join(HERE, "support", "compression_workers.py"),
-        worker_cases=_worker_cases(), path=str(path), asynchronous=asynchronous,
-    )
+    _worker_cases().run_ranks("save_compressed", 2, tmp_path / "logs", path=str(path), asynchronous=asynchronous)
     assert layout_of(path).compression == ("zstd", 4096)
     assert not [f for f in os.listdir(path) if f.endswith(".data") and f.split(".")[0] not in _named(path)]
     targets = dist_helpers.full_targets()
     dcp.load(targets, storage_reader=DataStatesReader(path), no_dist=True)  # 2 ranks -> 1 process
     dist_helpers.assert_equal_exact(targets, dist_helpers.reference_state())
-    dist_helpers.run_ranks(
-        "load_compressed_resharded", 2, tmp_path / "logs", worker_script=os.path.join(HERE, "support", "compression_workers.py"),
-        worker_cases=_worker_cases(), path=str(path),
-    )
+    _worker_cases().run_ranks("load_compressed_resharded", 2, tmp_path / "logs", path=str(path))
     assert verify(path).ok
 
 

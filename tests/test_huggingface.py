@@ -213,17 +213,14 @@ def test_manager_initializes_a_fresh_root_from_huggingface(runs, tmp_path):
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_fsdp2_two_ranks_load_import_and_manager_init(runs, tmp_path):
-    from dist_helpers import run_ranks
-
     import hf_workers
 
     run = runs["gpt2"]
     import_from_huggingface(run["pretrained"], tmp_path / "ours")
     torch.save({"state": {k: v.clone() for k, v in run["model"].state_dict().items()}, "tokens": TOKENS,
                 "logits": _logits(run["model"])}, tmp_path / "reference.pt")
-    run_ranks("fsdp_load_hf", 2, tmp_path / "logs", worker_script=hf_workers.__file__, worker_cases=hf_workers.CASES,
-              hf_dir=run["pretrained"], imported=str(tmp_path / "ours"), root=str(tmp_path / "root"),
-              reference=str(tmp_path / "reference.pt"))
+    hf_workers.CASES.run_ranks("fsdp_load_hf", 2, tmp_path / "logs", hf_dir=run["pretrained"], imported=str(tmp_path / "ours"),
+                               root=str(tmp_path / "root"), reference=str(tmp_path / "reference.pt"))
 
 
 def test_a_head_trained_untied_is_refused_where_the_config_ties_it(runs, tmp_path):

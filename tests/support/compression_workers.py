@@ -17,12 +17,8 @@ sys.path.insert(0, HERE)
 
 import dist_helpers as dh  # noqa: E402
 
-CASES: dict = {}
-
-
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
+CASES = dh.WorkerCases(__file__)
+case = CASES.case
 
 
 def small_blocks() -> None:
@@ -61,7 +57,4 @@ def load_compressed_resharded(rank, world_size, path):
 
 
 if __name__ == "__main__":
-    code = dh._worker_main(sys.argv[1:], CASES)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    CASES.main()

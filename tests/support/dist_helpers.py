@@ -221,12 +221,37 @@ def fsdp_model_and_optim(seed: int, mesh):
 # worker cases
 # ---------------------------------------------------------------------------
 
-CASES = {}
+class WorkerCases(dict):
+    """A worker script's rank cases, by name: ``case`` registers one, ``run_ranks`` launches one
+    on ``world_size`` ranks that each run the script, and ``main`` is a rank's entry point."""
+
+    def __init__(self, script: str, inherited: dict | None = None, timeout: float = SPAWN_TIMEOUT_S) -> None:
+        super().__init__(inherited or {})
+        self.script = os.path.abspath(script)
+        self.timeout = timeout  # a launch's default time limit
+
+    def case(self, fn):
+        self[fn.__name__] = fn
+        return fn
+
+    def run_ranks(self, case_name: str, world_size: int, log_dir, timeout: float | None = None, **kwargs) -> float:
+        timeout = self.timeout if timeout is None else timeout
+        return run_ranks(case_name, world_size, log_dir, timeout, worker_script=self.script, worker_cases=self, **kwargs)
+
+    def main(self, argv: list[str] | None = None):
+        """Run this rank's case and leave without finalizing the interpreter: torch 2.13 + gloo
+        can abort (SIGABRT, "terminate called without an active exception") during finalization,
+        after the case has passed and the process group is destroyed (a gloo thread frees a
+        finished collective whose tensors need the GIL). The verdict is decided by then; the demo
+        leaves the same way."""
+        code = _worker_main(sys.argv[1:] if argv is None else argv, self)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
+CASES = WorkerCases(__file__)
+case = CASES.case
 
 
 def _mesh(world_size: int):
@@ -601,12 +626,4 @@ def _run_ranks_once(case_name, world_size, log_dir, timeout, kwargs, script) -> 
 
 
 if __name__ == "__main__":
-    code = _worker_main(sys.argv[1:])
-    # torch 2.13 + gloo can abort (SIGABRT, "terminate called without an active
-    # exception") during interpreter finalization, after the case has passed and
-    # the process group is destroyed: a gloo thread frees a finished collective
-    # whose tensors need the GIL. The verdict is already decided, so leave without
-    # finalizing (the demo does the same).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    CASES.main()

@@ -17,12 +17,8 @@ sys.path.insert(0, HERE)
 import dist_helpers as dh  # noqa: E402
 import torch  # noqa: E402
 
-CASES = {}
-
-
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
+CASES = dh.WorkerCases(__file__)
+case = CASES.case
 
 
 def _fsdp_model(hf_dir: str, mesh):
@@ -84,4 +80,4 @@ def fsdp_load_hf(rank, world_size, hf_dir, imported, root, reference):
 
 
 if __name__ == "__main__":
-    sys.exit(dh._worker_main(sys.argv[1:], CASES))
+    CASES.main()

@@ -143,12 +143,8 @@ def tier_rollback_crash(root: str, durable: str, point: str) -> None:
 # gloo rank cases
 # ---------------------------------------------------------------------------
 
-CASES: dict = {}
-
-
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
+CASES = dh.WorkerCases(__file__)
+case = CASES.case
 
 
 def _dtensor_state(step: int, mesh) -> dict:
@@ -262,12 +258,7 @@ def manager_resume_skips_corrupt(rank, world_size, root):
     mgr.close()
 
 
-def _worker_main(argv) -> int:
-    return dh._worker_main(argv, CASES)
-
-
-def run_ranks(case_name: str, world_size: int, log_dir, **kwargs) -> float:
-    return dh.run_ranks(case_name, world_size, log_dir, worker_script=os.path.abspath(__file__), worker_cases=CASES, **kwargs)
+run_ranks = CASES.run_ranks
 
 
 @case
@@ -331,7 +322,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "tier_rollback_crash":
         tier_rollback_crash(*sys.argv[2:5])
         sys.exit(0)
-    code = _worker_main(sys.argv[1:])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    CASES.main()

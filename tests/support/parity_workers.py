@@ -20,12 +20,8 @@ import dist_helpers as dh  # noqa: E402
 import torch  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 
-CASES: dict = {}
-
-
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
+CASES = dh.WorkerCases(__file__)
+case = CASES.case
 
 
 class RecordingPlanner(DefaultSavePlanner):
@@ -96,12 +92,8 @@ def cached_saves(rank, world_size, path, mode, saves=3):
     assert from_cache == expected, from_cache
 
 
-def run_ranks(case_name: str, world_size: int, log_dir, **kwargs) -> float:
-    return dh.run_ranks(case_name, world_size, log_dir, worker_script=os.path.abspath(__file__), worker_cases=CASES, **kwargs)
+run_ranks = CASES.run_ranks
 
 
 if __name__ == "__main__":
-    code = dh._worker_main(sys.argv[1:], CASES)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    CASES.main()

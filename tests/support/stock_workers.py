@@ -12,12 +12,8 @@ sys.path.insert(0, HERE)
 
 import dist_helpers as dh  # noqa: E402
 
-CASES: dict = dict(dh.CASES)  # the load cases (load_resharded, ...) with ours
-
-
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
+CASES = dh.WorkerCases(__file__, dh.CASES)  # the load cases (load_resharded, ...) with ours
+case = CASES.case
 
 
 @case
@@ -50,12 +46,8 @@ def save_dtensor_state_transformed(rank, world_size, path):
     dh.assert_equal_exact(state, dh.reference_state())
 
 
-def run_ranks(case_name: str, world_size: int, log_dir, **kwargs) -> float:
-    return dh.run_ranks(case_name, world_size, log_dir, worker_script=os.path.abspath(__file__), worker_cases=CASES, **kwargs)
+run_ranks = CASES.run_ranks
 
 
 if __name__ == "__main__":
-    code = dh._worker_main(sys.argv[1:], CASES)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    CASES.main()

@@ -23,18 +23,11 @@ import dist_helpers as dh  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-CASES: dict = {}
+CASES = dh.WorkerCases(__file__)
+case = CASES.case
+run_ranks = CASES.run_ranks
 STAGING_DELAY_S = 0.2  # a slow storage stand-in: see _slow_staging
 MODES = ("disabled", "async", "async_with_pinned_mem")
-
-
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
-
-
-def run_ranks(case_name: str, world_size: int, log_dir, **kwargs) -> float:
-    return dh.run_ranks(case_name, world_size, log_dir, worker_script=os.path.abspath(__file__), worker_cases=CASES, **kwargs)
 
 
 class TrainState:
@@ -368,7 +361,4 @@ def _hf_last_save(mesh, rank, root) -> None:
 
 
 if __name__ == "__main__":
-    code = dh._worker_main(sys.argv[1:], CASES)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    CASES.main()
