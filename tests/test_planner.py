@@ -227,3 +227,166 @@ def test_a_subclass_global_planning_step_is_used():
     ours = _plans(Own, _flat_state())
     assert calls == [1]
     assert ours[3].state_dict_metadata == _plans(DefaultSavePlanner, _flat_state())[3].state_dict_metadata
+
+
+# -- the coordinator's step at scale: deduplication and validation like DCP's, in linear time --
+
+
+def _chunk_item(fqn, offsets, sizes, size, dtype=torch.float32):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    return WriteItem(
+        index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD if size else WriteItemType.TENSOR,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+            properties=TensorProperties(dtype=dtype), size=torch.Size(size),
+        ),
+    )
+
+
+def _random_plans(rng, ranks):
+    """Plans as ranks make them: each rank's shard of some tensors, replicated tensors and
+    objects that subsets of the ranks hold (sizes differ, so the choice of rank matters), and
+    now and then one key twice in a plan."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+    plans = [[] for _ in range(ranks)]
+    for t in range(rng.randint(1, 6)):
+        rows = rng.randint(1, 3 * ranks)
+        step = -(-rows // ranks)
+        for r in range(ranks):
+            start = min(r * step, rows)
+            plans[r].append(_chunk_item(f"s{t}", (start, 0), (max(0, min(step, rows - start)), 3), (rows, 3)))
+    for t in range(rng.randint(1, 8)):
+        holders = sorted(rng.sample(range(ranks), rng.randint(1, ranks)))
+        shape = (rng.randint(1, 50),)
+        for r in holders:
+            if rng.random() < 0.2:
+                plans[r].append(WriteItem(index=MetadataIndex(f"o{t}"), type=WriteItemType.BYTE_IO))
+            else:
+                plans[r].append(_chunk_item(f"r{t}", (0,), shape, shape, rng.choice([torch.float32, torch.int8])))
+    for p in plans:
+        rng.shuffle(p)
+        if p and rng.random() < 0.1:
+            p.append(p[0])
+    return [SavePlan(p) for p in plans]
+
+
+@pytest.mark.parametrize("lowest", [False, True])
+def test_deduplication_keeps_the_items_dcps_keeps(lowest):
+    import random
+
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans as dcps_dedup
+
+    from dcp_datastates.core.planner import dedup_save_plans
+
+    rng = random.Random(7)
+    for ranks in (1, 2, 3, 5, 16, 40):
+        for _ in range(15):
+            plans = _random_plans(rng, ranks)
+            ours, dcps = dedup_save_plans(plans, lowest), dcps_dedup(plans, lowest)
+            assert [[_item_key(i) for i in p.items] for p in ours] == [[_item_key(i) for i in p.items] for p in dcps]
+
+
+def test_deduplication_ties_break_in_dcps_order_for_distant_ranks():
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans as dcps_dedup
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from dcp_datastates.core.planner import dedup_save_plans
+
+    # Ranks 3 and 9000 hold the same item and nothing else: a set of {3, 9000} iterates 9000 first.
+    plans = [SavePlan([]) for _ in range(9001)]
+    plans[3] = plans[9000] = SavePlan([_chunk_item("w", (0,), (4,), (4,))])
+    ours, dcps = dedup_save_plans(plans), dcps_dedup(plans)
+    assert [len(p.items) for p in ours] == [len(p.items) for p in dcps]
+
+
+def _box_cases():
+    """Chunk lists of a (6, 8) tensor: valid tilings along either dimension and in a grid,
+    with empty chunks, and broken ones (overlaps, gaps, out of bounds, an empty chunk inside
+    another, which DCP's overlap test counts)."""
+    rows = [((0, 0), (2, 8)), ((2, 0), (4, 8))]
+    cols = [((0, c), (6, 2)) for c in range(0, 8, 2)]
+    grid = [((r, c), (3, 4)) for r in (0, 3) for c in (0, 4)]
+    empty_end = [((6, 0), (0, 8))]
+    return {
+        "rows": (rows, True), "cols": (cols, True), "grid": (grid, True),
+        "cols+empty at the end": (cols + empty_end * 3, True),
+        "overlap": (rows + [((1, 0), (1, 8))], False),
+        "overlap in a grid": (grid[:3] + [((2, 3), (3, 4))], False),
+        "gap": (rows[:1] + [((3, 0), (3, 8))], False),
+        "out of bounds": (rows[:1] + [((2, 0), (5, 8))], False),
+        "negative": ([((-1, 0), (7, 8))], False),
+        "empty inside": (rows + [((1, 3), (0, 0))], False),
+    }
+
+
+@pytest.mark.parametrize("case", list(_box_cases()))
+def test_the_plan_check_agrees_with_dcps_validation(case):
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from dcp_datastates import _dcp_compat
+    from dcp_datastates.core.planner import _plan_is_suspect
+
+    chunks, valid = _box_cases()[case]
+    plans = [SavePlan([_chunk_item("w", o, s, (6, 8))]) for o, s in chunks]
+    _, metadata = _global_plan_and_metadata(plans)
+    assert bool(_dcp_compat.validate_global_save_plan(plans, metadata)) is not valid
+    assert _plan_is_suspect(plans, metadata) is not valid
+    for perm in (plans[::-1], plans[1:] + plans[:1]):  # the order the ranks come in does not matter
+        _, metadata = _global_plan_and_metadata(perm)
+        assert _plan_is_suspect(perm, metadata) is not valid
+
+
+def test_a_valid_plan_sharded_along_its_smaller_dimension_skips_dcps_quadratic_sweep(monkeypatch):
+    from torch.distributed.checkpoint import default_planner
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    # A (1024, 4096) weight sharded on dim 0 over 1024 ranks: DCP sweeps dim 1, where every
+    # chunk spans the whole tensor, and compares each chunk with every earlier one.
+    monkeypatch.setattr(default_planner, "_validate_global_plan", lambda *a: pytest.fail("DCP's validation ran"))
+    plans = [SavePlan([_chunk_item("w2", (r, 0), (1, 4096), (1024, 4096))]) for r in range(1024)]
+    _, metadata = DataStatesSavePlanner().create_global_plan(plans)
+    assert len(metadata.state_dict_metadata["w2"].chunks) == 1024
+
+
+def test_the_predicted_layout_names_each_key_with_the_metadatas_string():
+    import pickle
+
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from dcp_datastates.core.coordinator_layout import predict_layout
+    from dcp_datastates.core.placement import PlacementRule
+    from dcp_datastates.format.storage_data import layout_to_plain
+
+    # Each rank's plan has its own copy of the key (as after the gather): the pickle of the
+    # metadata and the layout then spells it once.
+    plans = [SavePlan([_chunk_item("".join(["model.", "layer.weight"]), (r, 0), (1, 8), (4, 8))]) for r in range(4)]
+    final, metadata = DataStatesSavePlanner().create_global_plan(plans)
+    layout = predict_layout(final, PlacementRule("5ca1ab1e0001")).layout
+    key = next(iter(metadata.state_dict_metadata))
+    assert all(entry[0] is key for entry in layout.entries)
+    blob = pickle.dumps((metadata.state_dict_metadata, layout_to_plain(layout)), protocol=pickle.HIGHEST_PROTOCOL)
+    assert blob.count(b"model.layer.weight") == 1
+
+
+def test_the_global_step_pauses_the_gc_only_in_the_main_thread(monkeypatch):
+    import gc
+    import threading
+
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    plans = [SavePlan([_chunk_item("w", (r,), (1,), (4,))]) for r in range(4)]
+    seen = []
+    real_disable = gc.disable
+    monkeypatch.setattr(gc, "disable", lambda: (seen.append(threading.current_thread()), real_disable()))
+    DataStatesSavePlanner().create_global_plan(plans)
+    assert seen == [threading.main_thread()] and gc.isenabled()  # paused, then restored
+    seen.clear()
+    results = []
+    worker = threading.Thread(target=lambda: results.append(DataStatesSavePlanner().create_global_plan(plans)))
+    worker.start()
+    worker.join()
+    assert seen == [] and len(results[0][1].state_dict_metadata["w"].chunks) == 4  # another thread's save: untouched

@@ -62,13 +62,19 @@ def predict_layout(plans: list[SavePlan], rule: PlacementRule, own: RankPlacemen
     """Every rank's final synchronous plan placed by ``rule`` (``own``: the coordinator's own
     placement by it, used as it is)."""
     ranks, entries, locations = [], [], []
+    # One string object per key, the first plan's (the metadata's key): the pickle of
+    # ``.metadata`` then refers back to it instead of repeating the key in every rank's entry.
+    keys: dict = {}
     for rank, plan in enumerate(plans):
         placement = own if own is not None and own.rank == rank and own.save_id == rule.save_id else None
         if placement is None:
             placement = place_rank(plan.items, rank, rule)
         ranks.append(placement.files())
         for index, loc in placement.locations.items():
-            entries.append((*location_key(index.fqn, index.offset), rank, loc.offset, loc.length, loc.object_ordinal))
+            fqn, off = index.fqn, index.offset
+            entries.append((
+                keys.setdefault(fqn, fqn), None if off is None else tuple(off), rank, loc.offset, loc.length, loc.object_ordinal,
+            ))
         locations.append(placement.locations)
     layout = CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, rule.save_id, ranks, entries, rule.compression)
     return LayoutPrediction(layout, tuple(locations))

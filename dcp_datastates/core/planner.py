@@ -17,7 +17,12 @@ plain values, in one pass each:
   ``TensorProperties`` object shared by every tensor of the same dtype,
   ``requires_grad`` and pinning;
 - the global plan and metadata are built in one loop (index hints included)
-  and checked by DCP's own validation.
+  and checked as DCP's validation checks them, in time that grows with the
+  number of chunks times its logarithm (DCP's sweeps every tensor along
+  its largest dimension: a tensor sharded along another one, such as a
+  feed-forward output weight under FSDP, costs it the square of the number
+  of ranks); only a plan that fails is handed to DCP's own validation, which
+  names the problems.
 
 Its plans, metadata and ``planner_data`` equal DefaultSavePlanner's
 (``tests/test_planner.py`` compares them). DCP's save-plan caching
@@ -34,7 +39,12 @@ its items itself (with its stripes and compression, :mod:`placement`)::
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import dataclasses
+import math
+import sys
+import threading
 from collections import ChainMap
 from collections.abc import Mapping
 
@@ -51,6 +61,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from dcp_datastates import _dcp_compat
+from dcp_datastates.native import engine as _native
 
 
 def _flatten_plain(state_dict) -> tuple[dict, dict] | None:
@@ -149,13 +160,23 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         """DCP's global planning step (deduplication, metadata with index hints, planner data,
         validation) with one pass over the items. DCP's ``create_global_plan`` calls it, with or
         without plan caching, under the private name ``_dcp_compat.GLOBAL_PLAN_STEP``."""
-        deduped = all_plans if len(all_plans) == 1 else _dcp_compat.dedup_save_plans(self, all_plans)
+        paused = _native.gc_paused() if threading.current_thread() is threading.main_thread() else contextlib.nullcontext()
+        with paused:  # the save's caller waits; another thread's save must not pause the caller's GC
+            return self._global_step(all_plans)
+
+    def _global_step(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        if len(all_plans) == 1:
+            deduped = all_plans
+        elif type(self)._dedup_save_plans is DefaultSavePlanner._dedup_save_plans:
+            deduped = dedup_save_plans(all_plans, self.dedup_save_to_lowest_rank)
+        else:  # a subclass's own deduplication
+            deduped = _dcp_compat.dedup_save_plans(self, all_plans)
         plans, metadata = _global_plan_and_metadata(deduped)
         if self.flatten_state_dict:
             data = [p.planner_data for p in plans if p.planner_data is not None]
             merged = dict(data[0]) if len(data) == 1 else dict(ChainMap(*data))
             metadata.planner_data = merged
-        errors = _dcp_compat.validate_global_save_plan(plans, metadata)
+        errors = _dcp_compat.validate_global_save_plan(plans, metadata) if _plan_is_suspect(plans, metadata) else []
         if errors:
             summary = "; ".join(errors)
             raise ValueError(f"Failed to validate global plan: {summary[:500]}{'... (truncated)' if len(summary) > 500 else ''}")
@@ -163,6 +184,121 @@ class DataStatesSavePlanner(DefaultSavePlanner):
 
 
 setattr(DataStatesSavePlanner, _dcp_compat.GLOBAL_PLAN_STEP, DataStatesSavePlanner._one_pass_global_plan)
+
+
+def dedup_save_plans(plans: list[SavePlan], save_to_lowest_rank: bool = False) -> list[SavePlan]:
+    """DCP's ``dedup_save_plans``: an item several plans hold (a replicated tensor, an object
+    every rank saves) is kept in one of them, the plan with the fewest bytes assigned so far
+    (ties broken as DCP breaks them; ``save_to_lowest_rank``: the lowest rank), in the order
+    the items first appear.
+    The same plans as DCP's; items are keyed by plain tuples (DCP hashes a dataclass per
+    item several times) and a plan that keeps every item is returned as it is."""
+    holders: dict = {}  # (fqn, offset) -> plan position, or a list of them when several hold it
+    items: dict = {}  # (fqn, offset) -> the last plan's item (DCP sizes that one)
+    shared = False
+    for p, plan in enumerate(plans):
+        for item in plan.items:
+            index = item.index
+            key = (index.fqn, index.offset)
+            held = holders.get(key)
+            if held is None:
+                holders[key] = p
+            else:
+                shared = True
+                if type(held) is int:
+                    holders[key] = [held, p] if held != p else held
+                elif held[-1] != p:
+                    held.append(p)
+            items[key] = item
+    if not shared:
+        return list(plans)
+    assigned = [0] * len(plans)
+    keep: dict = {}  # key -> the plan that keeps it, for keys several plans hold
+    for key, held in holders.items():
+        item = items[key]
+        nbytes = _storage_size(item) or 1
+        if type(held) is int:
+            assigned[held] += nbytes
+            continue
+        # DCP takes the minimum over a set of positions: its order decides ties
+        chosen = held[0] if save_to_lowest_rank else min(set(held), key=assigned.__getitem__)
+        assigned[chosen] += nbytes
+        keep[key] = chosen
+    out = []
+    for p, plan in enumerate(plans):
+        kept = [item for item in plan.items if keep.get((item.index.fqn, item.index.offset), p) == p]
+        out.append(plan if len(kept) == len(plan.items) else dataclasses.replace(plan, items=kept))
+    return out
+
+
+def _storage_size(item: WriteItem) -> int | None:
+    """``WriteItem.tensor_storage_size()``: the bytes of a tensor item's whole tensor (not its
+    chunk's, as DCP counts them), None for other items."""
+    data = item.tensor_data
+    if data is None:
+        return None
+    return math.prod(data.size) * data.properties.dtype.itemsize
+
+
+def _plan_is_suspect(plans: list[SavePlan], metadata: Metadata) -> bool:
+    """Whether DCP's validation of the global plan (``_validate_global_plan``) could find a
+    problem: a chunk out of its tensor's bounds, two chunks overlapping, or (several plans)
+    chunks that do not add up to their tensor. The same checks as DCP's, with its sweep for
+    overlaps run along the dimension where the chunks' starts differ most (any dimension
+    finds every overlapping pair; this one keeps the sweep's active set small)."""
+    several = len(plans) > 1
+    for value in metadata.state_dict_metadata.values():
+        if type(value) is not TensorStorageMetadata:
+            if isinstance(value, TensorStorageMetadata):
+                return True  # a subclass: let DCP's code judge it
+            continue
+        size = value.size
+        dims = len(size)
+        if dims == 0:
+            continue
+        chunks = value.chunks
+        volume = 0
+        for chunk in chunks:
+            offsets, sizes = chunk.offsets, chunk.sizes
+            if len(offsets) != dims or len(sizes) != dims:
+                return True
+            n = 1
+            for o, s, d in zip(offsets, sizes, size):
+                if o < 0 or s < 0 or o + s > d:
+                    return True
+                n *= s
+            volume += n
+        if several and volume != math.prod(size):
+            return True
+        if len(chunks) > 1 and _chunks_overlap(chunks, dims):
+            return True
+    return False
+
+
+def _chunks_overlap(chunks: list, dims: int) -> bool:
+    """Whether two of ``chunks`` overlap by DCP's test (``_check_box_overlap``; a chunk of no
+    elements strictly inside another counts): a sweep along one dimension that compares each
+    chunk only with those it could overlap there."""
+    if dims == 1:
+        sweep = 0
+    else:
+        sweep = max(range(dims), key=lambda d: len({c.offsets[d] for c in chunks}))
+    order = sorted(chunks, key=lambda c: (c.offsets[sweep], *c.offsets))
+    active: list = []  # (end along the sweep, position in order), by end
+    for i, current in enumerate(order):
+        start = current.offsets[sweep]
+        cut = bisect.bisect_right(active, (start, sys.maxsize))
+        if cut:
+            del active[:cut]
+        for _, j in active:
+            other = order[j]
+            if all(
+                o0 < o1 + s1 and o1 < o0 + s0
+                for o0, s0, o1, s1 in zip(current.offsets, current.sizes, other.offsets, other.sizes)
+            ):
+                return True
+        bisect.insort(active, (start + current.sizes[sweep], i))
+    return False
 
 
 def _plain_write_items(state_dict: dict, share_properties: bool = True) -> list[WriteItem]:

@@ -185,7 +185,8 @@ def _layout_plain(data) -> dict:
     if type(out.get("entries")) is list:
         entries = []
         for e in out["entries"]:
-            _check(type(e) is list and len(e) == 6, f"layout entry {show(e)} is not a list of 6")
+            if type(e) is not list or len(e) != 6:
+                raise _Bad(f"layout entry {show(e)} is not a list of 6")
             entries.append((e[0], tuple(e[1]) if type(e[1]) is list else e[1], e[2], e[3], e[4], e[5]))
         out["entries"] = entries
     if type(out.get("compression")) is list:  # format 9: a stream codec's descriptors are a list too
@@ -228,12 +229,14 @@ def decode_record(blob, where: str) -> Metadata:
         _check(type(record["items"]) is list, "its items are not a list")
         sizes_cache: dict[tuple, torch.Size] = {}
 
-        def size_of(value, what: str) -> torch.Size:
-            _check(type(value) is list, f"{what} is not a list")
+        # Messages are formatted only on failure: these run once or twice per chunk.
+        def size_of(value, what: str, fqn: str) -> torch.Size:
+            if type(value) is not list:
+                raise _Bad(f"{what} {fqn!r} is not a list")
             key = tuple(value)
             s = sizes_cache.get(key)
             if s is None:  # checked once per distinct shape
-                s = sizes_cache[key] = torch.Size(_ints(value, what))
+                s = sizes_cache[key] = torch.Size(_ints(value, f"{what} {fqn!r}"))
             return s
 
         bytes_item = BytesStorageMetadata()
@@ -246,13 +249,14 @@ def decode_record(blob, where: str) -> Metadata:
                 continue
             _check(len(entry) == 4 and type(entry[1]) is int and 0 <= entry[1] < len(properties),
                    f"item {fqn!r} is not [key, properties, size, chunks]")
-            size = size_of(entry[2], f"the size of {fqn!r}")
+            size = size_of(entry[2], "the size of", fqn)
             _check(type(entry[3]) is list, f"the chunks of {fqn!r} are not a list")
             chunks = []
             for c in entry[3]:
-                _check(type(c) is list and len(c) == 2, f"a chunk of {fqn!r} is not [offsets, sizes]")
+                if type(c) is not list or len(c) != 2:
+                    raise _Bad(f"a chunk of {fqn!r} is not [offsets, sizes]")
                 chunks.append(ChunkStorageMetadata(
-                    offsets=size_of(c[0], f"a chunk offset of {fqn!r}"), sizes=size_of(c[1], f"a chunk size of {fqn!r}")
+                    offsets=size_of(c[0], "a chunk offset of", fqn), sizes=size_of(c[1], "a chunk size of", fqn)
                 ))
             table[fqn] = TensorStorageMetadata(properties=properties[entry[1]], size=size, chunks=chunks)
         planner_data = record["planner_data"]
