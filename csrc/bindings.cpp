@@ -7,6 +7,8 @@
 // boundary is typed: regions, read requests, segments and read failures are
 // the records of py_records.hpp; fault injection is the `faults` submodule.
 // The benchmark-only disk probes are another extension (probes_bindings.cpp).
+#include <cstring>
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -102,6 +104,22 @@ class PyWriteJob {
       keep_ = rest;
     }
     return ok;
+  }
+  // wait(), the segments packed as a rank index stores them (u64 offset, u64 length,
+  // u32 crc32c, u32 0; little-endian hosts only, as the CRC code assumes): a
+  // segment per few KiB makes a Python object each too slow to build.
+  py::bytes wait_records() {
+    std::vector<Segment> segs = wait();
+    std::string out(segs.size() * 24, '\0');
+    char* p = out.data();
+    for (const Segment& s : segs) {
+      const uint32_t crc_and_zero[2] = {s.crc, 0};
+      std::memcpy(p, &s.offset, 8);
+      std::memcpy(p + 8, &s.len, 8);
+      std::memcpy(p + 16, crc_and_zero, 8);
+      p += 24;
+    }
+    return py::bytes(out);
   }
   std::vector<Segment> wait() {
     owned("waiting for a write");
@@ -233,6 +251,9 @@ PYBIND11_MODULE(_engine, m) {
       .def("wait", &PyWriteJob::wait,
            "Block until written and fsynced; returns a Segment (offset, nbytes, crc32c) per piece, "
            "sorted by offset. Raises the job's OSError (file and offset named) if it failed.")
+      .def("wait_records", &PyWriteJob::wait_records,
+           "wait(), the segments as bytes: 24 per segment (u64 offset, u64 nbytes, u32 crc32c, "
+           "u32 0, little-endian), the rank index's segment records.")
       .def("cancel", &PyWriteJob::cancel, py::arg("why"),
            "Fail the job with ECANCELED and `why`; copies and writes in flight finish first.")
       .def_property_readonly("done", &PyWriteJob::done)
@@ -258,11 +279,14 @@ PYBIND11_MODULE(_engine, m) {
                                               "read through it.")
       // Engine::release, not delete: an engine that reaches its end in a fork
       // child is leaked there instead of joining threads that do not exist.
-      .def(py::init([](unsigned io_threads, uint64_t pool_bytes, uint64_t window_bytes) {
-             return std::shared_ptr<Engine>(new Engine(io_threads, pool_bytes, window_bytes),
+      .def(py::init([](unsigned io_threads, uint64_t pool_bytes, uint64_t window_bytes, uint64_t checksum_bytes) {
+             return std::shared_ptr<Engine>(new Engine(io_threads, pool_bytes, window_bytes, checksum_bytes),
                                             &Engine::release);
            }),
-           py::kw_only(), py::arg("io_threads"), py::arg("pool_bytes"), py::arg("window_bytes"))
+           py::kw_only(), py::arg("io_threads"), py::arg("pool_bytes"), py::arg("window_bytes"),
+           py::arg("checksum_bytes") = 0,
+           "checksum_bytes: 0 for one CRC-32C segment per region piece of a window, else a power of "
+           "two (at most window_bytes) cutting segments at its multiples in the file.")
       .def_property_readonly("owner_pid", &Engine::owner_pid,
                              "The process that created the engine (the only one it works in).")
       .def(
@@ -325,6 +349,7 @@ PYBIND11_MODULE(_engine, m) {
                              "Write and read jobs started and not yet finished.")
       .def_property_readonly("io_threads", &Engine::io_threads)
       .def_property_readonly("window_bytes", &Engine::window_bytes)
+      .def_property_readonly("checksum_bytes", &Engine::checksum_bytes)
       .def_property_readonly("pool_bytes", [](Engine& e) { return e.pool().capacity(); })
       .def_property_readonly("pool_address",
                              [](Engine& e) { return reinterpret_cast<uintptr_t>(e.pool().base()); })

@@ -357,51 +357,60 @@ void ReadJob::piece_done(size_t n) {
   cv_.notify_all();
 }
 
-void ReadJob::run_piece(const Piece& p) {
+void ReadJob::run_pieces(const Piece* first, const Piece* last) {
   if (cancelled_.load()) return;
-  const ReadRequest& r = requests_[p.request];
+  const ReadRequest& r = requests_[first->request];
   const std::string& path = paths_[r.file];
-  const int64_t off = static_cast<int64_t>(r.offset + p.rel);
+  const uint64_t rel = first->rel;
+  const uint64_t len = (last - 1)->rel + (last - 1)->len - rel;
+  const int64_t off = static_cast<int64_t>(r.offset + rel);
   if (!fds_[r.file].valid()) {
     int err = open_errors_[r.file];
-    add_failure({p.request, "io", err == kNotRegular ? EINVAL : err, path, -1, open_failure(err)});
+    add_failure({first->request, "io", err == kNotRegular ? EINVAL : err, path, -1, open_failure(err)});
     return;
   }
-  uint8_t* dst = r.dst + p.rel;
   try {
-    uint64_t got = fds_[r.file].pread_some(dst, p.len, static_cast<uint64_t>(off));
-    if (got < p.len) {
-      add_failure({p.request, "truncated", EIO, path, off + static_cast<int64_t>(got),
+    uint64_t got = fds_[r.file].pread_some(r.dst + rel, len, static_cast<uint64_t>(off));
+    if (got < len) {
+      add_failure({first->request, "truncated", EIO, path, off + static_cast<int64_t>(got),
                    "file ends at offset " + std::to_string(off + static_cast<int64_t>(got)) +
-                       " but " + std::to_string(p.len) + " bytes were expected from offset " +
+                       " but " + std::to_string(len) + " bytes were expected from offset " +
                        std::to_string(off)});
       return;
     }
   } catch (const IoError& e) {
-    add_failure({p.request, "io", e.err(), path, e.offset(), e.what()});
+    add_failure({first->request, "io", e.err(), path, e.offset(), e.what()});
     return;
   }
-  if (p.checked) {
-    uint32_t got = crc32c_extend(0, dst, p.len);
-    if (got != p.crc) {
+  for (const Piece* p = first; p != last; ++p) {
+    if (!p->checked) continue;
+    uint32_t got = crc32c_extend(0, r.dst + p->rel, p->len);
+    if (got != p->crc) {
+      const int64_t at = static_cast<int64_t>(r.offset + p->rel);
       char buf[160];
       std::snprintf(buf, sizeof buf,
                     "checksum mismatch for %llu bytes at offset %lld: stored crc32c %08x, "
                     "data has %08x",
-                    static_cast<unsigned long long>(p.len), static_cast<long long>(off), p.crc,
-                    got);
-      add_failure({p.request, "checksum", EIO, path, off, buf});
+                    static_cast<unsigned long long>(p->len), static_cast<long long>(at), p->crc, got);
+      add_failure({p->request, "checksum", EIO, path, at, buf});
     }
   }
 }
 
 // ---------------------------------------------------------------- Engine
 
-Engine::Engine(unsigned io_threads, uint64_t pool_bytes, uint64_t window_bytes)
-    : owner_pid_(::getpid()), window_bytes_(window_bytes), pool_(pool_bytes, window_bytes) {
+Engine::Engine(unsigned io_threads, uint64_t pool_bytes, uint64_t window_bytes, uint64_t checksum_bytes)
+    : owner_pid_(::getpid()),
+      window_bytes_(window_bytes),
+      checksum_bytes_(checksum_bytes),
+      pool_(pool_bytes, window_bytes) {
   if (io_threads == 0 || io_threads > 256)
     throw std::invalid_argument("io_threads must be between 1 and 256, got " +
                                 std::to_string(io_threads));
+  if (checksum_bytes != 0 &&
+      ((checksum_bytes & (checksum_bytes - 1)) != 0 || checksum_bytes > window_bytes))
+    throw std::invalid_argument("checksum_bytes must be 0 or a power of two of at most window_bytes (" +
+                                std::to_string(window_bytes) + "), got " + std::to_string(checksum_bytes));
   (void)zero_block();  // made here, where a failure reaches the caller, not in an I/O thread
   stager_ = std::thread([this] { stager_loop(); });
   for (unsigned i = 0; i < io_threads; ++i) io_.emplace_back([this] { io_loop(); });
@@ -702,14 +711,28 @@ void Engine::finish_device_copies(WriteJob& job, WriteJob::Window& w) {
   job.on_staged(w);
 }
 
+// One pass over the bytes, a CRC per segment: cut at multiples of
+// checksum_bytes_ in the file, so segments do not depend on where windows fall.
+void Engine::checksum(std::vector<Segment>& segs, uint64_t offset, const uint8_t* bytes, uint64_t len) const {
+  if (checksum_bytes_ == 0) {
+    segs.push_back({offset, len, crc32c_extend(0, bytes, len)});
+    return;
+  }
+  const uint64_t end = offset + len;
+  while (offset < end) {
+    uint64_t next = std::min(end, (offset / checksum_bytes_ + 1) * checksum_bytes_);
+    segs.push_back({offset, next - offset, crc32c_extend(0, bytes, next - offset)});
+    bytes += next - offset;
+    offset = next;
+  }
+}
+
 void Engine::flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w) {
   if (!w->copies_done.empty()) finish_device_copies(*job, *w);
   if (job->stream_ && w->slot != nullptr && !job->failed()) {
     // Checksummed here, handed to the caller by stream_next(), which gives the slot back.
     std::vector<Segment> segs;
-    segs.reserve(w->pieces.size());
-    for (const auto& p : w->pieces)
-      segs.push_back({w->start + p.rel, p.len, crc32c_extend(0, w->slot + p.rel, p.len)});
+    for (const auto& p : w->pieces) checksum(segs, w->start + p.rel, w->slot + p.rel, p.len);
     std::lock_guard<std::mutex> lk(job->mu_);
     // Failed meanwhile: stream_abandon() may have run already and would never see this
     // window, so it is given back below like any window of a failed job.
@@ -722,10 +745,8 @@ void Engine::flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w) {
   }
   std::vector<Segment> segs;
   if ((w->slot != nullptr || w->from_source) && !job->failed()) {
-    segs.reserve(w->pieces.size());
     for (const auto& p : w->pieces) {
-      const uint8_t* bytes = w->from_source ? p.src : w->slot + p.rel;
-      segs.push_back({w->start + p.rel, p.len, crc32c_extend(0, bytes, p.len)});
+      checksum(segs, w->start + p.rel, w->from_source ? p.src : w->slot + p.rel, p.len);
     }
     try {
       job->write_window(*w);
@@ -908,7 +929,16 @@ std::shared_ptr<ReadJob> Engine::start_read(std::vector<std::string> paths,
   in_flight_.fetch_add(1);
   for (auto& b : batches) {
     post_io([job, batch = std::move(b)] {
-      for (const auto& p : batch) job->run_piece(p);
+      // Runs of adjacent pieces of one request are read with one pread.
+      const ReadJob::Piece* run = batch.data();
+      const ReadJob::Piece* end = batch.data() + batch.size();
+      for (const ReadJob::Piece* p = run; p != end; ++p) {
+        const ReadJob::Piece* next = p + 1;
+        if (next == end || next->request != p->request || next->rel != p->rel + p->len) {
+          job->run_pieces(run, next);
+          run = next;
+        }
+      }
       job->piece_done(1);
     });
   }

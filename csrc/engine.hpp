@@ -5,7 +5,8 @@
 //   stage  one stager thread copies each window of the file (up to
 //          `window_bytes` of consecutive regions, zero-filled gaps) into a
 //          slot of the bounded HostPool, blocking while the pool is full;
-//   flush  I/O threads checksum the slot (CRC32C per region piece, while
+//   flush  I/O threads checksum the slot (CRC32C per region piece, cut at
+//          multiples of `checksum_bytes` in the file when that is set, while
 //          the bytes are hot) and pwrite it at its aligned file offset,
 //          O_DIRECT when the filesystem accepts it, then free the slot.
 // A job that borrows its sources (the caller keeps them unchanged and alive
@@ -23,7 +24,8 @@
 // keeps every thread on its own file.
 // Reads split each request into pieces (at checksum-segment boundaries) and
 // pread them in parallel straight into the caller's memory, verifying every
-// checksum segment they fully cover.
+// checksum segment they fully cover; adjacent pieces of one task are read
+// with one pread, so small segments do not mean small reads.
 //
 // Sources may be contiguous host memory, strided host memory (a view such as
 // a transpose: gathered into the window run by run, so no contiguous copy is
@@ -248,7 +250,9 @@ class ReadJob {
     bool checked;
     uint32_t crc;
   };
-  void run_piece(const Piece& p);
+  // Reads pieces [first, last) of one request, adjacent in it, with one pread;
+  // then verifies each checked one.
+  void run_pieces(const Piece* first, const Piece* last);
   void add_failure(ReadFailure f);
   void piece_done(size_t n);
 
@@ -266,7 +270,10 @@ class ReadJob {
 
 class Engine {
  public:
-  Engine(unsigned io_threads, uint64_t pool_bytes, uint64_t window_bytes);
+  // `checksum_bytes`: 0 for one checksum segment per region piece of a window;
+  // else a power of two (at most the window) that cuts them at its multiples in
+  // the file, so a partial read is widened to less than a window.
+  Engine(unsigned io_threads, uint64_t pool_bytes, uint64_t window_bytes, uint64_t checksum_bytes = 0);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -319,6 +326,7 @@ class Engine {
 
   unsigned io_threads() const { return static_cast<unsigned>(io_.size()); }
   uint64_t window_bytes() const { return window_bytes_; }
+  uint64_t checksum_bytes() const { return checksum_bytes_; }
   HostPool& pool() { return pool_; }
 
  private:
@@ -334,6 +342,8 @@ class Engine {
   void post_io(std::function<void()> fn, const WriteJob* file = nullptr);
   void stage(StageTask& t);
   void flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w);
+  // Appends the checksum segments of `len` bytes at file offset `offset`.
+  void checksum(std::vector<Segment>& segs, uint64_t offset, const uint8_t* bytes, uint64_t len) const;
   void copy_from_devices(WriteJob& job, WriteJob::Window& w);
   void copy_on_stream(WriteJob& job, WriteJob::Window& w, int device, void* stream);
   void* device_stream(int device, const WriteJob& job, int64_t at);
@@ -341,6 +351,7 @@ class Engine {
 
   pid_t owner_pid_;
   uint64_t window_bytes_;
+  uint64_t checksum_bytes_;
   HostPool pool_;
   std::mutex mu_;
   std::condition_variable stage_cv_;

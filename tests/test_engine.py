@@ -185,6 +185,51 @@ def test_reads_verify_checksums_and_report_truncation(engine, tmp_path):
     assert failures[0].kind == "io" and failures[0].errno == errno.ENOENT and failures[0].offset == -1
 
 
+@pytest.mark.parametrize("direct_io", ["auto", "off"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_checksum_bytes_cuts_segments_at_its_multiples_in_the_file(tmp_path, direct_io, stream):
+    eng = get_engine(host_cache_bytes=4 * WINDOW, io_threads=2, window_bytes=WINDOW, checksum_bytes=4096)
+    assert eng.checksum_bytes == 4096
+    # One region across windows (from 1000: windows start at 0, segments at multiples of 4096),
+    # a small one inside a segment, one ending mid-segment.
+    a, b, c = _bytes(3 * WINDOW + 777, 1), _bytes(100, 2), _bytes(5000, 3)
+    b_at, c_at = 1000 + a.numel() + 300, 1000 + a.numel() + 4096 * 3
+    path = tmp_path / "f"
+    job = eng.write(str(path), [host(a, 1000), host(b, b_at), host(c, c_at)], [a, b, c], direct_io=direct_io,
+                    stream=stream)
+    job.seal()
+    blob = _drain_stream(job) if stream else b""
+    segments = job.wait()
+    if not stream:
+        blob = path.read_bytes()
+    expected = []
+    for start, n in ((1000, a.numel()), (b_at, 100), (c_at, 5000)):
+        cut = start
+        while cut < start + n:
+            nxt = min(start + n, (cut // 4096 + 1) * 4096)
+            expected.append((cut, nxt - cut))
+            cut = nxt
+    assert [(s.offset, s.nbytes) for s in segments] == expected
+    for s in segments:
+        assert _engine.crc32c(bytes(blob[s.offset : s.offset + s.nbytes])) == s.crc32c
+    if not stream:  # a read of the whole file, verified segment by segment (read in runs)
+        out = torch.empty(len(blob), dtype=torch.uint8)
+        checks = as_checks(segments)
+        assert eng.read([str(path)], [request(out, 0, len(blob), checks)], [out]).wait() == []
+        assert bytes(out.tolist()) == bytes(blob)
+        raw = bytearray(blob)
+        raw[1000 + 5 * 4096 + 17] ^= 0x01
+        path.write_bytes(bytes(raw))
+        failures = eng.read([str(path)], [request(out, 0, len(blob), checks)], [out]).wait()
+        assert [(f.kind, f.offset) for f in failures] == [("checksum", 5 * 4096)]
+
+
+@pytest.mark.parametrize("bad", [3000, 2048, 6 * 4096, 2 * WINDOW])
+def test_checksum_bytes_must_be_a_power_of_two_within_the_window(bad):
+    with pytest.raises(ValueError, match="checksum_bytes"):
+        get_engine(host_cache_bytes=4 * WINDOW, io_threads=2, window_bytes=WINDOW, checksum_bytes=bad)
+
+
 def test_many_small_regions_coalesce(engine, tmp_path):
     ts = [_bytes(100, i) for i in range(3000)]
     regions = [host(t, i * 128) for i, t in enumerate(ts)]

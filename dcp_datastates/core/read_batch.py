@@ -4,16 +4,26 @@ object storage), compressed chunks' frames decompressed, then the items committe
 
 A slice of a saved chunk along dim 0 (or the whole chunk) is one contiguous range, read (or
 decompressed) straight into the destination when that is a contiguous CPU tensor of the
-saved dtype and the range needs no widening; other slices go through a temporary holding
-their bounding range, from which their box is copied out."""
+saved dtype and the range needs no widening. Any other box of a raw chunk (a column slice, a
+2-D block, an inner slice) is a strided set of row-runs: only the spans holding them are read
+(:func:`needed_spans`), each widened to the checksum segments it touches when reads are
+verified (a segment's CRC needs all its bytes) and merged with its neighbour when the gap is
+small beside the run (so the gap costs less than another request) or tiny. The spans are read
+into their places in a temporary laid out as the box's bounding range, from which the box is
+copied out; without widening or merging into a contiguous CPU destination of the saved dtype,
+each run is read straight into its place in the destination. A compressed chunk is read as
+the whole frames holding the box's bounding range: a frame is only decoded whole."""
 
 from __future__ import annotations
 
 import io
 import math
+from bisect import bisect_left, bisect_right
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from dcp_datastates.core.compression.codec import default_threads, run_parallel
@@ -28,6 +38,12 @@ from dcp_datastates.storage import RangeRead, StoreError
 if TYPE_CHECKING:
     from dcp_datastates.core.reader import DataStatesReader
 
+# Neighbouring spans of a strided box are read as one when the gap between them is at most a
+# fifth of a run (the bytes read stay within 1.2 times those needed) or at most this many bytes
+# (runs so short that a request each costs more than reading the gaps).
+MERGE_GAP_RATIO = 5
+TINY_GAP_BYTES = 1024
+
 
 class ReadBatch:
     """A set of reads handed to the store together, then committed to DCP."""
@@ -41,6 +57,7 @@ class ReadBatch:
         self.decode: list[Callable[[], None]] = []  # decompressions, run in parallel before ``after``
         self.temp_bytes = 0
         self.read_bytes = 0  # stored bytes requested (compressed frames as stored)
+        self.needed_bytes = 0  # bytes of the boxes the items ask for (objects: as stored)
         self.shared: dict = {}  # stock DCP records read by this batch, by (file, offset): read once
 
     def request(self, key: str, relative_path: str, offset: int, nbytes: int, pointer: int, idx: RankIndex) -> None:
@@ -60,7 +77,38 @@ class ReadBatch:
         self.keys.append(key)
         self.read_bytes += nbytes
 
+    def request_spans(self, key: str, relative_path: str, offsets, lengths, pointers, idx: RankIndex) -> None:
+        """:meth:`request` for each of the sorted spans at data offsets ``offsets`` (numpy arrays of
+        the same length: offsets, byte counts, destination addresses), all of one stripe."""
+        reader = self.reader
+        name, stripe, base, end = reader.stored_at(idx, relative_path, int(offsets[0]))
+        last = int(offsets[-1] + lengths[-1])
+        if end is not None and last > end:
+            raise CorruptCheckpointError(
+                f"{reader.where(name)}: {key!r} (bytes {int(offsets[0])}..{last}) "
+                f"crosses the end of its stripe at {end} (the metadata is damaged)"
+            )
+        file_key = reader.key(name)
+        index = idx if reader.verify else None
+        self.reads.extend(
+            RangeRead(file_key, o - base, n, p, index=index, stripe=stripe, data_offset=o)
+            for o, n, p in zip(offsets.tolist(), lengths.tolist(), pointers.tolist())
+        )
+        self.keys.extend([key] * len(offsets))
+        self.read_bytes += int(lengths.sum())
+
     def add(self, item: ReadItem, planner: LoadPlanner) -> None:
+        if item.type == LoadItemType.BYTE_IO:
+            before = self.read_bytes
+            self._add(item, planner)
+            self.needed_bytes += self.read_bytes - before
+        else:
+            self._add(item, planner)  # a tensor the metadata does not describe is refused here
+            md = self.reader._metadata.state_dict_metadata.get(item.storage_index.fqn)
+            if isinstance(md, TensorStorageMetadata):
+                self.needed_bytes += math.prod(item.lengths) * md.properties.dtype.itemsize
+
+    def _add(self, item: ReadItem, planner: LoadPlanner) -> None:
         reader = self.reader
         if reader.stock is not None:  # a stock DCP checkpoint: its records, as stock_dcp reads them
             add_stock_item(self, item, planner)
@@ -119,6 +167,9 @@ class ReadBatch:
         if count == 0:
             self.after.append(lambda: planner.commit_tensor(item, target))
             return
+        if not exact and not loc.is_compressed:
+            self._add_box(item, planner, loc, idx, dtype, sizes, target)
+            return
         lo, hi = start * itemsize, (start + count) * itemsize  # the chunk's bytes the item needs
         # What is read: the whole blocks of a compressed chunk; with verification on, a raw
         # range that cuts through checksum segments (a reshard slice) widened to whole segments
@@ -148,6 +199,40 @@ class ReadBatch:
         else:
             # ``lo - first`` is a multiple of the itemsize: items, blocks and segments are 64-byte aligned
             self.after.append(copy_box_out(dest, lo - first, hi - lo, dtype, sizes, item, target, planner))
+
+    def _add_box(self, item: ReadItem, planner: LoadPlanner, loc, idx: RankIndex, dtype, sizes, target) -> None:
+        """Queue the reads of a box that is not one range of the raw chunk at ``loc``: only the
+        spans holding its row-runs (:func:`needed_spans`), into a temporary laid out as the
+        bounding range, or straight into ``target`` when nothing is widened or merged."""
+        key = item.storage_index.fqn
+        itemsize = dtype.itemsize
+        run, starts = box_runs(sizes, item.storage_offsets, item.lengths)
+        run_bytes = run * itemsize
+        lo = starts * itemsize  # byte offsets in the chunk of the runs
+        lo_first, hi_last = int(lo[0]), int(lo[-1]) + run_bytes
+        if hi_last > loc.length:
+            raise CorruptCheckpointError(
+                f"{self.reader.location}: the read of {key!r} at {tuple(item.storage_offsets)} of "
+                f"{tuple(item.lengths)} lies outside its saved chunk of shape {tuple(sizes)}"
+            )
+        segments = chunk_segments(idx, loc.offset, lo_first, hi_last) if self.reader.verify else None
+        span_lo, span_hi = needed_spans(lo, run_bytes, segments, max(TINY_GAP_BYTES, run_bytes // MERGE_GAP_RATIO))
+        direct = (
+            len(span_lo) == len(lo) and bool((span_hi - span_lo == run_bytes).all()) and bool((span_lo == lo).all())
+            and target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
+        )
+        if direct:  # each run read into its place in the destination
+            pointers = target.data_ptr() + np.arange(len(lo), dtype=np.int64) * run_bytes
+            self.keep.append(target)
+            self.after.append(lambda: planner.commit_tensor(item, target))
+        else:
+            first, end = int(span_lo[0]), int(span_hi[-1])
+            dest = torch.empty(end - first, dtype=torch.uint8)  # bytes never read are never copied out
+            self.keep.append(dest)
+            self.temp_bytes += end - first
+            pointers = dest.data_ptr() + (span_lo - first)
+            self.after.append(copy_box_out(dest, lo_first - first, hi_last - lo_first, dtype, sizes, item, target, planner))
+        self.request_spans(key, loc.relative_path, loc.offset + span_lo, span_hi - span_lo, pointers, idx)
 
     def run(self) -> None:
         self._read()
@@ -194,6 +279,55 @@ def contiguous_range(sizes, offsets, lengths) -> tuple[int, int, bool]:
         stride *= sizes[d]
     count = last - start + 1
     return start, count, count == numel
+
+
+def box_runs(sizes, offsets, lengths) -> tuple[int, np.ndarray]:
+    """The box ``offsets``/``lengths`` of a row-major chunk of ``sizes`` (no length zero) as runs
+    of contiguous elements: ``(elements per run, sorted element offset of each run)``. The
+    inner dimensions the box spans whole join the run."""
+    ndim = len(sizes)
+    d = ndim - 1
+    run = 1
+    while d > 0 and offsets[d] == 0 and lengths[d] == sizes[d]:
+        run *= sizes[d]
+        d -= 1
+    stride = run  # elements between steps of dimension d
+    run *= lengths[d]
+    starts = np.array([offsets[d] * stride], dtype=np.int64)
+    for k in range(d - 1, -1, -1):
+        stride *= sizes[k + 1]
+        steps = (offsets[k] + np.arange(lengths[k], dtype=np.int64)) * stride
+        starts = (steps[:, None] + starts[None, :]).reshape(-1)
+    return run, starts
+
+
+def chunk_segments(idx: RankIndex, chunk_offset: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, ends)`` of the checksum segments overlapping bytes ``[lo, hi)`` of the chunk at
+    data offset ``chunk_offset``, at offsets in the chunk."""
+    offs = idx.seg_offsets
+    i = max(bisect_right(offs, chunk_offset + lo) - 1, 0)
+    j = bisect_left(offs, chunk_offset + hi)
+    starts = np.array(offs[i:j], dtype=np.int64) - chunk_offset
+    return starts, starts + np.array(idx.seg_lengths[i:j], dtype=np.int64)
+
+
+def needed_spans(starts: np.ndarray, run: int, segments=None, gap: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The byte spans to read for runs of ``run`` bytes at the sorted ``starts``: each run
+    widened to the ``(starts, ends)`` of the segments it cuts through (``segments``, sorted and
+    disjoint; a run end no segment covers stays), then neighbours at most ``gap`` apart (or
+    overlapping) joined. Returns ``(span starts, span ends)``."""
+    lo, hi = starts, starts + run
+    if segments is not None and len(segments[0]):
+        seg_lo, seg_hi = segments
+        last = len(seg_lo) - 1
+        i = np.searchsorted(seg_lo, lo, side="right") - 1
+        ic = np.clip(i, 0, last)
+        lo = np.where((i >= 0) & (seg_hi[ic] > lo), seg_lo[ic], lo)
+        j = np.searchsorted(seg_lo, hi, side="left") - 1
+        jc = np.clip(j, 0, last)
+        hi = np.where((j >= 0) & (seg_hi[jc] > hi), seg_hi[jc], hi)
+    breaks = np.flatnonzero(lo[1:] - hi[:-1] > gap)
+    return lo[np.concatenate(([0], breaks + 1))], hi[np.concatenate((breaks, [len(hi) - 1]))]
 
 
 def copy_box_out(buffer: torch.Tensor, lead: int, nbytes: int, dtype, sizes, item: ReadItem, target, planner):

@@ -108,6 +108,11 @@ class DataStatesReader(StorageReader):
         # DCP's id of this reader's load (StorageMeta.load_id), as FileSystemReader keeps it:
         # made here and by every reset(); read_metadata() stamps it into the metadata.
         self.load_id = str(uuid.uuid4())
+        # What this reader's last load (set_up_storage_reader on) read: the bytes asked of the
+        # store (segments widened to, gaps merged, compressed frames as stored) and the bytes
+        # of the boxes the plan asked for; their ratio is the load's read amplification.
+        self.bytes_read = 0
+        self.bytes_needed = 0
 
     @property
     def layout(self) -> CheckpointLayout | None:
@@ -308,6 +313,7 @@ class DataStatesReader(StorageReader):
             self._take_storage_data(metadata)
         self._indexes = {}
         self._chunks = {}
+        self.bytes_read = self.bytes_needed = 0
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -324,9 +330,12 @@ class DataStatesReader(StorageReader):
                 if batch.temp_bytes >= TEMP_BUDGET_BYTES:
                     batch.run()
                     read_bytes += batch.read_bytes
+                    self.bytes_needed += batch.needed_bytes
                     batch = ReadBatch(self)
             batch.run()
             read_bytes += batch.read_bytes
+            self.bytes_needed += batch.needed_bytes
+        self.bytes_read += read_bytes
         if _log.isEnabledFor(logging.INFO):
             seconds = time.perf_counter() - t0
             _log.info("read %d bytes of %d item(s) from %s in %.3f s (%.2f GB/s)", read_bytes, len(plan.items),

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from dcp_datastates.format.checkpoint_layout import stripe_span
+from dcp_datastates.format.rank_index import SEGMENT_RECORD
 from dcp_datastates.native import engine as _native
 
 
@@ -108,16 +111,17 @@ class StripedWrite:
             if not job.done:
                 job.cancel(why)
 
-    def wait(self) -> list[tuple[int, int, int]]:
-        """Wait for every stripe; its checksum segments as ``(data offset, nbytes, crc32c)``, sorted.
+    def wait(self) -> np.ndarray:
+        """Wait for every stripe; its checksum segments at data offsets, sorted, as an array of
+        ``rank_index.SEGMENT_RECORD`` (small segments make too many for a tuple each).
 
         A failed stripe's ``OSError`` is raised (its ``offset`` turned into a
         data offset) once the others are stopped: no job is left running.
         """
-        segments: list[tuple[int, int, int]] = []
+        parts = []
         for k, (job, base) in enumerate(zip(self.jobs, self.bases)):
             try:
-                segments.extend((base + s.offset, s.nbytes, s.crc32c) for s in job.wait())
+                parts.append(_records_of(job, base))
             except OSError as exc:
                 for other in self.jobs[k + 1 :]:
                     _native.stop_write_job(other, "another stripe of the rank failed")
@@ -125,5 +129,17 @@ class StripedWrite:
                 if offset is not None and offset >= 0:
                     exc.offset = offset + base
                 raise
-        segments.sort()
-        return segments
+        segments = np.concatenate(parts) if parts else np.empty(0, SEGMENT_RECORD)
+        return segments[np.argsort(segments["o"], kind="stable")]
+
+
+def _records_of(job, base: int) -> np.ndarray:
+    """``job.wait()``'s segments as records, ``base`` added to their offsets (an upload's job
+    may give Segment objects only)."""
+    wait_records = getattr(job, "wait_records", None)
+    if wait_records is not None:
+        rows = np.frombuffer(wait_records(), dtype=SEGMENT_RECORD).copy()
+    else:
+        rows = np.array([(s.offset, s.nbytes, s.crc32c, 0) for s in job.wait()], dtype=SEGMENT_RECORD)
+    rows["o"] += np.uint64(base)
+    return rows

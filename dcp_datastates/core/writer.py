@@ -104,7 +104,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     ``host_cache_bytes`` of reused host memory.
 
     Its options (``path``, ``overwrite``, ``host_cache_bytes``, ``io_threads``,
-    ``window_bytes``, ``direct_io``, ``compression``, ``compression_level``,
+    ``window_bytes``, ``checksum_bytes``, ``direct_io``, ``compression``, ``compression_level``,
     ``_extensions``, ``sequence``, ``stripes``, ``base``, ``record_digests``,
     ``change_tracker``, ``store_options``, ``verify_upload``) are documented once,
     in README.md's "Options".
@@ -128,6 +128,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         host_cache_bytes: int = _native.DEFAULT_HOST_CACHE_BYTES,
         io_threads: int = _native.DEFAULT_IO_THREADS,
         window_bytes: int = _native.DEFAULT_WINDOW_BYTES,
+        checksum_bytes: int | None = _native.DEFAULT_CHECKSUM_BYTES,
         direct_io: str = "auto",
         sequence: int = 0,
         compression: str | None = None,
@@ -168,7 +169,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         # (max stripes, min bytes per stripe) for stripe_starts: the coordinator's reaches every rank.
         self._stripes = stripes
         # The engine belongs to a process: see the _engine property (forks).
-        self._engine_ref = _native.ProcessEngine(host_cache_bytes, io_threads, window_bytes)
+        _native.check_checksum_bytes(checksum_bytes, window_bytes)
+        self._engine_ref = _native.ProcessEngine(host_cache_bytes, io_threads, window_bytes, checksum_bytes)
         _dcp_compat.quiet_discarded_dcp_debug_records()  # see README, "Performance"
         self.is_coordinator = False
         self.last_save_stats = SaveStats()

@@ -41,6 +41,9 @@ if not hasattr(_engine, "Engine"):  # pragma: no cover - the stub directory _eng
 
 MiB = 1 << 20
 DEFAULT_WINDOW_BYTES = 8 * MiB
+# None: one checksum segment per window piece (see check_checksum_bytes).
+DEFAULT_CHECKSUM_BYTES: int | None = None
+MIN_CHECKSUM_BYTES = 4096
 DEFAULT_IO_THREADS = 2
 # Reads never use the host pool and verify each piece right after its pread,
 # so more threads keep more reads in flight while others checksum.
@@ -68,7 +71,7 @@ class EngineBusyError(RuntimeError):
 
 
 _lock = threading.Lock()
-_engines: dict[tuple[int, int, int], _engine.Engine] = {}
+_engines: dict[tuple[int, int, int, int], _engine.Engine] = {}
 _engines_pid = os.getpid()  # the process the cached engines belong to
 _inherited: list[_engine.Engine] = []  # engines of a parent process: kept, never destroyed here
 
@@ -85,7 +88,27 @@ def _forget_inherited_engines() -> None:
 os.register_at_fork(after_in_child=_forget_inherited_engines)
 
 
-def _check_settings(host_cache_bytes: int, io_threads: int, window_bytes: int) -> None:
+def check_checksum_bytes(checksum_bytes: int | None, window_bytes: int) -> int:
+    """The engine's ``checksum_bytes`` for the option (0 for None: a segment per window piece).
+
+    A power of two, so segments start at its multiples in the file whatever
+    the windows; at least a page, so an index stays far smaller than its data.
+    """
+    if checksum_bytes is None:
+        return 0
+    if (
+        not isinstance(checksum_bytes, int) or isinstance(checksum_bytes, bool)
+        or checksum_bytes < MIN_CHECKSUM_BYTES or checksum_bytes & (checksum_bytes - 1)
+        or checksum_bytes > window_bytes
+    ):
+        raise ValueError(
+            f"checksum_bytes must be None or a power of two from {MIN_CHECKSUM_BYTES} to window_bytes "
+            f"({window_bytes}), got {checksum_bytes!r}"
+        )
+    return checksum_bytes
+
+
+def _check_settings(host_cache_bytes: int, io_threads: int, window_bytes: int, checksum_bytes: int = 0) -> None:
     if window_bytes <= 0 or window_bytes % ALIGNMENT:
         raise ValueError(f"window_bytes must be a positive multiple of {ALIGNMENT}, got {window_bytes}")
     if host_cache_bytes < 2 * window_bytes:
@@ -95,15 +118,17 @@ def _check_settings(host_cache_bytes: int, io_threads: int, window_bytes: int) -
         )
     if not 1 <= io_threads <= 256:
         raise ValueError(f"io_threads must be between 1 and 256, got {io_threads}")
+    check_checksum_bytes(checksum_bytes or None, window_bytes)
 
 
 def get_engine(
     host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
     io_threads: int = DEFAULT_IO_THREADS,
     window_bytes: int = DEFAULT_WINDOW_BYTES,
+    checksum_bytes: int | None = DEFAULT_CHECKSUM_BYTES,
 ) -> _engine.Engine:
     """Return the process-wide engine for these settings, creating it on first use."""
-    key = (int(host_cache_bytes), int(io_threads), int(window_bytes))
+    key = (int(host_cache_bytes), int(io_threads), int(window_bytes), checksum_bytes or 0)
     if _engines_pid != os.getpid():  # forked without os.fork's hooks (a fork() from C)
         _forget_inherited_engines()
     eng = _engines.get(key)  # the common case: no lock (a dict lookup is atomic)
@@ -113,7 +138,7 @@ def get_engine(
     with _lock:
         eng = _engines.get(key)
         if eng is None:
-            eng = _engine.Engine(io_threads=key[1], pool_bytes=key[0], window_bytes=key[2])
+            eng = _engine.Engine(io_threads=key[1], pool_bytes=key[0], window_bytes=key[2], checksum_bytes=key[3])
             _engines[key] = eng
         return eng
 
@@ -148,8 +173,9 @@ def release_engines() -> int:
         busy = {key: eng.jobs_in_flight for key, eng in _engines.items() if eng.jobs_in_flight}
         if busy:
             which = "; ".join(
-                f"host_cache_bytes={c}, io_threads={t}, window_bytes={w}: {n} job(s)"
-                for (c, t, w), n in busy.items()
+                f"host_cache_bytes={c}, io_threads={t}, window_bytes={w}"
+                + (f", checksum_bytes={s}" if s else "") + f": {n} job(s)"
+                for (c, t, w, s), n in busy.items()
             )
             raise EngineBusyError(
                 f"release_engines(): engines still have jobs in flight ({which}); nothing was "
@@ -176,8 +202,11 @@ class ProcessEngine:
 
     __slots__ = ("settings",)
 
-    def __init__(self, host_cache_bytes: int, io_threads: int, window_bytes: int) -> None:
-        self.settings = (host_cache_bytes, io_threads, window_bytes)
+    def __init__(
+        self, host_cache_bytes: int, io_threads: int, window_bytes: int,
+        checksum_bytes: int | None = DEFAULT_CHECKSUM_BYTES,
+    ) -> None:
+        self.settings = (host_cache_bytes, io_threads, window_bytes, checksum_bytes)
         get_engine(*self.settings)  # bad settings fail here, where the writer or reader is made
 
     def get(self) -> _engine.Engine:

@@ -302,11 +302,11 @@ class LocalStore(Store):
 
 
 def _engine_request(read: RangeRead, file_index: int, path: str):
+    if read.index is None and read.checks is None:  # the common unverified case, kept cheap (row-runs)
+        return _native.ReadRequest(file_index=file_index, offset=read.offset, nbytes=read.nbytes, address=read.address)
     where = dict(file_index=file_index, offset=read.offset, nbytes=read.nbytes, address=read.address)
     if read.checks is not None:
         return _native.ReadRequest(**where, checks=_native.segment_checks(read.checks))
-    if read.index is None:
-        return _native.ReadRequest(**where)
     # The engine takes the range's checks from the index's table: they must tile it, since
     # every stored byte has a segment (a gap: the index or the metadata is damaged).
     try:
