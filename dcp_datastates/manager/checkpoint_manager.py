@@ -30,6 +30,7 @@ import weakref
 from concurrent.futures import Future
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -54,13 +55,16 @@ from dcp_datastates.manager.checkpoint_root import (
 )
 from dcp_datastates.manager.cleanup import LOCK_FILE, delete_checkpoint_dir, lock_root, recover_root, unlock_root
 from dcp_datastates.manager.collective import Raise, Ranks, classify, describe
-from dcp_datastates.manager.durable_tier import DrainStatus, DurableTier
+from dcp_datastates.manager.durable_tier import DRAINING, QUEUED, DrainStatus, DurableTier
 from dcp_datastates.manager.huggingface_init import load_from_huggingface
+from dcp_datastates.manager.nodes import DURABLE, OWN, PARTNER, PARTNER_DIR, NodeMap, plan_node_load, restore_names, routes_of, survey_node
 from dcp_datastates.manager.options import CheckpointManagerOptions
 from dcp_datastates.manager.resume import plan_load
 from dcp_datastates.manager.retention import RetentionPolicy
 from dcp_datastates.manager.survey import list_checkpoints, survey_tier
 from dcp_datastates.storage import StoreError
+from dcp_datastates.storage.local import LocalStore
+from dcp_datastates.storage.routed import RoutedStore
 from dcp_datastates.storage.url import refuse_url
 from dcp_datastates.tiers.drain import DrainError
 
@@ -132,6 +136,12 @@ class CheckpointManager:
         self.root = os.path.abspath(os.fspath(root))
         self._ranks = Ranks(self.root, process_group, opts.async_save, opts.incremental)
         self._rank = self._ranks.rank
+        # Which ranks share a root: all of them, or (node_local) each node's; each root's leader keeps it.
+        self._nodes = NodeMap.single(self._ranks.world, self._rank)
+        self._peers = None  # node_local: every node's root, served (manager.node_peers)
+        self._partner: DurableTier | None = None  # partner=True: copies of this node's files on the next node
+        self._undrained_run: set[int] = set()  # node_local with a durable tier: the run's steps to drain there
+        self._local_stores: dict[str, LocalStore] = {}  # node_local: this node's root and partner copies, for loads
         self._retention = RetentionPolicy(opts.keep_last, opts.keep_every)
         self._lock = threading.Lock()
         self._pending: list[_PendingSave] = []
@@ -167,22 +177,37 @@ class CheckpointManager:
             return self._lock_fd is not None, newest_sequence(self.root), pointer.rollbacks if pointer else (), created
 
         try:
-            self.owner, newest, rollbacks, self._root_created = self._ranks.on_rank0(start, "opening the checkpoint root")
+            if opts.node_local:
+                from dcp_datastates.manager.node_peers import NodePeers  # the peer service, only for node-local roots
+
+                self._peers = NodePeers(self.root, self._ranks, opts.peer_host)
+                self._nodes = self._peers.nodes
+                found = self._ranks.on_leaders(lambda: (self._complete_node_commits(), start())[1],
+                                               "opening its checkpoint root", self._nodes)
+                self.owner = all(f[0] for f in found)
+                newest = max(f[1] for f in found)
+                rollbacks = tuple(r for f in found for r in f[2])
+                self._root_created = all(f[3] for f in found)
+            else:
+                self.owner, newest, rollbacks, self._root_created = self._ranks.on_rank0(start, "opening the checkpoint root")
             # Commits are numbered from the newest one in the root (every rank gets rank 0's
             # number, so every rank hands its writer the same sequence for the same save).
             self._seq = self._pointed_seq = newest
             self._rollbacks.update(rollbacks)
             if opts.durable is not None:
                 self._open_durable_tier()
+            if opts.partner:
+                self._open_partner_tier()
         except BaseException:
             # Nothing of a manager that failed to start may outlive it: a retry in this process
             # must find the root free (its lock) and no drain thread running.
             self._closed = True
-            try:
-                if self._tier is not None:
-                    self._tier.close(0)
-            except Exception:  # noqa: BLE001 - the error that stopped the start is the one to raise
-                pass
+            for tier in (self._tier, self._partner):
+                try:
+                    if tier is not None:
+                        tier.close(0)
+                except Exception:  # noqa: BLE001 - the error that stopped the start is the one to raise
+                    pass
             self._release()
             raise
 
@@ -220,8 +245,9 @@ class CheckpointManager:
                 "this one may load but not save: two managers saving into one root would delete each other's checkpoints"
             )
         self._raise_finished_errors()
-        if self._tier is not None:
-            self._tier.save_started()
+        for tier in (self._tier, self._partner):
+            if tier is not None:
+                tier.save_started()
         path = self.path_of(step)
         committed = is_committed(path)
         # resume_order lists and stats the root: only asked when the step is committed already
@@ -252,6 +278,7 @@ class CheckpointManager:
                 writer = DataStatesWriter(
                     path, overwrite=replace, sequence=self._seq, host_cache_bytes=self.options.host_cache_bytes,
                     io_threads=self.options.io_threads, direct_io=self.options.direct_io,
+                    checksum_bytes=self.options.checksum_bytes,
                     **(dict(base=base, record_digests=True, change_tracker=self._bases.tracker) if incremental else {}),
                 )
                 pending = _PendingSave(step, path, self._seq, writer, ManagedSave(step, path, writer), base)
@@ -305,11 +332,12 @@ class CheckpointManager:
         self._raise_finished_errors()
 
     def wait_durable(self, timeout: float | None = None) -> None:
-        """Wait for the saves in flight and for every copy to the durable tier queued so far;
+        """Wait for the saves in flight and for every copy to the partner node and the durable tier queued so far;
         raise the first error not yet raised (a failed drain: :class:`DrainError`)."""
         self.wait()
-        if self._tier is not None:
-            self._tier.wait(timeout)
+        for tier in (self._partner, self._tier):
+            if tier is not None:
+                tier.wait(timeout)
 
     def durable_status(self) -> dict[int, DrainStatus]:
         """This rank's drains: ``{step: DrainStatus}`` (state queued, draining, durable or
@@ -343,16 +371,23 @@ class CheckpointManager:
         listing = self._ranks.on_rank0(
             lambda: list_checkpoints(self.root, self._tier, self._rollbacks, _warn_manager), "listing the checkpoints"
         )
-        plan = plan_load(listing, step, self.root, self._tier.url if self._tier is not None else None)
+        if self._peers is not None:
+            plan, attempt, committed = self._plan_nodes(listing, state, step, full_verify)
+        else:
+            plan = plan_load(listing, step, self.root, self._tier.url if self._tier is not None else None)
+            committed = listing.order.candidates
+
+            def attempt(s: int):
+                return self._load_candidate(state, s, s in plan.local, s in listing.durable_same, full_verify)
         for message in plan.warnings:
             _warn(message)
         if plan.error is not None:
             raise plan.error
         refused: list[str] = []
         for s in plan.candidates:
-            verdict = self._load_candidate(state, s, s in plan.local, s in listing.durable_same, full_verify)
+            verdict = attempt(s)
             if verdict is None:
-                self._replaceable.update(c for c in listing.order.candidates if c > s)
+                self._replaceable.update(c for c in committed if c > s)
                 # The state now holds step s: older than the newest step known, the next save
                 # continues a rollback, and records it in the pointer (the last load decides).
                 newest = plan.newest_known
@@ -407,11 +442,21 @@ class CheckpointManager:
         finally:
             self._closed = True
             try:
-                if self._tier is not None:
-                    self._tier.close(self.options.durable_close_timeout_s)
+                try:
+                    if self._partner is not None:
+                        self._partner.close(self.options.durable_close_timeout_s)
+                finally:
+                    if self._tier is not None:
+                        self._tier.close(self.options.durable_close_timeout_s)
             finally:
                 with self._root_lock:
                     self._root_released = True
+                if self._peers is not None and self._ranks.distributed:
+                    # Another node may still be copying into this node's root, or reading from it.
+                    try:
+                        dist.barrier(group=self._ranks.group)
+                    except Exception as exc:  # noqa: BLE001 - a node that died: stop serving anyway
+                        _warn_manager(f"closing {self.root}: the other nodes did not all reach close(): {exc}")
                 self._release()
 
     def __enter__(self) -> CheckpointManager:
@@ -460,8 +505,10 @@ class CheckpointManager:
         """
         if self.options.incremental:
             self._bases.committed(pending.step, pending.seq, full=pending.base is None)
-        if self._rank == 0:
+        if self._nodes.is_leader:
             try:
+                if self._nodes.node != self._nodes.node_of(0):
+                    self._node_commit(pending)
                 with self._lock:
                     moved = pending.seq > self._pointed_seq
                     if moved:
@@ -479,12 +526,14 @@ class CheckpointManager:
                     f"the checkpoint of step {pending.step} is committed in {pending.path}, but updating "
                     f"{os.path.join(self.root, LATEST_FILE)} or applying retention failed: {exc}"
                 )
-        if self._tier is not None:  # the save stands whatever happens here: the step stays local-only
+        for tier in (self._partner, self._tier):  # the save stands whatever happens here: the step stays local-only
+            if tier is None:
+                continue
             try:
-                self._tier.enqueue(pending.step, pending.path, pending.writer.last_save_stats.rank_files)
+                tier.enqueue(pending.step, pending.path, pending.writer.last_save_stats.rank_files)
             except Exception as exc:  # noqa: BLE001
                 _warn_manager(f"step {pending.step} is committed in {pending.path}, but its copy to "
-                              f"{self._tier.url} could not be queued: {exc}")
+                              f"{tier.url} could not be queued: {exc}")
 
     def _choose_base(self, step: int) -> str | None:
         """Rank 0: the base of the next save of ``step`` (every rank uses rank 0's choice, so that
@@ -520,7 +569,7 @@ class CheckpointManager:
                 f"cannot replace the checkpoint of step {step}: {', '.join(sorted(kept))} refer(s) to its bytes "
                 "(incremental checkpoints); delete them first, or save under another step"
             )
-        if self._rank == 0:
+        if self._nodes.is_leader:
             for n in sorted(dependents):
                 _warn(f"deleting {os.path.join(self.root, n)}: an abandoned checkpoint that refers to step {step}, which is being replaced")
                 delete_checkpoint_dir(os.path.join(self.root, n))
@@ -533,6 +582,9 @@ class CheckpointManager:
         in_flight = {p.step for p in self._pending if not p.done.done()}
         bases = {p.base for p in self._pending if p.base is not None and not p.done.done() and p.step != committed_step}
         held = in_flight | {step_of(os.path.basename(b)) for b in (*bases, *self._reserved_bases)}
+        if self._partner is not None:  # a copy to the partner reads the step: kept until it ended (the
+            # leader's copy ends after every rank of the node confirmed its own, when it commits)
+            held |= {s for s, st in self._partner.status().items() if st.state in (QUEUED, DRAINING)}
         order = resume_order(self.root)  # one listing of the root for the whole pass
         dirs = step_dirs(self.root)
         wait_for_tier = self._tier is not None and not self.options.delete_undrained
@@ -601,13 +653,23 @@ class CheckpointManager:
             os.fspath(opts.durable), rank=self._rank, retention=retention, read_back=opts.durable_read_back,
             retry_s=opts.durable_retry_s, store_options=opts.durable_options,
             on_durable=_weak_call(self, "_on_durable"), warn=_warn_manager,
+            # node-local roots: the other nodes' leaders learn when rank 0 committed each copy
+            follows_commit=self._nodes.is_leader and self._rank != 0,
         )
         if not self.owner:
             return
-        survey = self._ranks.on_rank0(
-            lambda: survey_tier(self.root, self._tier, retention, self._bases.referred_steps, _warn_manager),
-            f"surveying the durable tier {self._tier.url}",
-        )
+
+        def survey_root():
+            return survey_tier(self.root, self._tier, retention, self._bases.referred_steps, _warn_manager)
+
+        if self._peers is not None:  # each node's root, surveyed by its leader
+            surveys = self._ranks.on_leaders(survey_root, f"surveying the durable tier {self._tier.url}", self._nodes)
+            survey = surveys[self._nodes.node]
+            self._undrained_run = set(surveys[self._nodes.node_of(0)].undrained)
+            for other in surveys:
+                self._rollbacks.update(other.rollbacks)
+        else:
+            survey = self._ranks.on_rank0(survey_root, f"surveying the durable tier {self._tier.url}")
         self._settled.update(survey.settled)
         self._rollbacks.update(survey.rollbacks)
         with self._lock:
@@ -636,12 +698,18 @@ class CheckpointManager:
         """A save started or ended: the drain pauses while any save of this manager runs (its
         snapshot copies training state, then it writes the fast tier), so that it never takes
         the cores, memory bandwidth or disk the save needs."""
-        if self._tier is None:
-            return
         with self._lock:  # worked out and set under the lock: the last call sets the truth
-            self._tier.set_paused(any(not p.done.done() for p in self._pending))
+            saving = any(not p.done.done() for p in self._pending)
+            for tier in (self._tier, self._partner):
+                if tier is not None:
+                    tier.set_paused(saving)
 
-    def _on_durable(self, step: int, stamp: CommitStamp | None) -> None:
+    def _on_partner_copied(self, step: int, _stamp: CommitStamp | None) -> None:
+        """A leader's partner thread, once its node's copy of ``step`` committed on the partner:
+        local retention may now delete what it kept while the copy read it."""
+        self._on_durable(step, None, "copied to the partner node")
+
+    def _on_durable(self, step: int, stamp: CommitStamp | None, what: str = "durable") -> None:
         """Rank 0's drain thread, once the save ``stamp`` of ``step`` committed on the durable
         tier: local retention may now delete the local copies it kept for want of a durable one."""
         try:
@@ -655,7 +723,7 @@ class CheckpointManager:
                     victims = self._local_victims(anchor) if anchor is not None else []
                 self._delete_for_retention(victims)
         except Exception as exc:  # noqa: BLE001
-            _warn_manager(f"step {step} is durable, but local retention failed: {exc}")
+            _warn_manager(f"step {step} is {what}, but local retention failed: {exc}")
 
     # -- loading ------------------------------------------------------------------
 
@@ -740,6 +808,165 @@ class CheckpointManager:
                 self._seq = max(self._seq, reader.commit_sequence or 0)
         return verdict
 
+    # -- node-local roots ----------------------------------------------------------
+
+    def _plan_nodes(self, listing, state: dict, step: int | None, full_verify: bool):
+        """A node-local load's plan (every leader's report of its root gathered, so that every
+        rank tries the same steps: :func:`nodes.plan_node_load`), and how each is tried."""
+        reports = self._ranks.on_leaders(
+            lambda: survey_node(self._nodes.node, self.root, self.options.allow_pickle), "surveying its root", self._nodes)
+        nodes = plan_node_load(reports, listing.durable, listing.given_up, step)
+        plan = plan_load(listing, None, self.root, self._tier.url if self._tier is not None else None)
+        plan.candidates, plan.local, plan.newest_known = nodes.candidates, set(nodes.candidates), nodes.newest_known
+        plan.error = None if plan.candidates or not plan.unanswered else plan.error
+        for s, lacking in sorted(nodes.missing.items(), reverse=True):
+            if not plan.candidates or s > plan.candidates[0] or step is not None:
+                plan.warnings.append(f"skipping step {s}: no node holds {', '.join(lacking[:3])}"
+                                     f"{' and others' if len(lacking) > 3 else ''} (a node lost its root)")
+        for r in reports:
+            for s, why in r.unreadable.items():
+                plan.warnings.append(f"node {r.node}: the checkpoint of step {s} cannot be read ({why})")
+        if step is not None and not plan.candidates:
+            plan.error = CheckpointError(
+                f"cannot load step {step} from the nodes' roots {self.root}"
+                + (f": no node holds {', '.join(nodes.missing[step][:3])}" if step in nodes.missing else ": no node holds it")
+                + (f" (nor does {self._tier.url})" if self._tier is not None else "")
+            )
+        committed = sorted(s for s in nodes.copies if not any(s in r.abandoned for r in reports))
+        return plan, lambda s: self._load_from_nodes(state, s, nodes, reports, full_verify), committed
+
+    def _load_from_nodes(self, state: dict, step: int, plan, reports, full_verify: bool):
+        """Load ``step`` from the nodes' roots: a node that lacks its own ranks' files copies them
+        back first (from its partner, another node or the durable tier), then every rank reads
+        each file where it is, its own node first. A verdict like ``_check``'s."""
+        node = self._nodes.node
+        names = restore_names(plan, step, self._nodes.members[node], reports[node].own.get(step))
+        verdict = None
+        if names and self._nodes.is_leader:
+            try:
+                self._restore(step, names, plan)
+            except BaseException as exc:  # noqa: BLE001 - classified like a load's failure
+                verdict = classify(exc)
+                if not isinstance(verdict, Raise):
+                    verdict = (f"node {node} could not copy back its files: {verdict[0]}", False)
+        verdict = self._ranks.agree(verdict)  # also: every node's copy is back before any reads it
+        if verdict is not None:
+            return verdict
+        sources = plan.sources(step, node)
+        if names:
+            sources.update({n: (node, OWN) for n in names})
+        store = RoutedStore(routes_of(sources, step, self._store_of), self.path_of(step))
+        reader = DataStatesReader(step_dir_name(step), store=store, allow_pickle=self.options.allow_pickle)
+        verdict = self._ranks.agree(self._check(reader, full_verify))
+        verdict = self._try_load(state, reader) if verdict is None else verdict
+        if verdict is None:
+            with self._lock:
+                self._seq = max(self._seq, reader.commit_sequence or 0)
+            if names and self._tier is not None and step in self._undrained_run:
+                self._drain_own_files(step)  # this node's part of a copy the durable tier still waits for
+        return verdict
+
+    def _restore(self, step: int, names: list[str], plan) -> None:
+        """Leader: copy this node's files of ``step`` into its root (``.metadata`` last)."""
+        from dcp_datastates.tiers.drain import fetch_step
+
+        sources = plan.sources(step, self._nodes.node)
+        wanted = {n: sources[n] for n in names if n in sources}
+        if len(wanted) != len(names):
+            raise CheckpointError(f"step {step}: no node holds {sorted(set(names) - set(wanted))}")
+        path = self.path_of(step)
+        if os.path.isdir(path) and not is_committed(path):
+            delete_checkpoint_dir(path)  # what an interrupted save or restore left
+        t0 = time.perf_counter()
+        size = fetch_step(RoutedStore(routes_of(wanted, step, self._store_of), path), step_dir_name(step), path)
+        froms = sorted({"the durable tier" if src == DURABLE else f"node {src[0]}" + (" (partner copy)" if src[1] == PARTNER else "")
+                        for src in wanted.values()})
+        _log.info("node %d: copied back its %d files of step %d (%d bytes) from %s in %.3f s", self._nodes.node,
+                  len(names) - 1, step, size, ", ".join(froms), time.perf_counter() - t0)
+
+    def _store_of(self, source):
+        """The store holding a source's copy of a step (:data:`nodes.Source`)."""
+        if source == DURABLE:
+            return self._tier.store
+        node, kind = source
+        prefix = PARTNER_DIR if kind == PARTNER else ""
+        if node != self._nodes.node:
+            return self._peers.store(node, prefix)
+        if prefix not in self._local_stores:  # one each: a store starts its engine's threads on first read
+            self._local_stores[prefix] = LocalStore(os.path.join(self.root, prefix) if prefix else self.root)
+        return self._local_stores[prefix]
+
+    def _node_commit(self, pending: _PendingSave) -> None:
+        """Leader of a node without rank 0: the step is committed (on rank 0's node); copy its
+        ``.metadata`` next to this node's files, which makes them a checkpoint here too."""
+        key = f"{step_dir_name(pending.step)}/{METADATA_FILE}"
+        try:
+            blob = self._peers.store(self._nodes.node_of(0)).read(key)
+            LocalStore(self.root).put_bytes(key, blob)
+        except Exception as exc:
+            raise CheckpointError(f"copying the commit of step {pending.step} from rank 0's node into {pending.path}: {exc} "
+                                  "(the next start copies it)") from exc
+
+    def _complete_node_commits(self) -> None:
+        """Leader, at start, before the crash cleanup: a step directory of this node without
+        ``.metadata`` whose save committed (on another node: a crash came between the commit and
+        this node's copy of it) gets it now, rather than being removed as never committed."""
+        for step, name in sorted(step_dirs(self.root).items()):
+            path = os.path.join(self.root, name)
+            if is_committed(path) or is_link(self.root, name):
+                continue
+            here = {e.name for e in os.scandir(path) if e.is_file()}
+            mine = set(self._nodes.members[self._nodes.node])
+            for node in sorted(range(self._nodes.count), key=lambda n: n != self._nodes.node_of(0)):
+                if node == self._nodes.node:
+                    continue
+                store = self._peers.store(node)
+                key = f"{name}/{METADATA_FILE}"
+                try:
+                    if store.size(key) is None:
+                        continue
+                    reader = DataStatesReader(name, store=store, allow_pickle=self.options.allow_pickle)
+                    reader.load_metadata()
+                    layout = reader.require_layout()
+                except Exception:  # noqa: BLE001 - another node may tell; else the cleanup removes it
+                    continue
+                named = [n for r in layout.own_ranks if r.rank in mine for n in (*r.data_files(), r.index_file)]
+                if named and set(named) <= here:
+                    LocalStore(self.root).put_bytes(key, store.read(key))
+                    _log.info("node %d: step %d was committed on node %d before this node copied its .metadata: copied now",
+                              self._nodes.node, step, node)
+                break
+
+    def _drain_own_files(self, step: int) -> None:
+        """Queue this rank's files of ``step`` (copied back into the root) for the durable tier."""
+        try:
+            reader = DataStatesReader(self.path_of(step))
+            reader.load_metadata()
+            mine = next((f for f in reader.require_layout().own_ranks if f.rank == self._rank), None)
+            if mine is not None:
+                self._tier.enqueue(step, self.path_of(step), mine)
+        except Exception as exc:  # noqa: BLE001 - said once; the step stays local-only
+            _warn_manager(f"step {step} is back in {self.path_of(step)} but cannot be drained to {self._tier.url}: {exc}")
+
+    def _open_partner_tier(self) -> None:
+        """The partner level: after each local commit every rank copies its files into the next
+        node's root (``.partner/step_<N>/``), verified; the node's leader commits the copy there
+        once the node's ranks confirmed, and applies ``partner_keep_last`` to it."""
+        partner = self._nodes.partner(self._nodes.node)
+        if partner is None:
+            _warn_manager(f"partner=True, but the run has one node: {self.root} has no partner to copy to")
+            return
+        opts = self.options
+        self._partner = DurableTier(
+            self._peers.store(partner, PARTNER_DIR).url, rank=self._rank,
+            store=self._peers.store(partner, PARTNER_DIR), commits=self._nodes.is_leader,
+            commit_ranks=self._nodes.members[self._nodes.node], retention=RetentionPolicy(opts.partner_keep_last),
+            read_back=opts.durable_read_back, retry_s=opts.durable_retry_s, warn=_warn_manager,
+            on_durable=_weak_call(self, "_on_partner_copied"),
+        )
+        if self.owner:  # what interrupted copies left there (no copy runs yet: every rank is starting)
+            self._ranks.on_leaders(self._partner.clear_incomplete, f"clearing {self._partner.url}", self._nodes)
+
     def _check(self, reader: DataStatesReader, full_verify: bool) -> tuple[str, bool] | None:
         """Why the reader's checkpoint cannot be loaded (and whether its files are bad), found
         without reading tensor data, or None. Each rank checks every W-th rank index; with
@@ -786,9 +1013,14 @@ class CheckpointManager:
 
     def _release(self) -> None:
         """Give up the root's lock and this manager's hold on the fence (close, or garbage collection)."""
+        for store in getattr(self, "_local_stores", {}).values():
+            store.close()
         fd, self._lock_fd = getattr(self, "_lock_fd", None), None
         if fd is not None:
             unlock_root(fd)
+        peers, self._peers = getattr(self, "_peers", None), None
+        if peers is not None:
+            peers.close()
         handle, self._fence_handle = getattr(self, "_fence_handle", None), None
         if handle is not None:
             handle.remove()

@@ -109,6 +109,27 @@ class Ranks:
             raise CheckpointError(f"{self.where}: rank 0 failed {what}: {value}")
         return value
 
+    def on_leaders(self, fn, what: str, nodes) -> list:
+        """Run ``fn`` on each node's leader (``nodes``: a :class:`manager.nodes.NodeMap`) and hand
+        every rank the results, by node; a leader's error is raised on every rank, naming it."""
+        try:
+            result = (True, fn()) if nodes.is_leader else None
+        except Exception as exc:  # noqa: BLE001 - raised below on every rank
+            if not self.distributed:
+                raise
+            result = (False, f"{type(exc).__name__}: {exc}")
+        results = [result]
+        if self.distributed:
+            results = [None] * self.world
+            dist.all_gather_object(results, result, group=self.group)
+        out = []
+        for n in range(nodes.count):
+            ok, value = results[nodes.leader(n)]
+            if not ok:
+                raise CheckpointError(f"{self.where}: node {n} (rank {nodes.leader(n)}) failed {what}: {value}")
+            out.append(value)
+        return out
+
     def agree(self, verdict: Verdict) -> Verdict:
         """Every rank's verdict on a checkpoint, combined: bad on one rank is bad on all,
         and an error that must be raised is raised on every rank."""

@@ -38,6 +38,7 @@ from dcp_datastates.manager.drain_pacing import DrainPacer
 from dcp_datastates.storage import StoreError, open_store
 from dcp_datastates.tiers.drain import (
     DrainError,
+    await_commit,
     clear_incomplete_step,
     commit_durable,
     drain_rank,
@@ -86,6 +87,13 @@ class DrainConfig:
     commit_timeout_s: float = 3600.0
     retention: RetentionPolicy = RetentionPolicy()
     retry_s: float = RETRY_S
+    # Who commits a copy once the ranks of ``commit_ranks`` (None: every rank) confirmed
+    # (rank 0 by default; a node's leader for its partner copy), and whether this rank, not
+    # committing, waits for the commit to learn that its local copy is settled (a leader of
+    # another node, whose local retention waits for the durable copy).
+    commits: bool = False
+    commit_ranks: tuple | None = None
+    follows_commit: bool = False
 
 
 def run_drain_job(store, job: DrainJob, config: DrainConfig, progress, pace,
@@ -96,9 +104,12 @@ def run_drain_job(store, job: DrainJob, config: DrainConfig, progress, pace,
     commit, which stands) and the steps retention deleted; raises if the copy is not durable."""
     step_dir = step_dir_name(job.step)
     drain_rank(job.local_dir, step_dir, job.files, store, read_back=config.read_back, progress=progress, pace=pace)
-    if config.rank != 0:
+    if not config.commits:
+        if config.follows_commit:
+            return await_commit(job.local_dir, step_dir, store, timeout_s=config.commit_timeout_s, stop=stop), None, []
         return None, None, []
-    stamp = commit_durable(job.local_dir, step_dir, store, timeout_s=config.commit_timeout_s, stop=stop)
+    stamp = commit_durable(job.local_dir, step_dir, store, timeout_s=config.commit_timeout_s, stop=stop,
+                           ranks=config.commit_ranks)
     try:
         deleted = apply_durable_retention(store, job.step, config.retention)
     except Exception as exc:  # noqa: BLE001 - the commit stands; retention catches up next time
@@ -173,11 +184,17 @@ class DurableTier:
         store_options: dict | None = None,
         on_durable: Callable[[int, CommitStamp | None], None] | None = None,
         warn: Callable[[str], None] = lambda m: warnings.warn(m, stacklevel=3),
+        store=None,
+        commits: bool | None = None,
+        commit_ranks: tuple | None = None,
+        follows_commit: bool = False,
     ) -> None:
         self.url = url
-        self.store = open_store(url, **(store_options or {}))
+        self.store = store if store is not None else open_store(url, **(store_options or {}))
         self.rank = rank
-        self.config = DrainConfig(rank, read_back, commit_timeout_s, retention, float(retry_s))
+        self.config = DrainConfig(rank, read_back, commit_timeout_s, retention, float(retry_s),
+                                  commits=rank == 0 if commits is None else commits, commit_ranks=commit_ranks,
+                                  follows_commit=follows_commit)
         self._on_durable = on_durable
         self._pacer = DrainPacer()  # when the drain may start a block (manager.drain_pacing: why)
         self._warn = warn
@@ -428,7 +445,7 @@ class DurableTier:
                 self._write_small()  # before the copy: a new node must see a rollback first
                 self._drain(job, progress)
                 _log.info("step %d: rank %d copied %d bytes to %s in %.3f s%s", job.step, self.rank, st.bytes_done,
-                          self.url, time.monotonic() - t0, "; the durable copy is committed" if self.rank == 0 else "")
+                          self.url, time.monotonic() - t0, "; the durable copy is committed" if self.config.commits else "")
                 return
             except Exception as exc:  # noqa: BLE001 - retried below, or raised
                 if not is_outage(exc) or self._stopping:
@@ -455,7 +472,7 @@ class DurableTier:
                     self._status[s].state = DELETED
         if warning is not None:
             self._warn(warning)
-        if self.rank == 0 and self._on_durable is not None and not self._stopping:
+        if (self.config.commits or self.config.follows_commit) and self._on_durable is not None and not self._stopping:
             self._pacer.wait_for_gap()  # it deletes local copies: freeing their pages takes a core too
             self._on_durable(job.step, stamp)
 

@@ -25,6 +25,7 @@ class CheckpointManagerOptions:
     host_cache_bytes: int = _native.DEFAULT_HOST_CACHE_BYTES
     io_threads: int = _native.DEFAULT_IO_THREADS
     direct_io: str = "auto"
+    checksum_bytes: int | None = None
     allow_pickle: bool = False
     cleanup: bool = True
     incremental: bool = True
@@ -40,6 +41,10 @@ class CheckpointManagerOptions:
     durable_close_timeout_s: float | None = None
     init_from_huggingface: str | os.PathLike | None = None
     init_prefix: str = "model"
+    node_local: bool = False
+    partner: bool = False
+    partner_keep_last: int = 2
+    peer_host: str | None = None
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
@@ -60,6 +65,19 @@ class CheckpointManagerOptions:
             raise ValueError(f"init_from_huggingface must be a directory path or None, got {self.init_from_huggingface!r}")
         if not isinstance(self.init_prefix, str) or not self.init_prefix:
             raise ValueError(f"init_prefix must be a non-empty str (the state's model entry), got {self.init_prefix!r}")
+        if self.checksum_bytes is not None:
+            _native.check_checksum_bytes(self.checksum_bytes, _native.DEFAULT_WINDOW_BYTES)
+        if self.partner and not self.node_local:
+            raise ValueError("partner=True copies each node's files to another node's root: it needs node_local=True")
+        if self.node_local and self.incremental:
+            raise ValueError(
+                "node_local=True needs incremental=False: an incremental step refers to files of earlier steps, "
+                "which node-local roots do not share yet"
+            )
+        if not _is_count(self.partner_keep_last) or self.partner_keep_last < 1:
+            raise ValueError(f"partner_keep_last must be a positive int, got {self.partner_keep_last!r}")
+        if self.peer_host is not None and (not isinstance(self.peer_host, str) or not self.peer_host):
+            raise ValueError(f"peer_host must be a host name or address, got {self.peer_host!r}")
         if self.durable_close_timeout_s is not None and not _is_seconds(self.durable_close_timeout_s):
             raise ValueError(
                 f"durable_close_timeout_s must be seconds >= 0 or None, got {self.durable_close_timeout_s!r}"

@@ -186,6 +186,19 @@ class Store(abc.ABC):
         for at in range(start, start + size, block):
             yield at, self.read_range(key, at, min(block, start + size - at))
 
+    def crc32c_of(self, key: str, size: int, pace: Callable[[], None] | None = None) -> int:
+        """The CRC-32C of the object's first ``size`` bytes (a copy's read-back), read in
+        ``read_block`` pieces, ``pace()`` before each. A store that can compute it where the
+        bytes are (another node's) does, instead of sending them back."""
+        crc = 0
+        if pace is not None:
+            pace()
+        for _at, data in self.read_blocks(key, size, self.read_block):
+            crc = _native.crc32c(data, crc)
+            if pace is not None:
+                pace()
+        return crc
+
     def read(self, key: str) -> bytes:
         """A whole (small) object."""
         size = self.size(key)

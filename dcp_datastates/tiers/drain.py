@@ -32,7 +32,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from dcp_datastates.errors import CheckpointError
@@ -136,17 +136,6 @@ def _local_blocks(path: str, checker: SegmentChecker | None, crc_box: list, bloc
     crc_box[0] = crc
 
 
-def _read_back_crc(store: Store, key: str, size: int, block: int, pace=None) -> int:
-    crc = 0
-    if pace is not None:
-        pace()
-    for _at, data in store.read_blocks(key, size, block):
-        crc = crc32c(data, crc)
-        if pace is not None:
-            pace()
-    return crc
-
-
 def drain_rank(
     local_dir: str,
     step_dir: str,
@@ -196,7 +185,7 @@ def drain_rank(
         size = os.path.getsize(path)
         store.put_stream(key, _local_blocks(path, checker, crc_box, block, pace), size, progress)
         if read_back:
-            got = _read_back_crc(store, key, size, store.read_block, pace)
+            got = store.crc32c_of(key, size, pace)
             if got != crc_box[0]:
                 raise DrainError(
                     f"{store.where(key)}: the copy reads back with CRC-32C {got:08x}, the local file {path} has {crc_box[0]:08x}"
@@ -219,12 +208,14 @@ def commit_durable(
     timeout_s: float = 3600.0,
     poll_s: float = 0.2,
     stop: Callable[[], bool] | None = None,
+    ranks: Collection[int] | None = None,
 ) -> CommitStamp | None:
     """Coordinator: once every rank confirmed its files, write ``step_dir/.metadata``; return
     the stamp of the save committed there (None: its ``.metadata`` has no trailer).
 
-    Every rank of the checkpoint's layout must have confirmed exactly the files the
-    layout names for it, and the store must hold each at the confirmed size."""
+    Every rank of the checkpoint's layout (of ``ranks`` only, when given: a partner copy
+    holds one node's files) must have confirmed exactly the files the layout names for it,
+    and the store must hold each at the confirmed size."""
     from dcp_datastates.format.metadata_file import read_metadata_file  # torch: not for the tools that list steps
 
     meta_path = os.path.join(local_dir, METADATA_FILE)
@@ -249,7 +240,7 @@ def commit_durable(
                 f"{local_dir}'s is {stamp.sequence}): the run went on from the tier elsewhere; not replaced"
             )
     _check_bases_durable(layout, step_dir, store)
-    expected = {r.rank: [*r.data_files(), r.index_file] for r in layout.own_ranks}
+    expected = {r.rank: [*r.data_files(), r.index_file] for r in layout.own_ranks if ranks is None or r.rank in ranks}
     deadline = time.monotonic() + timeout_s
     confirmed: dict[int, RankDrain] = {}
     while True:
@@ -289,6 +280,27 @@ def commit_durable(
     except StoreError:
         pass  # committed; leftovers are removed with the step
     return stamp
+
+
+def await_commit(local_dir: str, step_dir: str, store: Store, *, timeout_s: float = 3600.0, poll_s: float = 0.2,
+                 stop: Callable[[], bool] | None = None) -> CommitStamp | None:
+    """A rank that does not commit (a leader of another node): wait until the coordinator
+    committed this very save of the step on the store (its commit stamp there equals the
+    local ``.metadata``'s); return that stamp. A newer save of the step there, or the wait
+    running out, is a :class:`DrainError`."""
+    from dcp_datastates.format.metadata_file import read_commit_stamp
+
+    mine = read_commit_stamp(os.path.join(local_dir, METADATA_FILE))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        there = durable_commit_stamp(store, step_dir)
+        if there is not None and there == mine:
+            return there
+        if there is not None and mine is not None and there.sequence > mine.sequence:
+            raise DrainError(f"{store.where(step_dir)} holds a newer save of this step than {local_dir}")
+        if time.monotonic() > deadline or (stop is not None and stop()):
+            raise DrainError(f"{store.where(step_dir)}: the copy was not committed within {timeout_s:.0f} s")
+        time.sleep(poll_s)
 
 
 # -- the durable tier's steps ------------------------------------------------------------

@@ -1,0 +1,101 @@
+"""One rank of a simulated multi-node run (tests/test_nodes.py): every node is its own torchrun
+launcher on 127.0.0.1 with its own local root (``$NODE_ROOT``, a tmpfs the test mounts).
+
+``python node_worker.py PHASE STEPS [OPTIONS_JSON]``:
+
+* ``save``: save the state of each step of ``STEPS`` (comma-separated) under a node-local
+  manager, wait for every copy (partner, durable), close;
+* ``save-kill``: the same, but the ranks of the last node kill themselves (SIGKILL) right after
+  the last save returned, its copies still running; ``save-kill-mid``: while the last save runs;
+* ``resume``: resume into a zeroed state, check it bit for bit against the state of the step it
+  reports (``RESUMED <step>``), save ``STEPS`` after it, close.
+
+The state of step ``s`` is a function of ``s`` alone: a DTensor sharded over every rank, one
+replicated tensor (which DCP saves on one rank only: a node reads it from another's root),
+and a Python object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import warnings
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
+
+import dcp_datastates  # noqa: E402
+
+
+def full_state(step: int) -> dict:
+    g = torch.Generator().manual_seed(1000 + step)
+    return {
+        "w": torch.randn(64, 1024, generator=g),  # 256 KiB, sharded by rows
+        "bias": torch.randn(300, generator=g),  # replicated
+        "extra": {"step": step, "name": f"step-{step}"},
+    }
+
+
+def local_state(step: int, mesh, zero: bool = False) -> dict:
+    full = full_state(step)
+    w = torch.zeros_like(full["w"]) if zero else full["w"]
+    return {
+        "w": distribute_tensor(w, mesh, [Shard(0)]),
+        "bias": torch.zeros_like(full["bias"]) if zero else full["bias"].clone(),
+        "extra": {"step": -1, "name": ""} if zero else dict(full["extra"]),
+    }
+
+
+def check(state: dict, step: int) -> None:
+    full = full_state(step)
+    assert torch.equal(state["w"].full_tensor(), full["w"]), "w differs"
+    assert torch.equal(state["bias"], full["bias"]), "bias differs"
+    assert state["extra"] == full["extra"], state["extra"]
+
+
+def die() -> None:
+    with open(os.path.join(os.environ["NODE_PIDS"], "events"), "a") as f:
+        f.write(f"KILLING rank {dist.get_rank()}\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    phase, steps = sys.argv[1], [int(s) for s in sys.argv[2].split(",") if s]
+    settings = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    if os.environ.get("NODE_PIDS"):  # the test kills every rank of a node by these, as a scheduler would
+        open(os.path.join(os.environ["NODE_PIDS"], str(os.getpid())), "w").close()
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    options = dcp_datastates.CheckpointManagerOptions(
+        node_local=True, incremental=False, peer_host="127.0.0.1", **settings)
+    mgr = dcp_datastates.CheckpointManager(os.environ["NODE_ROOT"], options)
+    node = int(os.environ["GROUP_RANK"])
+    if phase == "resume":
+        state = local_state(0, mesh, zero=True)
+        got = mgr.load(state)
+        if got is not None:
+            check(state, got)
+        print(f"RESUMED {got}", flush=True)
+    dying = phase.startswith("save-kill") and node == int(os.environ["NNODES"]) - 1
+    for s in steps:
+        last = s == steps[-1]
+        if dying and last and phase == "save-kill-mid":
+            threading.Timer(0.02, die).start()
+        mgr.save(s, local_state(s, mesh)).result()
+        if dying and last:
+            die()
+        mgr.wait_durable()
+    mgr.close()
+    print(f"DONE node {node} rank {dist.get_rank()}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""Node-local roots across simulated nodes: one torchrun launcher per node on 127.0.0.1 (gloo),
+each node with its own tmpfs as its local root, the partner level and the durable tier.
+
+The pure planning (which step every node can reach, where each file is read) is tested
+directly; the rest runs tests/support/node_worker.py under ``torchrun --nnodes=K --node-rank=i``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+from conftest import mounted_tmpfs
+from dist_helpers import free_port
+
+from dcp_datastates.format.file_names import METADATA_FILE
+from dcp_datastates.format.metadata_envelope import CommitStamp
+from dcp_datastates.manager.nodes import DURABLE, OWN, PARTNER, NodeMap, NodeReport, StepCopy, plan_node_load, restore_names
+
+WORKER = os.path.join(os.path.dirname(__file__), "support", "node_worker.py")
+
+
+# -- planning, without processes --------------------------------------------------------
+
+
+def test_node_map_groups_ranks_by_node_key_and_rings_partners():
+    nodes = NodeMap.of_keys(["b", "b", "a", "a", "c", "c"], rank=3)
+    assert nodes.members == ((0, 1), (2, 3), (4, 5))
+    assert (nodes.node, nodes.is_leader, nodes.leader(1)) == (1, False, 2)
+    assert [nodes.partner(n) for n in range(3)] == [1, 2, 0]
+    assert NodeMap.single(4, 0).partner(0) is None
+
+
+def _copy(seq: int, ranks: dict, held=None) -> StepCopy:
+    names = {r: (f"rank{r:05d}-{seq:012x}.data", f"rank{r:05d}-{seq:012x}.index") for r in ranks}
+    files = {n: 1 for r in (held if held is not None else ranks) for n in names[r]}
+    files[METADATA_FILE] = 1
+    return StepCopy(CommitStamp(seq, 0, 1), files, names)
+
+
+def test_plan_takes_the_newest_step_every_file_of_which_someone_holds():
+    ranks = {0: None, 1: None}
+    # step 30: node 1 lost its root, nobody holds rank 1's files; step 20: node 1's files are
+    # in node 0's partner copy; step 10 everywhere.
+    reports = [
+        NodeReport(0, {10: _copy(1, ranks, [0]), 20: _copy(2, ranks, [0]), 30: _copy(3, ranks, [0])},
+                   {20: _copy(2, ranks, [1])}, set()),
+        NodeReport(1, {10: _copy(1, ranks, [1])}, {}, set()),
+    ]
+    plan = plan_node_load(reports, durable=[], given_up=[], step=None)
+    assert plan.candidates == [20, 10]
+    assert plan.missing[30] == ["rank00001-000000000003.data", "rank00001-000000000003.index"]
+    src = plan.sources(20, node=1)
+    assert src["rank00001-000000000002.data"] == (0, PARTNER)
+    assert src["rank00000-000000000002.data"] == (0, OWN)
+    assert restore_names(plan, 20, (1,), reports[1].own.get(20)) == [
+        "rank00001-000000000002.data", "rank00001-000000000002.index", METADATA_FILE]
+    assert restore_names(plan, 20, (0,), reports[0].own.get(20)) == []
+    # with the durable tier holding step 30, it is reachable: node 1's files come from there
+    plan = plan_node_load(reports, durable=[30], given_up=[], step=None)
+    assert plan.candidates[0] == 30 and plan.sources(30, 1)["rank00001-000000000003.data"] == DURABLE
+    # a step a node's pointer gave up is never resumed; an explicit step is the only candidate
+    reports[0].abandoned = {20}
+    assert plan_node_load(reports, [], [], None).candidates == [10]
+    assert plan_node_load(reports, [], [], 10).candidates == [10]
+
+
+def test_plan_of_a_step_saved_twice_keeps_the_newest_save():
+    ranks = {0: None, 1: None}
+    reports = [NodeReport(0, {5: _copy(9, ranks, [0])}, {}, set()), NodeReport(1, {5: _copy(4, ranks, [1])}, {}, set())]
+    plan = plan_node_load(reports, [], [], None)
+    # node 1 holds an older save of step 5: its files are not the newest save's, so 5 is unreachable
+    assert plan.candidates == [] and 5 in plan.missing
+
+
+# -- simulated nodes --------------------------------------------------------------------
+
+
+@pytest.fixture
+def node_roots(tmp_path):
+    """Two nodes' local roots: a tmpfs each, mounted for the test."""
+    with contextlib.ExitStack() as stack:
+        yield [str(stack.enter_context(mounted_tmpfs(tmp_path / f"node{i}", "size=64m"))) for i in range(2)]
+
+
+def run_nodes(roots: list[str], phase: str, steps: str, settings: dict | None = None, nproc: int = 1,
+              expect_killed: bool = False, env: dict | None = None) -> list[str]:
+    """One torchrun launcher per node (``--nnodes=len(roots) --node-rank=i``), all on 127.0.0.1."""
+    port = free_port()
+    pids = tempfile.mkdtemp(prefix="node-pids-")
+    procs = []
+    for i, root in enumerate(roots):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(roots)}", f"--node-rank={i}",
+               f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}",
+               WORKER, phase, steps, json.dumps(settings or {})]
+        e = dict(os.environ, NODE_ROOT=root, NNODES=str(len(roots)), NODE_PIDS=pids, OMP_NUM_THREADS="1", **(env or {}))
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
+                                      start_new_session=True))  # a node, with its ranks, is killed as one
+    outs = []
+    try:
+        if expect_killed:  # the last node's ranks die: then every rank is stopped, as a scheduler would
+            deadline = time.monotonic() + 180
+            while not any(line.startswith("KILLING") for line in _lines(pids)) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(1.0)  # the other nodes go on a moment (their copies to the dead node fail)
+            _kill_ranks(pids)
+            outs = [p.communicate(timeout=60)[0] for p in procs]
+        else:
+            for p in procs:
+                out, _ = p.communicate(timeout=180)
+                outs.append(out)
+    finally:
+        _kill_ranks(pids)
+        shutil.rmtree(pids, ignore_errors=True)
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)  # the node's ranks too, should its launcher be gone
+            p.wait()
+    if not expect_killed:
+        for i, (p, out) in enumerate(zip(procs, outs)):
+            assert p.returncode == 0, f"node {i} exited {p.returncode}:\n{out[-4000:]}"
+    return outs
+
+
+def _lines(pids: str) -> list[str]:
+    path = os.path.join(pids, "events")
+    return open(path).read().splitlines() if os.path.exists(path) else []
+
+
+def _kill_ranks(pids: str) -> None:
+    """SIGKILL every rank the workers registered (torchrun starts each in a session of its own)."""
+    for name in os.listdir(pids):
+        if name.isdigit():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(name), signal.SIGKILL)
+
+
+def resumed(outs: list[str]) -> set:
+    return {line.split()[1] for out in outs for line in out.splitlines() if line.startswith("RESUMED ")}
+
+
+def wipe(root: str) -> None:
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+
+
+def steps_in(root: str) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith("step_") and os.path.exists(os.path.join(root, n, METADATA_FILE)))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.subprocess
+def test_a_wiped_node_resumes_from_its_partner(node_roots, nproc=2):
+    settings = {"partner": True, "keep_last": 2, "partner_keep_last": 2}
+    run_nodes(node_roots, "save", "10,20,30", settings, nproc=nproc)
+    # every node committed every kept step; each holds the other's files as a partner copy
+    for root in node_roots:
+        assert steps_in(root) == ["step_00000020", "step_00000030"]
+        assert steps_in(os.path.join(root, ".partner")) == ["step_00000020", "step_00000030"]
+        own = set(os.listdir(os.path.join(root, "step_00000030")))
+        assert not own & set(os.listdir(os.path.join(root, ".partner", "step_00000030"))) - {METADATA_FILE}
+    wipe(node_roots[1])
+    outs = run_nodes(node_roots, "resume", "40", settings, nproc=nproc)
+    assert resumed(outs) == {"30"}
+    assert steps_in(node_roots[1]) == ["step_00000030", "step_00000040"]  # copied back, then saved on
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.subprocess
+def test_nodes_whose_newest_steps_differ_agree_on_the_newest_all_can_load(node_roots):
+    settings = {"keep_last": 3}
+    run_nodes(node_roots, "save", "10,20,30", settings)
+    shutil.rmtree(os.path.join(node_roots[1], "step_00000030"))  # node 1 lost its newest step
+    os.unlink(os.path.join(node_roots[0], "step_00000010", METADATA_FILE))  # node 0: step 10 uncommitted
+    outs = run_nodes(node_roots, "resume", "", settings)
+    assert resumed(outs) == {"20"}
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.subprocess
+@pytest.mark.parametrize("when", ["save-kill-mid", "save-kill"])
+def test_a_node_killed_mid_save_or_mid_copy_restarted_empty_loses_nothing_committed(node_roots, when):
+    settings = {"partner": True, "keep_last": 3, "partner_keep_last": 3}
+    run_nodes(node_roots, when, "10,20,30", settings, expect_killed=True)
+    wipe(node_roots[1])
+    outs = run_nodes(node_roots, "resume", "", settings)
+    # step 20's partner copies were waited for; step 30 was being saved, or its copies made, when
+    # node 1 died: it is resumed only if every file of it survived somewhere
+    got = resumed(outs)
+    assert got in ({"20"}, {"30"}), outs
+    if got == {"20"}:
+        assert not os.path.exists(os.path.join(node_roots[0], ".partner", "step_00000030", METADATA_FILE))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.subprocess
+@pytest.mark.s3
+def test_a_wiped_node_without_partner_resumes_from_the_durable_tier(node_roots, s3_server):
+    url = f"s3://{s3_server.bucket}/nodes-{os.getpid()}-{free_port()}"
+    settings = {"keep_last": 2, "durable": url}
+    run_nodes(node_roots, "save", "10,20", settings, env=s3_server.env())
+    wipe(node_roots[1])
+    outs = run_nodes(node_roots, "resume", "30", settings, env=s3_server.env())
+    assert resumed(outs) == {"20"}
+    assert steps_in(node_roots[1]) == ["step_00000020", "step_00000030"]
