@@ -456,15 +456,19 @@ class RemoteStore(Store):
         sock.close()
 
     def _call(self, op: int, what: str, key: str, args: dict, data=b"", *, into: memoryview | None = None,
-              retry: bool = True):
-        """One request and its reply (a read's bytes into ``into``); the reply's result."""
+              retry: bool = True, send=None):
+        """One request and its reply (a read's bytes into ``into``); the reply's result.
+        ``send(sock)``: what follows the request's header and arguments (a streamed object's
+        frames), instead of ``data``."""
         for attempt in (0, 1):
             sock, kept = None, False
             try:
                 sock, kept = self._take()
                 body = json.dumps(args).encode()
                 sock.sendall(_REQUEST.pack(op, len(body), len(data)) + body)
-                if data:
+                if send is not None:
+                    send(sock)
+                elif data:
                     sock.sendall(data)
                 result = self._answer(sock, what, key, into)
             except _Refused as exc:
@@ -528,20 +532,17 @@ class RemoteStore(Store):
         """The blocks go out in frames as they come; the server writes them into a temporary file
         it publishes once the last has come. ``blocks`` raising abandons the object there (and
         propagates here)."""
-        what = "writing"
-        body = json.dumps({"key": self._server_key(key), "size": size, "size_hint": size_hint}).encode()
-        sock, failed = None, None
-        try:
-            sock, _kept = self._take()
-            sock.sendall(_REQUEST.pack(PUT_STREAM, len(body), 0) + body)
+        failed: list[BaseException] = []
+
+        def send(sock: socket.socket) -> None:
             source = iter(blocks)
             while True:
                 try:
                     data = next(source)
                 except StopIteration:
                     break
-                except BaseException as exc:  # the caller's data failed
-                    failed = exc
+                except BaseException as exc:  # the caller's data failed: the object is abandoned there
+                    failed.append(exc)
                     break
                 view = memoryview(data).cast("B")
                 for at in range(0, len(view), _SEND_FRAME):
@@ -550,34 +551,18 @@ class RemoteStore(Store):
                     sock.sendall(part)
                 if progress is not None:
                     progress(len(view))
-            if failed is None:
-                sock.sendall(_FRAME.pack(_END))
-                self._answer(sock, what, key)
-            else:
-                sock.sendall(_FRAME.pack(_ABANDON))
-                try:
-                    self._answer(sock, what, key)
-                except StoreError:
-                    pass  # "abandoned", as asked
-        except _Refused as exc:
-            raise StoreError(f"{what} {self.where(key)}: {exc}", transient=False) from None
+            sock.sendall(_FRAME.pack(_ABANDON if failed else _END))
+
+        args = {"key": self._server_key(key), "size": size, "size_hint": size_hint}
+        try:
+            # never repeated: the blocks are consumed once
+            self._call(PUT_STREAM, "writing", key, args, retry=False, send=send)
         except StoreError:
-            if sock is not None:
-                self._give(sock)  # an error reply: the connection is in step
+            if failed:  # the server's "abandoned", as asked, or the connection lost meanwhile
+                raise failed[0] from None
             raise
-        except OSError as exc:
-            if sock is not None:
-                sock.close()
-            if failed is not None:
-                raise failed from None
-            raise StoreError(f"{what} {self.where(key)}: {self._peer()}: {_reason(exc)}", transient=True) from exc
-        except BaseException:
-            if sock is not None:
-                sock.close()  # interrupted mid-object: the server sees the connection end and abandons it
-            raise
-        self._give(sock)
-        if failed is not None:
-            raise failed
+        if failed:
+            raise failed[0]
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self._call(PUT_BYTES, "writing", key, {"key": self._server_key(key)}, memoryview(data).cast("B"))
