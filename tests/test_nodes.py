@@ -64,9 +64,15 @@ def test_plan_takes_the_newest_step_every_file_of_which_someone_holds():
     assert restore_names(plan, 20, (1,), reports[1].own.get(20)) == [
         "rank00001-000000000002.data", "rank00001-000000000002.index", METADATA_FILE]
     assert restore_names(plan, 20, (0,), reports[0].own.get(20)) == []
-    # with the durable tier holding step 30, it is reachable: node 1's files come from there
-    plan = plan_node_load(reports, durable=[30], given_up=[], step=None)
+    # with the durable tier holding this very save of step 30, it is reachable: node 1's files come from there
+    plan = plan_node_load(reports, durable=[30], given_up=[], step=None, durable_stamps={30: CommitStamp(3, 0, 1)})
     assert plan.candidates[0] == 30 and plan.sources(30, 1)["rank00001-000000000003.data"] == DURABLE
+    # another save of step 30 there (an earlier one, before a rollback): its files are not these
+    plan = plan_node_load(reports, durable=[30], given_up=[], step=None, durable_stamps={30: CommitStamp(2, 7, 1)})
+    assert plan.candidates == [20, 10]
+    # a step only the durable tier holds: a candidate, read there as a whole (no node's sources)
+    plan = plan_node_load(reports, durable=[40], given_up=[], step=None, durable_stamps={})
+    assert plan.candidates[0] == 40 and 40 not in plan.copies and plan.newest_known == 40
     # a step a node's pointer gave up is never resumed; an explicit step is the only candidate
     reports[0].abandoned = {20}
     assert plan_node_load(reports, [], [], None).candidates == [10]
@@ -208,11 +214,14 @@ def test_a_node_killed_mid_save_or_mid_copy_restarted_empty_loses_nothing_commit
 @pytest.mark.dist
 @pytest.mark.subprocess
 @pytest.mark.s3
-def test_a_wiped_node_without_partner_resumes_from_the_durable_tier(node_roots, s3_server):
+@pytest.mark.parametrize("wiped", [[1], [0, 1]])
+def test_wiped_nodes_without_partner_resume_from_the_durable_tier(node_roots, s3_server, wiped):
     url = f"s3://{s3_server.bucket}/nodes-{os.getpid()}-{free_port()}"
     settings = {"keep_last": 2, "durable": url}
     run_nodes(node_roots, "save", "10,20", settings, env=s3_server.env())
-    wipe(node_roots[1])
+    for n in wiped:
+        wipe(node_roots[n])
     outs = run_nodes(node_roots, "resume", "30", settings, env=s3_server.env())
     assert resumed(outs) == {"20"}
-    assert steps_in(node_roots[1]) == ["step_00000020", "step_00000030"]
+    # one node lost: its files of step 20 copied back; every node lost: step 20 read where it is
+    assert steps_in(node_roots[1]) == (["step_00000020", "step_00000030"] if wiped == [1] else ["step_00000030"])

@@ -508,7 +508,11 @@ class CheckpointManager:
         if self._nodes.is_leader:
             try:
                 if self._nodes.node != self._nodes.node_of(0):
-                    self._node_commit(pending)
+                    try:
+                        self._node_commit(pending)
+                    except Exception as exc:  # noqa: BLE001 - no retention on a root that lacks the step's commit
+                        _warn_manager(f"the checkpoint of step {pending.step} is committed, but not yet on this node: {exc}")
+                        raise _NodeCommitMissing from exc
                 with self._lock:
                     moved = pending.seq > self._pointed_seq
                     if moved:
@@ -521,6 +525,8 @@ class CheckpointManager:
                 _log.info("step %d committed in %s%s", pending.step, pending.path,
                           f"; {LATEST_FILE} -> step {pending.step}" if moved else " (a later save moved the pointer first)")
                 self._delete_for_retention(victims)
+            except _NodeCommitMissing:
+                pass  # said above; the next start copies the commit (before its cleanup)
             except Exception as exc:  # noqa: BLE001
                 _warn_manager(
                     f"the checkpoint of step {pending.step} is committed in {pending.path}, but updating "
@@ -666,8 +672,10 @@ class CheckpointManager:
             surveys = self._ranks.on_leaders(survey_root, f"surveying the durable tier {self._tier.url}", self._nodes)
             survey = surveys[self._nodes.node]
             self._undrained_run = set(surveys[self._nodes.node_of(0)].undrained)
-            for other in surveys:
+            for other in surveys:  # every rank the same: the run's rollbacks and newest sequence
                 self._rollbacks.update(other.rollbacks)
+                with self._lock:
+                    self._seq = max(self._seq, other.newest_sequence)
         else:
             survey = self._ranks.on_rank0(survey_root, f"surveying the durable tier {self._tier.url}")
         self._settled.update(survey.settled)
@@ -815,7 +823,10 @@ class CheckpointManager:
         rank tries the same steps: :func:`nodes.plan_node_load`), and how each is tried."""
         reports = self._ranks.on_leaders(
             lambda: survey_node(self._nodes.node, self.root, self.options.allow_pickle), "surveying its root", self._nodes)
-        nodes = plan_node_load(reports, listing.durable, listing.given_up, step)
+        held = sorted({s for r in reports for s in (*r.own, *r.partner)} & set(listing.durable))
+        stamps = self._ranks.on_rank0(lambda: self._tier.commit_stamps(held) if held else {},
+                                      f"reading which saves {self._tier.url} holds") if self._tier is not None else {}
+        nodes = plan_node_load(reports, listing.durable, listing.given_up, step, stamps)
         plan = plan_load(listing, None, self.root, self._tier.url if self._tier is not None else None)
         plan.candidates, plan.local, plan.newest_known = nodes.candidates, set(nodes.candidates), nodes.newest_known
         plan.error = None if plan.candidates or not plan.unanswered else plan.error
@@ -839,6 +850,8 @@ class CheckpointManager:
         """Load ``step`` from the nodes' roots: a node that lacks its own ranks' files copies them
         back first (from its partner, another node or the durable tier), then every rank reads
         each file where it is, its own node first. A verdict like ``_check``'s."""
+        if step not in plan.copies:  # no node holds it (every root lost): the durable copy, in place
+            return self._load(state, step, full_verify, durable=True)
         node = self._nodes.node
         names = restore_names(plan, step, self._nodes.members[node], reports[node].own.get(step))
         verdict = None
@@ -1024,6 +1037,10 @@ class CheckpointManager:
         handle, self._fence_handle = getattr(self, "_fence_handle", None), None
         if handle is not None:
             handle.remove()
+
+
+class _NodeCommitMissing(Exception):
+    """This node could not copy a step's commit: its root's pointer and retention wait."""
 
 
 def _weak_call(obj, name: str):

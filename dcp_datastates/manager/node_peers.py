@@ -23,7 +23,17 @@ from dcp_datastates.storage.remote import RemoteStore, StoreServer
 
 
 def default_peer_host() -> str:
-    """The address other nodes reach this one by: the host name's address."""
+    """The address other nodes reach this one by: the one this host uses to reach the run's
+    rendezvous (``MASTER_ADDR``), else the host name's address (which ``/etc/hosts`` may map to
+    a loopback address: then give ``peer_host``)."""
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))  # no packet is sent
+                return s.getsockname()[0]
+        except OSError:
+            pass
     return socket.gethostbyname(socket.gethostname())
 
 

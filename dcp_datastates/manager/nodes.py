@@ -162,7 +162,7 @@ class NodePlan:
 
     candidates: list[int]
     copies: dict[int, list[tuple[Source, StepCopy]]]  # step -> the copies of its chosen save
-    durable: set[int]  # steps whose save the durable tier holds (committed there)
+    durable: set[int]  # steps whose chosen save the durable tier holds (committed there)
     missing: dict[int, list[str]] = dataclasses.field(default_factory=dict)  # step -> files no one holds
     newest_known: int | None = None
 
@@ -186,11 +186,14 @@ class NodePlan:
         return out
 
 
-def plan_node_load(reports: list[NodeReport], durable: list[int], given_up: list[int], step: int | None) -> NodePlan:
+def plan_node_load(reports: list[NodeReport], durable: list[int], given_up: list[int], step: int | None,
+                   durable_stamps: dict | None = None) -> NodePlan:
     """Which steps a load tries, newest commit first: a step is a candidate when some node (or
     the durable tier) holds each of its files. Of a step saved more than once (a rollback saved
-    it again while a node was away) the newest save counts; a step a node's pointer gave up is
-    never resumed."""
+    it again while a node was away) the newest save counts, and the durable tier stands in for
+    a node's files only when it holds that very save (``durable_stamps``: each durable step's
+    commit stamp there); a step a node's pointer gave up is never resumed. A step no node holds
+    (every node lost its root) is the durable tier's alone: :meth:`NodePlan.sources` is empty."""
     abandoned = set().union(*(r.abandoned for r in reports)) if reports else set()
     by_step: dict[int, list[tuple[Source, StepCopy]]] = {}
     for r in reports:
@@ -201,7 +204,9 @@ def plan_node_load(reports: list[NodeReport], durable: list[int], given_up: list
     for s, copies in by_step.items():
         newest = max(c.sequence for _src, c in copies)
         plan.copies[s] = [(src, c) for src, c in copies if c.sequence == newest]
-    known = sorted(set(by_step) | plan.durable)
+        if s in plan.durable and (durable_stamps or {}).get(s) != plan.copies[s][0][1].stamp:
+            plan.durable.discard(s)  # another save of the step there: its files are not these
+    known = sorted(set(by_step) | set(durable) - set(given_up))
     plan.newest_known = max(known) if known else None
     order = sorted((s for s in by_step if s not in abandoned), key=lambda s: (plan.copies[s][0][1].sequence, s), reverse=True)
     for s in sorted(plan.durable - set(by_step) - abandoned, reverse=True):  # durable only: by step among the others

@@ -290,7 +290,11 @@ def await_commit(local_dir: str, step_dir: str, store: Store, *, timeout_s: floa
     running out, is a :class:`DrainError`."""
     from dcp_datastates.format.metadata_file import read_commit_stamp
 
-    mine = read_commit_stamp(os.path.join(local_dir, METADATA_FILE))
+    meta_path = os.path.join(local_dir, METADATA_FILE)
+    if not os.path.exists(meta_path):
+        raise DrainError(f"{local_dir} has no {METADATA_FILE} (this node's copy of the commit is missing): "
+                         "which save to wait for is unknown")
+    mine = read_commit_stamp(meta_path)
     deadline = time.monotonic() + timeout_s
     while True:
         there = durable_commit_stamp(store, step_dir)
