@@ -225,3 +225,17 @@ def test_wiped_nodes_without_partner_resume_from_the_durable_tier(node_roots, s3
     assert resumed(outs) == {"20"}
     # one node lost: its files of step 20 copied back; every node lost: step 20 read where it is
     assert steps_in(node_roots[1]) == (["step_00000020", "step_00000030"] if wiped == [1] else ["step_00000030"])
+
+
+def test_node_options_are_checked_before_anything_is_touched():
+    from dcp_datastates import CheckpointManagerOptions as Options
+
+    with pytest.raises(ValueError, match="partner=True .* needs node_local=True"):
+        Options(partner=True, incremental=False)
+    with pytest.raises(ValueError, match="node_local=True needs incremental=False"):
+        Options(node_local=True)
+    with pytest.raises(ValueError, match="partner_keep_last"):
+        Options(node_local=True, incremental=False, partner=True, partner_keep_last=0)
+    with pytest.raises(ValueError, match="checksum_bytes"):
+        Options(checksum_bytes=1000)
+    assert Options(node_local=True, incremental=False, partner=True, checksum_bytes=4096).partner_keep_last == 2
