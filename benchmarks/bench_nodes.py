@@ -23,12 +23,9 @@ Each variant runs ``--reps`` times, alternating; medians are reported.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,8 +35,10 @@ warnings.filterwarnings("ignore")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "support"))  # the simulated nodes and the S3 server
 
-from bench_common import free_port, median, write_json  # noqa: E402
+from bench_common import median, write_json  # noqa: E402
+from node_launch import launch_nodes, register_rank, wipe  # noqa: E402
 
 COLS = 1024  # float32 columns of the sharded tensor: a row is 4 KiB
 
@@ -91,6 +90,7 @@ def worker(argv: list[str]) -> None:
     loop = json.loads(argv[3]) if len(argv) > 3 else {}
     torch.set_num_threads(1)
     t_init = time.perf_counter()
+    register_rank()
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     rank, node = dist.get_rank(), int(os.environ["GROUP_RANK"])
@@ -152,37 +152,13 @@ def worker(argv: list[str]) -> None:
 def launch(roots: list[str], nproc: int, args: list[str], env: dict | None = None,
            timeout: float = 300) -> tuple[float, list[dict]]:
     """One torchrun per node; returns the wall time until the last exits and every BENCH line."""
-    port = free_port()
-    procs = []
-    t0 = time.perf_counter()
-    for i, root in enumerate(roots):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(roots)}", f"--node-rank={i}",
-               f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}",
-               os.path.abspath(__file__), "--worker", *args]
-        e = dict(os.environ, NODE_ROOT=root, OMP_NUM_THREADS="1", **(env or {}))
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
-                                      start_new_session=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    wall = time.perf_counter() - t0
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        if p.returncode != 0:
-            raise RuntimeError(f"node {i} exited {p.returncode} ({' '.join(args[:1])}):\n{out[-6000:]}")
+    wall, codes, outs = launch_nodes(roots, nproc, [os.path.abspath(__file__), "--worker", *args], env=env,
+                                     timeout=timeout)
+    for i, (code, out) in enumerate(zip(codes, outs)):
+        if code != 0:
+            raise RuntimeError(f"node {i} exited {code} ({' '.join(args[:1])}):\n{out[-6000:]}")
     rows = [json.loads(line[6:]) for out in outs for line in out.splitlines() if line.startswith("BENCH ")]
     return wall, rows
-
-
-def wipe(root: str) -> None:
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
 
 
 def fresh_roots(base: str, nodes: int) -> list[str]:
@@ -296,7 +272,6 @@ def main() -> None:
     server = None
     try:
         if args.skip != "resume":
-            sys.path.insert(0, os.path.join(HERE, "..", "tests", "support"))
             from s3_server import WeedServer
 
             server = WeedServer(bucket="bench-nodes", port=args.s3_port)

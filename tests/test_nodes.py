@@ -11,15 +11,11 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 
 import pytest
 from conftest import mounted_tmpfs
 from dist_helpers import free_port
+from node_launch import launch_nodes, wipe
 
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_envelope import CommitStamp
@@ -99,64 +95,18 @@ def node_roots(tmp_path):
 
 def run_nodes(roots: list[str], phase: str, steps: str, settings: dict | None = None, nproc: int = 1,
               expect_killed: bool = False, env: dict | None = None) -> list[str]:
-    """One torchrun launcher per node (``--nnodes=len(roots) --node-rank=i``), all on 127.0.0.1."""
-    port = free_port()
-    pids = tempfile.mkdtemp(prefix="node-pids-")
-    procs = []
-    for i, root in enumerate(roots):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(roots)}", f"--node-rank={i}",
-               f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}",
-               WORKER, phase, steps, json.dumps(settings or {})]
-        e = dict(os.environ, NODE_ROOT=root, NNODES=str(len(roots)), NODE_PIDS=pids, OMP_NUM_THREADS="1", **(env or {}))
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
-                                      start_new_session=True))  # a node, with its ranks, is killed as one
-    outs = []
-    try:
-        if expect_killed:  # the last node's ranks die: then every rank is stopped, as a scheduler would
-            deadline = time.monotonic() + 180
-            while not any(line.startswith("KILLING") for line in _lines(pids)) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            time.sleep(1.0)  # the other nodes go on a moment (their copies to the dead node fail)
-            _kill_ranks(pids)
-            outs = [p.communicate(timeout=60)[0] for p in procs]
-        else:
-            for p in procs:
-                out, _ = p.communicate(timeout=180)
-                outs.append(out)
-    finally:
-        _kill_ranks(pids)
-        shutil.rmtree(pids, ignore_errors=True)
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)  # the node's ranks too, should its launcher be gone
-            p.wait()
+    """The worker's ``phase`` on every node (tests/support/node_launch.py); every node must exit 0
+    unless ``expect_killed`` (a node kills itself: then every rank is stopped)."""
+    _wall, codes, outs = launch_nodes(roots, nproc, [WORKER, phase, steps, json.dumps(settings or {})], env=env,
+                                      until_killed=expect_killed)
     if not expect_killed:
-        for i, (p, out) in enumerate(zip(procs, outs)):
-            assert p.returncode == 0, f"node {i} exited {p.returncode}:\n{out[-4000:]}"
+        for i, (code, out) in enumerate(zip(codes, outs)):
+            assert code == 0, f"node {i} exited {code}:\n{out[-4000:]}"
     return outs
-
-
-def _lines(pids: str) -> list[str]:
-    path = os.path.join(pids, "events")
-    return open(path).read().splitlines() if os.path.exists(path) else []
-
-
-def _kill_ranks(pids: str) -> None:
-    """SIGKILL every rank the workers registered (torchrun starts each in a session of its own)."""
-    for name in os.listdir(pids):
-        if name.isdigit():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(name), signal.SIGKILL)
 
 
 def resumed(outs: list[str]) -> set:
     return {line.split()[1] for out in outs for line in out.splitlines() if line.startswith("RESUMED ")}
-
-
-def wipe(root: str) -> None:
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
 
 
 def steps_in(root: str) -> list[str]:

@@ -113,7 +113,7 @@ class RankPlacement:
 
     def file_names(self) -> list[str]:
         """Every file the rank writes (removed if the save fails)."""
-        return [*self.files().data_files(), self.index_file]
+        return self.files().file_names()
 
 
 def place_tensors(sizes: list[int]) -> tuple[list[int], int]:

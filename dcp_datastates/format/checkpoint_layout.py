@@ -138,6 +138,10 @@ class RankFiles:
         """The rank's data files, stripe by stripe (names in their own directory)."""
         return [stripe_file_name(self.data_file, k) for k in range(len(self.stripes) + 1)]
 
+    def file_names(self) -> list[str]:
+        """Every file of the rank: its data files, stripe by stripe, then its index."""
+        return [*self.data_files(), self.index_file]
+
     def path_of(self, name: str) -> str:
         """File ``name`` of this rank relative to the checkpoint that lists it: the name itself
         for its own ranks, ``../<base>/<name>`` for a base checkpoint's rank."""

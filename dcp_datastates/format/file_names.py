@@ -96,7 +96,7 @@ def layout_files(layout) -> list[str]:
     """The checkpoint's own rank files a ``CheckpointLayout`` names (data files, then index, rank
     by rank), without ``.metadata``; the files of base checkpoints it refers to (format 8) are
     theirs, not its own."""
-    return [name for r in layout.ranks if not r.base for name in (*r.data_files(), r.index_file)]
+    return [name for r in layout.ranks if not r.base for name in r.file_names()]
 
 
 # -- a run's step directories (a CheckpointManager root, and its copies on a durable tier) --

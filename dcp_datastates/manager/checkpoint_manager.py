@@ -912,24 +912,27 @@ class CheckpointManager:
     def _node_commit(self, pending: _PendingSave) -> None:
         """Leader of a node without rank 0: the step is committed (on rank 0's node); copy its
         ``.metadata`` next to this node's files, which makes them a checkpoint here too."""
-        key = f"{step_dir_name(pending.step)}/{METADATA_FILE}"
         try:
-            blob = self._peers.store(self._nodes.node_of(0)).read(key)
-            LocalStore(self.root).put_bytes(key, blob)
+            self._copy_commit(step_dir_name(pending.step), self._peers.store(self._nodes.node_of(0)))
         except Exception as exc:
             raise CheckpointError(f"copying the commit of step {pending.step} from rank 0's node into {pending.path}: {exc} "
                                   "(the next start copies it)") from exc
+
+    def _copy_commit(self, step_dir: str, source) -> None:
+        """Write ``source``'s ``step_dir/.metadata`` into this node's root (renamed into place)."""
+        key = f"{step_dir}/{METADATA_FILE}"
+        self._store_of((self._nodes.node, OWN)).put_bytes(key, source.read(key))
 
     def _complete_node_commits(self) -> None:
         """Leader, at start, before the crash cleanup: a step directory of this node without
         ``.metadata`` whose save committed (on another node: a crash came between the commit and
         this node's copy of it) gets it now, rather than being removed as never committed."""
+        mine = set(self._nodes.members[self._nodes.node])
         for step, name in sorted(step_dirs(self.root).items()):
             path = os.path.join(self.root, name)
             if is_committed(path) or is_link(self.root, name):
                 continue
             here = {e.name for e in os.scandir(path) if e.is_file()}
-            mine = set(self._nodes.members[self._nodes.node])
             for node in sorted(range(self._nodes.count), key=lambda n: n != self._nodes.node_of(0)):
                 if node == self._nodes.node:
                     continue
@@ -943,9 +946,9 @@ class CheckpointManager:
                     layout = reader.require_layout()
                 except Exception:  # noqa: BLE001 - another node may tell; else the cleanup removes it
                     continue
-                named = [n for r in layout.own_ranks if r.rank in mine for n in (*r.data_files(), r.index_file)]
+                named = [n for r in layout.own_ranks if r.rank in mine for n in r.file_names()]
                 if named and set(named) <= here:
-                    LocalStore(self.root).put_bytes(key, store.read(key))
+                    self._copy_commit(name, store)
                     _log.info("node %d: step %d was committed on node %d before this node copied its .metadata: copied now",
                               self._nodes.node, step, node)
                 break

@@ -431,7 +431,7 @@ class DurableTier:
         outage has lasted the configured window (one window per outage, whatever the number of
         copies waiting; the small objects written first each time). Raises the last failure."""
         try:
-            st.bytes_total = sum(os.path.getsize(os.path.join(job.local_dir, n)) for n in (*job.files.data_files(), job.files.index_file))
+            st.bytes_total = sum(os.path.getsize(os.path.join(job.local_dir, n)) for n in job.files.file_names())
         except OSError:
             st.bytes_total = 0
         backoff = RETRY_FIRST_S

@@ -139,7 +139,7 @@ def _add_copy(into: dict, unreadable: dict, step: int, path: str, allow_pickle: 
         reader = DataStatesReader(path, allow_pickle=allow_pickle)
         reader.load_metadata()
         layout = reader.require_layout()
-        ranks = {r.rank: (*r.data_files(), r.index_file) for r in layout.own_ranks}
+        ranks = {r.rank: tuple(r.file_names()) for r in layout.own_ranks}
         stamp = read_commit_stamp(os.path.join(path, METADATA_FILE))
         files = {e.name: e.stat().st_size for e in os.scandir(path) if e.is_file() and not e.name.startswith(".")}
         files[METADATA_FILE] = os.path.getsize(os.path.join(path, METADATA_FILE))

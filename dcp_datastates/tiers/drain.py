@@ -165,19 +165,19 @@ def drain_rank(
         raise DrainError(f"{local_dir}: rank {files.rank}'s file {exc.filename} is missing; the step is not drained") from exc
     except OSError as exc:
         raise DrainError(f"{local_dir}: reading rank {files.rank}'s files: {exc}") from exc
-    keys = [f"{step_dir}/{n}" for n in (*names, files.index_file)]
+    keys = [f"{step_dir}/{n}" for n in files.file_names()]
     if store.size(f"{step_dir}/{METADATA_FILE}") is not None:
         sizes_there = [store.size(k) for k in keys]
         local = [*sizes, os.path.getsize(index_path)]
         if sizes_there == local:
             # A drain repeated after the step committed there with these very files (their names
             # carry the save's id): re-uploading would first delete objects a commit names.
-            result = RankDrain(files.rank, [DrainedFile(n, size, 0) for n, size in zip((*names, files.index_file), local)])
+            result = RankDrain(files.rank, [DrainedFile(n, size, 0) for n, size in zip(files.file_names(), local)])
             result.seconds = time.perf_counter() - t0
             return result
     store.delete(keys + [confirmation_key(step_dir, files.rank), failure_key(step_dir, files.rank)])
     drained = []
-    for stripe, name in enumerate((*names, files.index_file)):
+    for stripe, name in enumerate(files.file_names()):
         path = os.path.join(local_dir, name)
         key = f"{step_dir}/{name}"
         checker = SegmentChecker.of_stripe(index, stripe, path) if stripe < len(names) else None
@@ -240,7 +240,7 @@ def commit_durable(
                 f"{local_dir}'s is {stamp.sequence}): the run went on from the tier elsewhere; not replaced"
             )
     _check_bases_durable(layout, step_dir, store)
-    expected = {r.rank: [*r.data_files(), r.index_file] for r in layout.own_ranks if ranks is None or r.rank in ranks}
+    expected = {r.rank: r.file_names() for r in layout.own_ranks if ranks is None or r.rank in ranks}
     deadline = time.monotonic() + timeout_s
     confirmed: dict[int, RankDrain] = {}
     while True:
@@ -319,7 +319,7 @@ def _check_bases_durable(layout, step_dir: str, store: Store) -> None:
         missing = [] if store.size(f"{base}/{METADATA_FILE}") is not None else [METADATA_FILE]
         for files in layout.ranks:
             if files.base == base:
-                missing += [n for n in (*files.data_files(), files.index_file) if store.size(f"{base}/{n}") is None]
+                missing += [n for n in files.file_names() if store.size(f"{base}/{n}") is None]
         if missing:
             raise DrainError(
                 f"{store.where(step_dir)} refers to {store.where(base)}, which is not durable (yet) with the "

@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 
 import dcp_datastates  # noqa: E402
+from node_launch import register_rank, say_killing  # noqa: E402
 
 
 def full_state(step: int) -> dict:
@@ -61,16 +62,14 @@ def check(state: dict, step: int) -> None:
 
 
 def die() -> None:
-    with open(os.path.join(os.environ["NODE_PIDS"], "events"), "a") as f:
-        f.write(f"KILLING rank {dist.get_rank()}\n")
+    say_killing(dist.get_rank())
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
     phase, steps = sys.argv[1], [int(s) for s in sys.argv[2].split(",") if s]
     settings = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-    if os.environ.get("NODE_PIDS"):  # the test kills every rank of a node by these, as a scheduler would
-        open(os.path.join(os.environ["NODE_PIDS"], str(os.getpid())), "w").close()
+    register_rank()
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     options = dcp_datastates.CheckpointManagerOptions(
