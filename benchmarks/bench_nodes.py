@@ -95,7 +95,7 @@ def worker(argv: list[str]) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     rank, node = dist.get_rank(), int(os.environ["GROUP_RANK"])
     options = dcp_datastates.CheckpointManagerOptions(
-        node_local=True, incremental=False, peer_host="127.0.0.1", **settings)
+        node_local=True, incremental=False, **settings)
     mgr = dcp_datastates.CheckpointManager(os.environ["NODE_ROOT"], options)
     init_s = time.perf_counter() - t_init
     out = {}

@@ -19,7 +19,9 @@ from node_launch import launch_nodes, wipe
 
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_envelope import CommitStamp
-from dcp_datastates.manager.nodes import DURABLE, OWN, PARTNER, NodeMap, NodeReport, StepCopy, plan_node_load, restore_names
+from dcp_datastates.format.checkpoint_layout import RankFiles
+from dcp_datastates.manager.node_copies import homes, restore_copies
+from dcp_datastates.manager.nodes import DURABLE, OWN, PARTNER, NodeMap, NodeReport, StepCopy, plan_node_load
 
 WORKER = os.path.join(os.path.dirname(__file__), "support", "node_worker.py")
 
@@ -36,10 +38,10 @@ def test_node_map_groups_ranks_by_node_key_and_rings_partners():
 
 
 def _copy(seq: int, ranks: dict, held=None) -> StepCopy:
-    names = {r: (f"rank{r:05d}-{seq:012x}.data", f"rank{r:05d}-{seq:012x}.index") for r in ranks}
-    files = {n: 1 for r in (held if held is not None else ranks) for n in names[r]}
+    layout = {r: RankFiles(r, f"rank{r:05d}-{seq:012x}.data", f"rank{r:05d}-{seq:012x}.index") for r in ranks}
+    files = {n: 1 for r in (held if held is not None else ranks) for n in layout[r].file_names()}
     files[METADATA_FILE] = 1
-    return StepCopy(CommitStamp(seq, 0, 1), files, names)
+    return StepCopy(CommitStamp(seq, 0, 1), files, layout)
 
 
 def test_plan_takes_the_newest_step_every_file_of_which_someone_holds():
@@ -57,9 +59,14 @@ def test_plan_takes_the_newest_step_every_file_of_which_someone_holds():
     src = plan.sources(20, node=1)
     assert src["rank00001-000000000002.data"] == (0, PARTNER)
     assert src["rank00000-000000000002.data"] == (0, OWN)
-    assert restore_names(plan, 20, (1,), reports[1].own.get(20)) == [
-        "rank00001-000000000002.data", "rank00001-000000000002.index", METADATA_FILE]
-    assert restore_names(plan, 20, (0,), reports[0].own.get(20)) == []
+    # node 1 lost step 20: it gets rank 1's files back from node 0's partner copy, its .metadata last
+    restore = restore_copies(plan, 20, reports, NodeMap(((0,), (1,)), 0))
+    assert restore.restored == {1: ["rank00001-000000000002.data", "rank00001-000000000002.index", METADATA_FILE]}
+    assert [(c.src, c.dst, c.tag, c.hold) for c in restore.copies] == [(0, 1, PARTNER, False)] * 2 + [(0, 1, OWN, True)]
+    # relaunched with 2 ranks per node (ranks 0-1 on node 0, 2-3 on node 1): saved rank 1 is still node 1's
+    restore = restore_copies(plan, 20, reports, NodeMap(((0, 1), (2, 3)), 2))
+    assert restore.restored[1][:2] == ["rank00001-000000000002.data", "rank00001-000000000002.index"]
+    assert {c.dst for c in restore.copies} == {2}
     # with the durable tier holding this very save of step 30, it is reachable: node 1's files come from there
     plan = plan_node_load(reports, durable=[30], given_up=[], step=None, durable_stamps={30: CommitStamp(3, 0, 1)})
     assert plan.candidates[0] == 30 and plan.sources(30, 1)["rank00001-000000000003.data"] == DURABLE
@@ -189,3 +196,25 @@ def test_node_options_are_checked_before_anything_is_touched():
     with pytest.raises(ValueError, match="checksum_bytes"):
         Options(checksum_bytes=1000)
     assert Options(node_local=True, incremental=False, partner=True, checksum_bytes=4096).partner_keep_last == 2
+
+
+def test_homes_follow_the_saved_nodes_whatever_the_ranks_per_node():
+    ranks = {r: None for r in range(4)}  # saved on 2 nodes x 2 ranks
+    node0 = NodeReport(0, {7: _copy(3, ranks, [0, 1])}, {7: _copy(3, ranks, [2, 3])}, set())
+    wiped = NodeReport(1, {}, {}, set())
+    plan = plan_node_load([node0, wiped], [], [], None)
+    assert homes(plan, 7, [node0, wiped], 2) == {0: 0, 1: 0, 2: 1, 3: 1}
+    # one node now: nobody lost the step; ranks 2-3 stay in node 0's partner copy
+    assert homes(plan, 7, [node0], 1) == {0: 0, 1: 0}
+    # two nodes wiped out of three, only the durable tier holds their files: shared in rank order
+    six = {r: None for r in range(6)}
+    first = NodeReport(0, {7: _copy(3, six, [0, 1])}, {}, set())
+    plan = plan_node_load([first, NodeReport(1, {}, {}, set()), NodeReport(2, {}, {}, set())], [7], [], None,
+                          {7: CommitStamp(3, 0, 1)})
+    reports = [first, NodeReport(1, {}, {}, set()), NodeReport(2, {}, {}, set())]
+    assert homes(plan, 7, reports, 3) == {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2}
+    restore = restore_copies(plan, 7, reports, NodeMap(((0, 1), (2, 3), (4, 5)), 0))
+    files = [c for c in restore.copies if c.name != METADATA_FILE]
+    assert all(c.src == c.dst and c.tag == "durable" for c in files)  # each reads the durable tier itself
+    assert sorted(c.dst for c in files) == [2, 2, 3, 3, 4, 4, 5, 5]
+    assert {(c.src, c.dst, c.hold) for c in restore.copies if c.name == METADATA_FILE} == {(0, 2, True), (0, 4, True)}

@@ -1,5 +1,5 @@
-"""The durable-tier stores: one contract, a shared file system (a tmpfs the test mounts),
-S3 (a real SeaweedFS server on the loopback) and a peer node's directory (a store server)."""
+"""The durable-tier stores: one contract, a shared file system (a tmpfs the test mounts) and
+S3 (a real SeaweedFS server on the loopback)."""
 
 from __future__ import annotations
 
@@ -9,21 +9,14 @@ import pytest
 
 from dcp_datastates.storage import StoreError, open_store
 from dcp_datastates.storage.local import LocalStore
-from dcp_datastates.storage.remote import RemoteStore, StoreServer
 
 from conftest import new_durable_url
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
 
-@pytest.fixture(params=["posix", "s3", "peer"])
+@pytest.fixture(params=["posix", "s3"])
 def store(request, tmp_path):
-    if request.param == "peer":  # another node's directory, through its store server
-        with StoreServer(LocalStore(str(tmp_path / "peer"))) as server:
-            st = RemoteStore(server.address, server.token, "partner/node1")
-            yield st
-            st.close()
-        return
     durable_url = new_durable_url(request, request.param)
     st = open_store(durable_url, **({"part_bytes": 5 << 20} if durable_url.startswith("s3://") else {}))
     yield st

@@ -234,19 +234,19 @@ class ReadBatch:
             self.after.append(copy_box_out(dest, lo_first - first, hi_last - lo_first, dtype, sizes, item, target, planner))
         self.request_spans(key, loc.relative_path, loc.offset + span_lo, span_hi - span_lo, pointers, idx)
 
-    def run(self) -> None:
-        self._read()
+    def run(self, last: bool = True) -> None:
+        """Read, decompress, commit. ``last``: no batch of this load follows (the read-once
+        rounds of the other ranks are told)."""
+        self._read(last)
         run_parallel(self.decode, default_threads())
         for fn in self.after:
             fn()
 
-    def _read(self) -> None:
+    def _read(self, last: bool) -> None:
         """Carry out every read (in parallel, verified); the first failure is raised, naming the
-        file and the key."""
-        if not self.reads:
-            return
+        file and the key. A read-once load takes part in its round even with nothing to read."""
         try:
-            failures = self.reader.store.read_batch(self.reads, threads=self.reader.concurrency)
+            failures = self.reader.read_ranges(self.reads, last)
         except StoreError as exc:
             keys = sorted(set(self.keys))
             more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""

@@ -30,7 +30,11 @@ from dcp_datastates import _dcp_compat
 from dcp_datastates.core import stock_dcp
 from dcp_datastates.core.compression import transforms
 from dcp_datastates.core.compression.codec import frame_undoer
+from dcp_datastates.core import read_once
 from dcp_datastates.core.read_batch import ReadBatch
+from dcp_datastates.exchange.channel import DEFAULT_TIMEOUT_S, Channel, check_settings
+from dcp_datastates.exchange.plan import Access
+from dcp_datastates.exchange.reads import ReadSession
 from dcp_datastates.native import engine as _native
 from dcp_datastates.errors import (
     CheckpointNotFoundError,
@@ -43,7 +47,7 @@ from dcp_datastates.format.checkpoint_layout import CheckpointLayout, RankFiles,
 from dcp_datastates.format.rank_index import IndexLimits, RankIndex
 from dcp_datastates.format.checkpoint_files import read_rank_index
 from dcp_datastates.format.metadata_file import read_commit_stamp, read_metadata_file
-from dcp_datastates.storage import Store, open_store
+from dcp_datastates.storage import RangeRead, Store, open_store
 from dcp_datastates.storage.url import check_location, is_store_url, split_parent, url_scheme
 
 TEMP_BUDGET_BYTES = 512 << 20  # temporaries alive at once while reading non-direct items
@@ -69,6 +73,11 @@ class DataStatesReader(StorageReader):
         io_threads: int = _native.DEFAULT_READ_THREADS,
         window_bytes: int = _native.DEFAULT_WINDOW_BYTES,
         concurrency: int | None = None,
+        read_once: bool = True,
+        exchange_timeout_s: float = DEFAULT_TIMEOUT_S,
+        exchange_backend: str = "gloo",
+        exchange: Channel | None = None,
+        access: Access | None = None,
         _extension_registry: Any = None,
     ) -> None:
         super().__init__()
@@ -76,8 +85,13 @@ class DataStatesReader(StorageReader):
             check_location(path, type(self).__name__)
         if concurrency is not None and concurrency < 1:
             raise ValueError(f"concurrency must be positive, got {concurrency}")
+        check_settings(exchange_backend, exchange_timeout_s)
         self.path = os.fspath(path) if path is not None else None
         self.verify = verify
+        self.read_once = read_once
+        self._exchange_settings = (exchange_timeout_s, exchange_backend)
+        self._exchange, self._access = exchange, access  # a manager's channel, and who can read which file
+        self._session: ReadSession | None = None  # this load's read-once rounds (read_data)
         self.allow_pickle = allow_pickle
         self.concurrency = concurrency
         self._given_store = store
@@ -113,6 +127,7 @@ class DataStatesReader(StorageReader):
         # of the boxes the plan asked for; their ratio is the load's read amplification.
         self.bytes_read = 0
         self.bytes_needed = 0
+        self.bytes_received = 0  # a read-once load: bytes other ranks read for this one and sent it
 
     @property
     def layout(self) -> CheckpointLayout | None:
@@ -313,36 +328,82 @@ class DataStatesReader(StorageReader):
             self._take_storage_data(metadata)
         self._indexes = {}
         self._chunks = {}
-        self.bytes_read = self.bytes_needed = 0
+        self.bytes_read = self.bytes_needed = self.bytes_received = 0
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return read_once.tag_local_plan(plan, self.read_once)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        return read_once.tag_global_plans(plans)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         t0, read_bytes = time.perf_counter(), 0
-        with _native.gc_paused():
-            batch = ReadBatch(self)
-            for item in plan.items:
-                batch.add(item, planner)
-                if batch.temp_bytes >= TEMP_BUDGET_BYTES:
-                    batch.run()
-                    read_bytes += batch.read_bytes
-                    self.bytes_needed += batch.needed_bytes
-                    batch = ReadBatch(self)
-            batch.run()
-            read_bytes += batch.read_bytes
-            self.bytes_needed += batch.needed_bytes
+        self._session = session = read_once.session_for(plan, self._exchange, self._access, *self._exchange_settings)
+        try:
+            if session is not None and session.access is not None:
+                self._fetch_indexes(plan, session)
+            with _native.gc_paused():
+                batch = ReadBatch(self)
+                for item in plan.items:
+                    batch.add(item, planner)
+                    if batch.temp_bytes >= TEMP_BUDGET_BYTES:
+                        batch.run(last=False)
+                        read_bytes += batch.read_bytes
+                        self.bytes_needed += batch.needed_bytes
+                        batch = ReadBatch(self)
+                batch.run(last=True)
+                read_bytes += batch.read_bytes
+                self.bytes_needed += batch.needed_bytes
+            if session is not None:
+                session.finish(self.store, self.concurrency)
+                read_bytes = session.bytes_read
+                self.bytes_received += session.bytes_received
+        except BaseException:
+            if session is not None:
+                session.leave(self.store)  # the other ranks' rounds go on without this one's reads
+            raise
+        finally:
+            self._session = None
         self.bytes_read += read_bytes
         if _log.isEnabledFor(logging.INFO):
             seconds = time.perf_counter() - t0
-            _log.info("read %d bytes of %d item(s) from %s in %.3f s (%.2f GB/s)", read_bytes, len(plan.items),
-                      self.location, seconds, read_bytes / seconds / 1e9 if seconds > 0 else float("inf"))
+            got = f" (and {session.bytes_received} from other ranks, read once)" if session is not None else ""
+            _log.info("read %d bytes of %d item(s) from %s%s in %.3f s (%.2f GB/s)", read_bytes, len(plan.items),
+                      self.location, got, seconds, read_bytes / seconds / 1e9 if seconds > 0 else float("inf"))
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _fetch_indexes(self, plan: LoadPlan, session: ReadSession) -> None:
+        """A load whose ranks cannot all read every file (node-local roots): the rank indexes this
+        rank needs and cannot read come from ranks that can, in a round of their own, and are
+        kept by the store (``adopt``); each is checked as any index is when the reader decodes it."""
+        wanted: dict[str, bytearray] = {}
+        layout = self._layout
+        if layout is not None:
+            me = session.channel.rank
+            for item in plan.items:
+                loc = layout.location(item.storage_index)
+                files = layout.files_of(loc.relative_path) if loc is not None else None
+                key = self.key(files.index_path) if files is not None else None
+                if key is not None and key not in wanted and session.access(me, key) is None:
+                    size = self.store.size(key)
+                    if size is not None:
+                        wanted[key] = bytearray(size)
+        reads = [RangeRead(key, 0, len(buf), _native.bytearray_address(buf)) for key, buf in wanted.items() if buf]
+        failures = session.read(self.store, reads, last=False, threads=self.concurrency)
+        if failures:
+            f = failures[0]
+            raise CorruptCheckpointError(f"{f.path}: fetching the rank index from the rank that holds it: {f.message}")
+        for key, buf in wanted.items():
+            self.store.adopt(key, bytes(buf))
+
+    def read_ranges(self, reads: list, last: bool = True) -> list:
+        """Carry out a batch's reads (:meth:`Store.read_batch`'s answer): through this load's
+        read-once rounds when it has them, else from the store."""
+        if self._session is None:
+            return self.store.read_batch(reads, threads=self.concurrency) if reads else []
+        return self._session.read(self.store, reads, last=last, threads=self.concurrency)
 
     # -- helpers ----------------------------------------------------------------
 

@@ -30,7 +30,6 @@ import weakref
 from concurrent.futures import Future
 from typing import Any
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -57,14 +56,15 @@ from dcp_datastates.manager.cleanup import LOCK_FILE, delete_checkpoint_dir, loc
 from dcp_datastates.manager.collective import Raise, Ranks, classify, describe
 from dcp_datastates.manager.durable_tier import DRAINING, QUEUED, DrainStatus, DurableTier
 from dcp_datastates.manager.huggingface_init import load_from_huggingface
-from dcp_datastates.manager.nodes import DURABLE, OWN, PARTNER, PARTNER_DIR, NodeMap, plan_node_load, restore_names, routes_of, survey_node
+from dcp_datastates.manager.node_copies import missing_partner_copies
+from dcp_datastates.manager.node_level import NodeLevel
+from dcp_datastates.manager.nodes import NodeMap, plan_node_load
 from dcp_datastates.manager.options import CheckpointManagerOptions
+from dcp_datastates.manager.partner_tier import PartnerTier
 from dcp_datastates.manager.resume import plan_load
 from dcp_datastates.manager.retention import RetentionPolicy
 from dcp_datastates.manager.survey import list_checkpoints, survey_tier
 from dcp_datastates.storage import StoreError
-from dcp_datastates.storage.local import LocalStore
-from dcp_datastates.storage.routed import RoutedStore
 from dcp_datastates.storage.url import refuse_url
 from dcp_datastates.tiers.drain import DrainError
 
@@ -138,10 +138,9 @@ class CheckpointManager:
         self._rank = self._ranks.rank
         # Which ranks share a root: all of them, or (node_local) each node's; each root's leader keeps it.
         self._nodes = NodeMap.single(self._ranks.world, self._rank)
-        self._peers = None  # node_local: every node's root, served (manager.node_peers)
-        self._partner: DurableTier | None = None  # partner=True: copies of this node's files on the next node
+        self._node_level: NodeLevel | None = None  # node_local: the roots' nodes and the exchange between them
+        self._partner: PartnerTier | None = None  # partner=True: copies of this node's files on the next node
         self._undrained_run: set[int] = set()  # node_local with a durable tier: the run's steps to drain there
-        self._local_stores: dict[str, LocalStore] = {}  # node_local: this node's root and partner copies, for loads
         self._retention = RetentionPolicy(opts.keep_last, opts.keep_every)
         self._lock = threading.Lock()
         self._pending: list[_PendingSave] = []
@@ -178,12 +177,10 @@ class CheckpointManager:
 
         try:
             if opts.node_local:
-                from dcp_datastates.manager.node_peers import NodePeers  # the peer service, only for node-local roots
-
-                self._peers = NodePeers(self.root, self._ranks, opts.peer_host)
-                self._nodes = self._peers.nodes
-                found = self._ranks.on_leaders(lambda: (self._complete_node_commits(), start())[1],
-                                               "opening its checkpoint root", self._nodes)
+                self._node_level = NodeLevel(self.root, self._ranks, opts)
+                self._nodes = self._node_level.nodes
+                self._node_level.repair_commits()  # before the leaders' crash cleanup could take those steps
+                found = self._ranks.on_leaders(start, "opening its checkpoint root", self._nodes)
                 self.owner = all(f[0] for f in found)
                 newest = max(f[1] for f in found)
                 rollbacks = tuple(r for f in found for r in f[2])
@@ -371,7 +368,10 @@ class CheckpointManager:
         listing = self._ranks.on_rank0(
             lambda: list_checkpoints(self.root, self._tier, self._rollbacks, _warn_manager), "listing the checkpoints"
         )
-        if self._peers is not None:
+        if self._node_level is not None:
+            if full_verify:
+                raise ValueError("full_verify=True reads every byte on rank 0, which node-local roots do not allow: "
+                                 "verify each node's root with `dcp-datastates verify ROOT` there")
             plan, attempt, committed = self._plan_nodes(listing, state, step, full_verify)
         else:
             plan = plan_load(listing, step, self.root, self._tier.url if self._tier is not None else None)
@@ -451,12 +451,6 @@ class CheckpointManager:
             finally:
                 with self._root_lock:
                     self._root_released = True
-                if self._peers is not None and self._ranks.distributed:
-                    # Another node may still be copying into this node's root, or reading from it.
-                    try:
-                        dist.barrier(group=self._ranks.group)
-                    except Exception as exc:  # noqa: BLE001 - a node that died: stop serving anyway
-                        _warn_manager(f"closing {self.root}: the other nodes did not all reach close(): {exc}")
                 self._release()
 
     def __enter__(self) -> CheckpointManager:
@@ -505,14 +499,18 @@ class CheckpointManager:
         """
         if self.options.incremental:
             self._bases.committed(pending.step, pending.seq, full=pending.base is None)
+        missing = None  # why this node lacks the step's commit (node-local roots)
+        if self._node_level is not None:
+            try:
+                self._node_level.commit(pending.step)  # every rank: the commit goes to every node
+            except Exception as exc:  # noqa: BLE001 - no retention on a root that lacks the step's commit
+                missing = exc
         if self._nodes.is_leader:
             try:
-                if self._nodes.node != self._nodes.node_of(0):
-                    try:
-                        self._node_commit(pending)
-                    except Exception as exc:  # noqa: BLE001 - no retention on a root that lacks the step's commit
-                        _warn_manager(f"the checkpoint of step {pending.step} is committed, but not yet on this node: {exc}")
-                        raise _NodeCommitMissing from exc
+                if missing is not None:
+                    _warn_manager(f"the checkpoint of step {pending.step} is committed, but not on this node: {missing} "
+                                  "(the next start copies its commit)")
+                    raise _NodeCommitMissing from missing
                 with self._lock:
                     moved = pending.seq > self._pointed_seq
                     if moved:
@@ -668,7 +666,7 @@ class CheckpointManager:
         def survey_root():
             return survey_tier(self.root, self._tier, retention, self._bases.referred_steps, _warn_manager)
 
-        if self._peers is not None:  # each node's root, surveyed by its leader
+        if self._node_level is not None:  # each node's root, surveyed by its leader
             surveys = self._ranks.on_leaders(survey_root, f"surveying the durable tier {self._tier.url}", self._nodes)
             survey = surveys[self._nodes.node]
             self._undrained_run = set(surveys[self._nodes.node_of(0)].undrained)
@@ -692,15 +690,25 @@ class CheckpointManager:
             self._tier.mirror_pointer(survey.mirror)
         for s in survey.undrained:  # in commit order: an incremental step commits there after its bases
             try:
-                step_reader = DataStatesReader(self.path_of(s))
-                step_reader.load_metadata()
-                files = step_reader.require_layout().own_ranks
-                mine = next((f for f in files if f.rank == self._rank), None)
+                mine = self._drain_share(s)
             except Exception as exc:  # noqa: BLE001 - this step stays local-only; said once
                 _warn_manager(f"step {s} is committed locally but not on {self._tier.url}, and cannot be drained: {exc}")
                 continue
-            if mine is not None:
-                self._tier.enqueue(s, self.path_of(s), mine)
+            for files in mine:
+                self._tier.enqueue(s, self.path_of(s), files)
+
+    def _drain_share(self, step: int) -> list:
+        """The saved ranks' files of ``step`` this rank drains again: of the ranks whose files the
+        root holds (a node's, with node-local roots), every W-th (W: the ranks sharing the root),
+        whatever the number of ranks the step was saved with."""
+        reader = DataStatesReader(self.path_of(step))
+        reader.load_metadata()
+        files = reader.require_layout().own_ranks
+        members = self._nodes.members[self._nodes.node]
+        if self._node_level is not None:
+            here = set(os.listdir(self.path_of(step)))
+            files = [f for f in files if all(n in here for n in f.file_names())]
+        return [f for j, f in enumerate(files) if members[j % len(members)] == self._rank]
 
     def _saves_changed(self) -> None:
         """A save started or ended: the drain pauses while any save of this manager runs (its
@@ -807,8 +815,8 @@ class CheckpointManager:
         locally, so a manager that does not own the root may do it too), and later saves are
         numbered after its commit sequence (see :meth:`_fetch_durable`)."""
         allow_pickle = self.options.allow_pickle
-        reader = (self._tier.reader(step, allow_pickle) if durable
-                  else DataStatesReader(self.path_of(step), allow_pickle=allow_pickle))
+        reader = (self._tier.reader(step, allow_pickle, **self._read_options()) if durable
+                  else DataStatesReader(self.path_of(step), allow_pickle=allow_pickle, **self._read_options()))
         verdict = self._ranks.agree(self._check(reader, full_verify))
         verdict = self._try_load(state, reader) if verdict is None else verdict
         if verdict is None and durable:
@@ -818,11 +826,14 @@ class CheckpointManager:
 
     # -- node-local roots ----------------------------------------------------------
 
+    def _read_options(self) -> dict:
+        """How this manager's readers take part in read-once loads (:mod:`exchange.reads`)."""
+        return {"exchange_timeout_s": self.options.exchange_timeout_s, "exchange_backend": self.options.exchange_backend}
+
     def _plan_nodes(self, listing, state: dict, step: int | None, full_verify: bool):
         """A node-local load's plan (every leader's report of its root gathered, so that every
         rank tries the same steps: :func:`nodes.plan_node_load`), and how each is tried."""
-        reports = self._ranks.on_leaders(
-            lambda: survey_node(self._nodes.node, self.root, self.options.allow_pickle), "surveying its root", self._nodes)
+        reports = self._node_level.reports()
         held = sorted({s for r in reports for s in (*r.own, *r.partner)} & set(listing.durable))
         stamps = self._ranks.on_rank0(lambda: self._tier.commit_stamps(held) if held else {},
                                       f"reading which saves {self._tier.url} holds") if self._tier is not None else {}
@@ -847,146 +858,59 @@ class CheckpointManager:
         return plan, lambda s: self._load_from_nodes(state, s, nodes, reports, full_verify), committed
 
     def _load_from_nodes(self, state: dict, step: int, plan, reports, full_verify: bool):
-        """Load ``step`` from the nodes' roots: a node that lacks its own ranks' files copies them
-        back first (from its partner, another node or the durable tier), then every rank reads
-        each file where it is, its own node first. A verdict like ``_check``'s."""
+        """Load ``step`` from the nodes' roots: the nodes that lost their files of it get them back
+        first (from the partner copy, another node or the durable tier), then every rank reads
+        each file its node holds where it is and receives the rest from a rank of a node that
+        holds it (read once). A verdict like ``_check``'s."""
         if step not in plan.copies:  # no node holds it (every root lost): the durable copy, in place
             return self._load(state, step, full_verify, durable=True)
-        node = self._nodes.node
-        names = restore_names(plan, step, self._nodes.members[node], reports[node].own.get(step))
-        verdict = None
-        if names and self._nodes.is_leader:
-            try:
-                self._restore(step, names, plan)
-            except BaseException as exc:  # noqa: BLE001 - classified like a load's failure
-                verdict = classify(exc)
-                if not isinstance(verdict, Raise):
-                    verdict = (f"node {node} could not copy back its files: {verdict[0]}", False)
-        verdict = self._ranks.agree(verdict)  # also: every node's copy is back before any reads it
+        level = self._node_level
+        try:
+            why, restored, memory, received = level.restore(step, plan, reports, self._tier)
+            verdict = None if why is None else (why, False)
+        except BaseException as exc:  # noqa: BLE001 - classified like a load's failure
+            verdict, restored, memory, received = classify(exc), {}, None, []
+            if not isinstance(verdict, Raise):
+                verdict = (f"node {self._nodes.node} could not get its files back: {verdict[0]}", False)
+        verdict = self._ranks.agree(verdict)  # also: every node's files are back before any rank reads
         if verdict is not None:
             return verdict
-        sources = plan.sources(step, node)
-        if names:
-            sources.update({n: (node, OWN) for n in names})
-        store = RoutedStore(routes_of(sources, step, self._store_of), self.path_of(step))
-        reader = DataStatesReader(step_dir_name(step), store=store, allow_pickle=self.options.allow_pickle)
-        verdict = self._ranks.agree(self._check(reader, full_verify))
+        reader = level.reader(step, plan, reports, restored, memory, self._tier)
+        try:
+            reader.load_metadata()
+            mine = level.check_assignment(plan, step, reports, restored, reader.require_layout())
+        except BaseException as exc:  # noqa: BLE001 - classified, and agreed on below
+            verdict, mine = classify(exc), None
+        if mine is not None:
+            verdict = self._check(reader, False, mine)
+        verdict = self._ranks.agree(verdict)
         verdict = self._try_load(state, reader) if verdict is None else verdict
         if verdict is None:
             with self._lock:
                 self._seq = max(self._seq, reader.commit_sequence or 0)
-            if names and self._tier is not None and step in self._undrained_run:
-                self._drain_own_files(step)  # this node's part of a copy the durable tier still waits for
+            if received and self._tier is not None and step in self._undrained_run:
+                for files in received:  # the part of a copy the durable tier still waits for, now here
+                    self._tier.enqueue(step, self.path_of(step), files)
         return verdict
 
-    def _restore(self, step: int, names: list[str], plan) -> None:
-        """Leader: copy this node's files of ``step`` into its root (``.metadata`` last)."""
-        from dcp_datastates.tiers.drain import fetch_step
-
-        sources = plan.sources(step, self._nodes.node)
-        wanted = {n: sources[n] for n in names if n in sources}
-        if len(wanted) != len(names):
-            raise CheckpointError(f"step {step}: no node holds {sorted(set(names) - set(wanted))}")
-        path = self.path_of(step)
-        if os.path.isdir(path) and not is_committed(path):
-            delete_checkpoint_dir(path)  # what an interrupted save or restore left
-        t0 = time.perf_counter()
-        size = fetch_step(RoutedStore(routes_of(wanted, step, self._store_of), path), step_dir_name(step), path)
-        froms = sorted({"the durable tier" if src == DURABLE else f"node {src[0]}" + (" (partner copy)" if src[1] == PARTNER else "")
-                        for src in wanted.values()})
-        _log.info("node %d: copied back its %d files of step %d (%d bytes) from %s in %.3f s", self._nodes.node,
-                  len(names) - 1, step, size, ", ".join(froms), time.perf_counter() - t0)
-
-    def _store_of(self, source):
-        """The store holding a source's copy of a step (:data:`nodes.Source`)."""
-        if source == DURABLE:
-            return self._tier.store
-        node, kind = source
-        prefix = PARTNER_DIR if kind == PARTNER else ""
-        if node != self._nodes.node:
-            return self._peers.store(node, prefix)
-        if prefix not in self._local_stores:  # one each: a store starts its engine's threads on first read
-            self._local_stores[prefix] = LocalStore(os.path.join(self.root, prefix) if prefix else self.root)
-        return self._local_stores[prefix]
-
-    def _node_commit(self, pending: _PendingSave) -> None:
-        """Leader of a node without rank 0: the step is committed (on rank 0's node); copy its
-        ``.metadata`` next to this node's files, which makes them a checkpoint here too."""
-        try:
-            self._copy_commit(step_dir_name(pending.step), self._peers.store(self._nodes.node_of(0)))
-        except Exception as exc:
-            raise CheckpointError(f"copying the commit of step {pending.step} from rank 0's node into {pending.path}: {exc} "
-                                  "(the next start copies it)") from exc
-
-    def _copy_commit(self, step_dir: str, source) -> None:
-        """Write ``source``'s ``step_dir/.metadata`` into this node's root (renamed into place)."""
-        key = f"{step_dir}/{METADATA_FILE}"
-        self._store_of((self._nodes.node, OWN)).put_bytes(key, source.read(key))
-
-    def _complete_node_commits(self) -> None:
-        """Leader, at start, before the crash cleanup: a step directory of this node without
-        ``.metadata`` whose save committed (on another node: a crash came between the commit and
-        this node's copy of it) gets it now, rather than being removed as never committed."""
-        mine = set(self._nodes.members[self._nodes.node])
-        for step, name in sorted(step_dirs(self.root).items()):
-            path = os.path.join(self.root, name)
-            if is_committed(path) or is_link(self.root, name):
-                continue
-            here = {e.name for e in os.scandir(path) if e.is_file()}
-            for node in sorted(range(self._nodes.count), key=lambda n: n != self._nodes.node_of(0)):
-                if node == self._nodes.node:
-                    continue
-                store = self._peers.store(node)
-                key = f"{name}/{METADATA_FILE}"
-                try:
-                    if store.size(key) is None:
-                        continue
-                    reader = DataStatesReader(name, store=store, allow_pickle=self.options.allow_pickle)
-                    reader.load_metadata()
-                    layout = reader.require_layout()
-                except Exception:  # noqa: BLE001 - another node may tell; else the cleanup removes it
-                    continue
-                named = [n for r in layout.own_ranks if r.rank in mine for n in r.file_names()]
-                if named and set(named) <= here:
-                    self._copy_commit(name, store)
-                    _log.info("node %d: step %d was committed on node %d before this node copied its .metadata: copied now",
-                              self._nodes.node, step, node)
-                break
-
-    def _drain_own_files(self, step: int) -> None:
-        """Queue this rank's files of ``step`` (copied back into the root) for the durable tier."""
-        try:
-            reader = DataStatesReader(self.path_of(step))
-            reader.load_metadata()
-            mine = next((f for f in reader.require_layout().own_ranks if f.rank == self._rank), None)
-            if mine is not None:
-                self._tier.enqueue(step, self.path_of(step), mine)
-        except Exception as exc:  # noqa: BLE001 - said once; the step stays local-only
-            _warn_manager(f"step {step} is back in {self.path_of(step)} but cannot be drained to {self._tier.url}: {exc}")
-
     def _open_partner_tier(self) -> None:
-        """The partner level: after each local commit every rank copies its files into the next
-        node's root (``.partner/step_<N>/``), verified; the node's leader commits the copy there
-        once the node's ranks confirmed, and applies ``partner_keep_last`` to it."""
-        partner = self._nodes.partner(self._nodes.node)
-        if partner is None:
+        """The partner level (:mod:`manager.partner_tier`); at start, every copy a partner lacks
+        of the steps each node keeps is made again, in step order, on every rank alike."""
+        if self._nodes.partner(self._nodes.node) is None:
             _warn_manager(f"partner=True, but the run has one node: {self.root} has no partner to copy to")
             return
-        opts = self.options
-        self._partner = DurableTier(
-            self._peers.store(partner, PARTNER_DIR).url, rank=self._rank,
-            store=self._peers.store(partner, PARTNER_DIR), commits=self._nodes.is_leader,
-            commit_ranks=self._nodes.members[self._nodes.node], retention=RetentionPolicy(opts.partner_keep_last),
-            read_back=opts.durable_read_back, retry_s=opts.durable_retry_s, warn=_warn_manager,
-            on_durable=_weak_call(self, "_on_partner_copied"),
-        )
-        if self.owner:  # what interrupted copies left there (no copy runs yet: every rank is starting)
-            self._ranks.on_leaders(self._partner.clear_incomplete, f"clearing {self._partner.url}", self._nodes)
+        self._partner = PartnerTier(self._node_level, self._ranks, self.options, warn=_warn_manager,
+                                    on_copied=_weak_call(self, "_on_partner_copied"))
+        if self.owner and self._nodes.is_leader:
+            self._partner.clear_incomplete()  # what interrupted copies left here
+        reports = self._node_level.reports()
+        for step, senders in missing_partner_copies(reports, self._nodes, self.options.partner_keep_last):
+            self._partner.redo(step, self.path_of(step), senders)
 
-    def _check(self, reader: DataStatesReader, full_verify: bool) -> tuple[str, bool] | None:
+    def _check(self, reader: DataStatesReader, full_verify: bool, files=None) -> tuple[str, bool] | None:
         """Why the reader's checkpoint cannot be loaded (and whether its files are bad), found
-        without reading tensor data, or None. Each rank checks every W-th rank index; with
-        ``full_verify`` rank 0 reads every byte."""
+        without reading tensor data, or None. Each rank checks every W-th rank index (or the
+        ranks ``files`` names); with ``full_verify`` rank 0 reads every byte."""
         try:
             if full_verify and self._rank == 0:
                 from dcp_datastates.core.verify import verify
@@ -995,8 +919,10 @@ class CheckpointManager:
                 if not report.ok:
                     return "; ".join(report.problems[:3]) or "not committed", True
             reader.load_metadata()
-            for files in reader.require_layout().ranks[self._rank::self._ranks.world]:  # base ranks too (format 8)
-                reader.rank_index(files.data_path)
+            if files is None:
+                files = reader.require_layout().ranks[self._rank::self._ranks.world]  # base ranks too (format 8)
+            for f in files:
+                reader.rank_index(f.data_path)
         except BaseException as exc:  # noqa: BLE001 - classified; unknown errors travel to every rank
             return classify(exc)
         return None
@@ -1029,14 +955,12 @@ class CheckpointManager:
 
     def _release(self) -> None:
         """Give up the root's lock and this manager's hold on the fence (close, or garbage collection)."""
-        for store in getattr(self, "_local_stores", {}).values():
-            store.close()
+        level = getattr(self, "_node_level", None)
+        if level is not None:
+            level.close()
         fd, self._lock_fd = getattr(self, "_lock_fd", None), None
         if fd is not None:
             unlock_root(fd)
-        peers, self._peers = getattr(self, "_peers", None), None
-        if peers is not None:
-            peers.close()
         handle, self._fence_handle = getattr(self, "_fence_handle", None), None
         if handle is not None:
             handle.remove()

@@ -493,10 +493,11 @@ class DurableTier:
                 cleared.append(s)
         return cleared
 
-    def reader(self, step: int, allow_pickle: bool = False):
+    def reader(self, step: int, allow_pickle: bool = False, **options):
         """A reader that loads the durable copy of ``step`` in place (no local copy), through the
-        tier's store (a directory's reads are the engine's, an object store's ranged reads)."""
-        return DataStatesReader(step_dir_name(step), store=self.store, allow_pickle=allow_pickle)
+        tier's store (a directory's reads are the engine's, an object store's ranged reads);
+        ``options``: the reader's others (how it reads once)."""
+        return DataStatesReader(step_dir_name(step), store=self.store, allow_pickle=allow_pickle, **options)
 
     def fetch(self, step: int, local_dir: str) -> int:
         """Copy the committed durable copy of ``step`` into ``local_dir`` (``.metadata`` last),

@@ -1,21 +1,19 @@
-"""Node-local roots: which ranks share a node, what each node holds, where a step's files are read.
+"""Node-local roots: which ranks share a node, what each node holds, which step a load takes.
 
 With ``node_local=True`` a manager's root names storage on each node (a tmpfs,
 an NVMe drive) that the other nodes cannot see. Each node's *leader* (its
 lowest rank) keeps its root as rank 0 keeps a shared one (lock, crash
-cleanup, pointer, retention) and serves it to the other nodes
-(:mod:`storage.remote`). A save commits as always (rank 0 writes
-``.metadata`` on its node); every other leader then copies that ``.metadata``
-next to its ranks' files: the *node commit*. A node's step directory thus
-holds ``.metadata`` and its own ranks' files only.
+cleanup, pointer, retention). A save commits as always (rank 0 writes
+``.metadata`` on its node); every other leader then receives that ``.metadata``
+over the exchange and writes it next to its ranks' files: the *node commit*
+(:mod:`manager.node_level`). A node's step directory thus holds ``.metadata``
+and its own ranks' files only.
 
 A load gathers every leader's :class:`NodeReport` (its committed steps, the
 partner copies it holds for another node, which save each copy is) and plans
 from them alone (:func:`plan_node_load`), so every rank agrees on one step: the
-newest step every file of which some node (or the durable tier) holds. A node
-missing its own files of that step copies them back first (from its partner,
-another node or the durable tier: :func:`restore_sources`); the load then reads
-each file where it is, its own node first (:func:`read_sources`).
+newest step every file of which some node (or the durable tier) holds. Which
+files move where before and during that load is :mod:`manager.node_copies`.
 
 This module is pure apart from :func:`survey_node`, which reads one root.
 """
@@ -26,6 +24,7 @@ import dataclasses
 import os
 import socket
 
+from dcp_datastates.format.checkpoint_layout import RankFiles
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_envelope import CommitStamp
 from dcp_datastates.manager.checkpoint_root import resume_order, step_dir_name, step_dirs
@@ -90,15 +89,19 @@ class NodeMap:
 @dataclasses.dataclass
 class StepCopy:
     """A committed copy of a step on one node: which save it is, the files it holds
-    (``{name: size}``) and the files its layout names for each saved rank (``.metadata`` aside)."""
+    (``{name: size}``) and each saved rank's files as its layout names them (``.metadata`` aside)."""
 
     stamp: CommitStamp | None
     files: dict[str, int]
-    ranks: dict[int, tuple[str, ...]]
+    ranks: dict[int, RankFiles]
 
     @property
     def expected(self) -> tuple[str, ...]:
-        return tuple(n for names in self.ranks.values() for n in names)
+        return tuple(n for files in self.ranks.values() for n in files.file_names())
+
+    def whole_ranks(self) -> list[int]:
+        """The saved ranks every file of which this copy holds."""
+        return [r for r, files in self.ranks.items() if all(n in self.files for n in files.file_names())]
 
     @property
     def sequence(self) -> int:
@@ -139,7 +142,7 @@ def _add_copy(into: dict, unreadable: dict, step: int, path: str, allow_pickle: 
         reader = DataStatesReader(path, allow_pickle=allow_pickle)
         reader.load_metadata()
         layout = reader.require_layout()
-        ranks = {r.rank: tuple(r.file_names()) for r in layout.own_ranks}
+        ranks = {r.rank: r for r in layout.own_ranks}
         stamp = read_commit_stamp(os.path.join(path, METADATA_FILE))
         files = {e.name: e.stat().st_size for e in os.scandir(path) if e.is_file() and not e.name.startswith(".")}
         files[METADATA_FILE] = os.path.getsize(os.path.join(path, METADATA_FILE))
@@ -222,20 +225,3 @@ def plan_node_load(reports: list[NodeReport], durable: list[int], given_up: list
                 continue
         plan.candidates.append(s)
     return plan
-
-
-def restore_names(plan: NodePlan, step: int, members: tuple[int, ...], own: StepCopy | None) -> list[str]:
-    """The files of ``step`` a node whose ranks are ``members`` must copy back into its root
-    (none when its copy is committed and whole): its ranks' files, and ``.metadata`` last."""
-    copies = plan.copies.get(step)
-    if own is not None or not copies:
-        return []
-    names = [n for r, files in copies[0][1].ranks.items() if r in members for n in files]
-    return [*names, METADATA_FILE] if names else []
-
-
-def routes_of(sources: dict[str, Source], step: int, store_of) -> dict:
-    """``{"step_<N>/<name>": store}`` for a :class:`storage.routed.RoutedStore`; ``store_of(source)``
-    gives the store that holds a source's copies under ``step_<N>/...``."""
-    step_dir = step_dir_name(step)
-    return {f"{step_dir}/{name}": store_of(src) for name, src in sources.items()}

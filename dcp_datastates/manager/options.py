@@ -6,6 +6,7 @@ import dataclasses
 import os
 from typing import Any
 
+from dcp_datastates.exchange.channel import DEFAULT_TIMEOUT_S, check_settings
 from dcp_datastates.manager.durable_tier import RETRY_S
 from dcp_datastates.native import engine as _native
 
@@ -44,7 +45,8 @@ class CheckpointManagerOptions:
     node_local: bool = False
     partner: bool = False
     partner_keep_last: int = 2
-    peer_host: str | None = None
+    exchange_timeout_s: float = DEFAULT_TIMEOUT_S
+    exchange_backend: str = "gloo"
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and (not isinstance(self.keep_last, int) or self.keep_last < 1):
@@ -76,8 +78,7 @@ class CheckpointManagerOptions:
             )
         if not _is_count(self.partner_keep_last) or self.partner_keep_last < 1:
             raise ValueError(f"partner_keep_last must be a positive int, got {self.partner_keep_last!r}")
-        if self.peer_host is not None and (not isinstance(self.peer_host, str) or not self.peer_host):
-            raise ValueError(f"peer_host must be a host name or address, got {self.peer_host!r}")
+        check_settings(self.exchange_backend, self.exchange_timeout_s)
         if self.durable_close_timeout_s is not None and not _is_seconds(self.durable_close_timeout_s):
             raise ValueError(
                 f"durable_close_timeout_s must be seconds >= 0 or None, got {self.durable_close_timeout_s!r}"

@@ -102,35 +102,33 @@ class LocalStore(Store):
                 if attempt == _DIR_RACE_RETRIES - 1:
                     raise
 
-    def put_stream(self, key: str, blocks, size: int | None, progress: Progress | None = None,
-                   size_hint: int | None = None) -> None:
+    def open_staged(self, key: str) -> StagedFile:
+        """A file written in pieces as they come (a copy from another rank), visible under ``key``
+        only once :meth:`StagedFile.publish` renamed it into place (never over another file)."""
         path = self._path(key)
         tmp = self._tmp(path)
-        total = 0
         try:
             fsync_files.remove_if_present([tmp])
-            with self._in_dir(os.path.dirname(path), lambda: open(tmp, "xb", buffering=0)) as dst:
-                for data in blocks:
-                    view = memoryview(data)
-                    done = 0
-                    while done < len(view):
-                        done += dst.write(view[done:])
-                    total += len(view)
-                    if progress is not None:
-                        progress(len(view))
-                os.fsync(dst.fileno())
+            fd = self._in_dir(os.path.dirname(path),
+                              lambda: os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
         except OSError as exc:
-            fsync_files.remove_if_present([tmp])
-            if isinstance(exc, StoreError):
-                raise
             raise StoreError(f"writing {self.where(key)}: {exc.strerror or exc}") from exc
-        except BaseException:
-            fsync_files.remove_if_present([tmp])
-            raise
-        if size is not None and total != size:
-            fsync_files.remove_if_present([tmp])
-            raise StoreError(f"writing {self.where(key)}: {total} bytes came, {size} were announced")
-        self._publish(tmp, path, key)
+        return StagedFile(self, key, path, tmp, fd)
+
+    def put_stream(self, key: str, blocks, size: int | None, progress: Progress | None = None,
+                   size_hint: int | None = None) -> None:
+        staged = self.open_staged(key)
+        try:
+            for data in blocks:
+                view = memoryview(data)
+                staged.write(view)
+                if progress is not None:
+                    progress(len(view))
+            if size is not None and staged.size != size:
+                raise StoreError(f"writing {self.where(key)}: {staged.size} bytes came, {size} were announced")
+            staged.publish()
+        finally:
+            staged.abandon()  # nothing, once published
 
     def put_bytes(self, key: str, data: bytes) -> None:
         path = self._path(key)
@@ -299,6 +297,46 @@ class LocalStore(Store):
                     removed.append(os.path.join(dirpath, name))
         fsync_files.remove_if_present(removed)
         return removed
+
+
+class StagedFile:
+    """A file of a :class:`LocalStore` being written (``.<name>.part-<pid>``): appended to, then
+    fsynced and renamed into place by :meth:`publish`, or removed by :meth:`abandon`."""
+
+    def __init__(self, store: LocalStore, key: str, path: str, tmp: str, fd: int) -> None:
+        self.store, self.key, self.path, self.tmp, self._fd = store, key, path, tmp, fd
+        self.size = 0
+
+    def write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                done += os.pwrite(self._fd, view[done:], self.size + done)
+        except OSError as exc:
+            raise StoreError(f"writing {self.store.where(self.key)} at offset {self.size + done}: {exc.strerror or exc}") from exc
+        self.size += len(view)
+
+    def publish(self) -> None:
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            raise StoreError(f"writing {self.store.where(self.key)}: fsync: {exc.strerror or exc}") from exc
+        self._close()
+        self.store._publish(self.tmp, self.path, self.key)
+        self.tmp = None
+
+    def abandon(self) -> None:
+        """Remove what was written (nothing once published)."""
+        self._close()
+        if self.tmp is not None:
+            fsync_files.remove_if_present([self.tmp])
+            self.tmp = None
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def _engine_request(read: RangeRead, file_index: int, path: str):

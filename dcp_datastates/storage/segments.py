@@ -5,8 +5,27 @@ engine's own (which verifies the ranges it reads natively)."""
 from __future__ import annotations
 
 from dcp_datastates.errors import CorruptCheckpointError
-from dcp_datastates.format.rank_index import RankIndex
+from dcp_datastates.format.checkpoint_files import read_rank_index
+from dcp_datastates.format.checkpoint_layout import RankFiles
+from dcp_datastates.format.rank_index import IndexLimits, RankIndex, decode_index
 from dcp_datastates.native.engine import crc32c
+
+
+def rank_index_of(source, files: RankFiles, data_sizes: list[int] | None, where: str) -> RankIndex:
+    """The index of the rank whose files are ``files``, checked against its data files' sizes
+    (``data_sizes``, stripe by stripe; None: not known) and with its stripes applied, so that its segments check
+    each data file as it is streamed (:meth:`SegmentChecker.of_stripe`). ``source``: the index
+    file (a path, or an opened file of a store), or its bytes (received from another rank);
+    ``where`` names it."""
+    names = files.data_files()
+    limits = None if data_sizes is None else IndexLimits(
+        f"{where.rsplit('/', 1)[0]}/{names[-1]}", data_sizes[-1], 1 << 62, files.stripes[-1] if files.stripes else 0)
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        index = decode_index(bytes(source), where, limits)
+    else:
+        index = read_rank_index(source, limits)
+    index.apply_stripes(names, files.stripes, where)
+    return index
 
 
 class SegmentMismatch(CorruptCheckpointError):

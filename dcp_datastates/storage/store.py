@@ -339,7 +339,25 @@ def _plan_ranges(reads: list[RangeRead], limit: int, gap: int) -> tuple[list[_Ra
     return ranges, pieces
 
 
-def _checks_of(store: Store, read: RangeRead) -> list:
+def verify_in_place(store: Store, read: RangeRead, checks: list, request: int, note: str = ""):
+    """The bytes of ``read``, in its memory, against ``checks`` (:func:`checks_of`): None, or the
+    engine's ``ReadFailure`` record (``request`` its number) for the first segment that does not
+    match, ``note`` added to its message (where the bytes came from)."""
+    if not checks:
+        return None
+    # at offsets in the object, as the engine reports them
+    offsets, lengths, crcs = zip(*((read.offset + rel, n, c) for rel, n, c in checks))
+    checker = SegmentChecker(offsets, lengths, crcs, store.where(read.key), "the object is corrupt")
+    try:
+        checker.feed(memory_at(read.address, read.nbytes), read.offset)
+        checker.finish(read.offset + read.nbytes)  # every check lay inside the read
+    except SegmentMismatch as exc:
+        return _native.ReadFailure(request=request, kind="checksum", errno=errno.EIO, path=store.where(read.key),
+                                   offset=exc.offset, message=exc.detail + note)
+    return None
+
+
+def checks_of(store: Store, read: RangeRead) -> list:
     """``(offset in the read, nbytes, crc32c)`` of the segments ``read`` is verified against."""
     if read.checks is not None:
         return read.checks
@@ -350,27 +368,16 @@ def _checks_of(store: Store, read: RangeRead) -> list:
 
 
 def _ranged_batch(store: Store, reads: list[RangeRead], concurrency: int) -> list:
-    checks = [_checks_of(store, r) for r in reads]  # a range its segments do not tile fails here, unread
+    checks = [checks_of(store, r) for r in reads]  # a range its segments do not tile fails here, unread
     ranges, pieces = _plan_ranges(reads, store.range_bytes, store.merge_gap_bytes)
     failures: list = []
     lock = threading.Lock()
 
     def verify(i: int) -> None:
-        read = reads[i]
-        if not checks[i]:
-            return
-        # at offsets in the object, as the engine reports them
-        offsets, lengths, crcs = zip(*((read.offset + rel, n, c) for rel, n, c in checks[i]))
-        checker = SegmentChecker(offsets, lengths, crcs, store.where(read.key), "the object is corrupt")
-        try:
-            checker.feed(memory_at(read.address, read.nbytes), read.offset)
-            checker.finish(read.offset + read.nbytes)  # every check lay inside the read
-        except SegmentMismatch as exc:
+        failure = verify_in_place(store, reads[i], checks[i], i)
+        if failure is not None:
             with lock:
-                failures.append(_native.ReadFailure(
-                    request=i, kind="checksum", errno=errno.EIO, path=store.where(read.key), offset=exc.offset,
-                    message=exc.detail,
-                ))
+                failures.append(failure)
 
     def fill(rng: _Range) -> None:
         try:

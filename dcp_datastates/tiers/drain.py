@@ -36,13 +36,11 @@ from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from dcp_datastates.errors import CheckpointError
-from dcp_datastates.format.checkpoint_files import read_rank_index
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout, RankFiles
 from dcp_datastates.format.file_names import METADATA_FILE, step_of, steps_named
 from dcp_datastates.format.metadata_envelope import TRAILER_BYTES, CommitStamp, read_commit_stamp, stamp_in_tail
-from dcp_datastates.format.rank_index import IndexLimits
 from dcp_datastates.native.engine import crc32c
-from dcp_datastates.storage.segments import SegmentChecker
+from dcp_datastates.storage.segments import SegmentChecker, rank_index_of
 from dcp_datastates.storage.store import Store, StoreError, run_all
 
 BLOCK_BYTES = 8 << 20  # bytes a fetch or verify reads from the store at a time
@@ -158,9 +156,7 @@ def drain_rank(
     index_path = os.path.join(local_dir, files.index_file)
     try:
         sizes = [os.path.getsize(os.path.join(local_dir, n)) for n in names]
-        limits = IndexLimits(os.path.join(local_dir, names[-1]), sizes[-1], 1 << 62, files.stripes[-1] if files.stripes else 0)
-        index = read_rank_index(index_path, limits)
-        index.apply_stripes(names, files.stripes, index_path)
+        index = rank_index_of(index_path, files, sizes, index_path)
     except FileNotFoundError as exc:
         raise DrainError(f"{local_dir}: rank {files.rank}'s file {exc.filename} is missing; the step is not drained") from exc
     except OSError as exc:

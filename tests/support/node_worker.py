@@ -73,7 +73,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     options = dcp_datastates.CheckpointManagerOptions(
-        node_local=True, incremental=False, peer_host="127.0.0.1", **settings)
+        node_local=True, incremental=False, **settings)
     mgr = dcp_datastates.CheckpointManager(os.environ["NODE_ROOT"], options)
     node = int(os.environ["GROUP_RANK"])
     if phase == "resume":

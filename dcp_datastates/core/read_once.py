@@ -1,0 +1,96 @@
+"""Which loads read once, decided in DCP's planning so that every rank agrees.
+
+Each rank's local plan says who it is (its global rank) and that its reader reads once; the
+coordinator, which sees every plan, tells every rank the load's ranks and whether any saved
+chunk is wanted by more than one of them (replicated state, HSDP replicas, neighbouring
+shards of one resharded chunk). Only then does the load's reading go through the exchange
+(:mod:`exchange.reads`): when every rank asked for it, more than one rank loads, and either
+some bytes are shared or some rank cannot read some file itself (node-local roots). A planner
+that drops the plans' storage data turns it off for every rank alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import LoadPlan
+
+from dcp_datastates.exchange.channel import Channel
+from dcp_datastates.exchange.reads import ReadSession
+
+
+@dataclasses.dataclass(frozen=True)
+class RankTag:
+    """A rank's local plan: its global rank (its reader reads once)."""
+
+    global_rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadExchange:
+    """The global plan of a read-once load: its ranks (global, in the load group's order) and
+    whether some saved chunk is read by more than one of them."""
+
+    members: tuple[int, ...]
+    shared: bool
+
+
+def tag_local_plan(plan: LoadPlan, read_once: bool) -> LoadPlan:
+    if not read_once or not (dist.is_available() and dist.is_initialized()):
+        return plan
+    return dataclasses.replace(plan, storage_data=RankTag(dist.get_rank()))
+
+
+def tag_global_plans(plans: list[LoadPlan]) -> list[LoadPlan]:
+    """The coordinator: every plan told the load's ranks and whether bytes are shared (no plan
+    told anything unless every rank asked to read once)."""
+    if len(plans) < 2 or not all(isinstance(p.storage_data, RankTag) for p in plans):
+        return [dataclasses.replace(p, storage_data=None) for p in plans]
+    info = LoadExchange(tuple(p.storage_data.global_rank for p in plans), _shared(plans))
+    return [dataclasses.replace(p, storage_data=info) for p in plans]
+
+
+def _shared(plans: list[LoadPlan]) -> bool:
+    """Whether some saved chunk (or object) is read by more than one plan."""
+    first: dict = {}
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            index = item.storage_index
+            key = (index.fqn, tuple(index.offset) if index.offset is not None else None)
+            if first.setdefault(key, rank) != rank:
+                return True
+    return False
+
+
+def session_for(plan: LoadPlan, channel: Channel | None, access, timeout_s: float, backend: str) -> ReadSession | None:
+    """The read-once session of this rank's load, or None (each rank reads what it needs).
+    ``channel``: the exchange a manager gave its reader (its ranks must be the load's); without
+    one, the job's own (made on first use: every rank of the job must be loading then)."""
+    info = plan.storage_data
+    if not isinstance(info, LoadExchange) or len(info.members) < 2 or not (info.shared or access is not None):
+        return None
+    if channel is None:
+        if list(info.members) != list(range(dist.get_world_size())):
+            return None  # a load on part of the job: its group of its own is not known here
+        channel = world_channel(timeout_s, backend)
+    if sorted(channel.ranks) != sorted(info.members):
+        return None
+    return ReadSession(channel, access)
+
+
+_world: dict = {}
+_world_lock = threading.Lock()
+
+
+def world_channel(timeout_s: float, backend: str) -> Channel:
+    """The exchange over every rank of the job for readers no manager gave one: made once per
+    process group and setting (a collective: every rank reaches it in its first such load)."""
+    key = (id(dist.group.WORLD), float(timeout_s), backend)
+    with _world_lock:
+        channel = _world.get(key)
+        if channel is None:
+            _world.clear()  # channels of a process group destroyed since
+            channel = _world[key] = Channel.create(backend=backend, timeout_s=timeout_s, desc="read-once loads")
+        return channel
