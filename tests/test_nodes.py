@@ -101,15 +101,23 @@ def node_roots(tmp_path):
 
 
 def run_nodes(roots: list[str], phase: str, steps: str, settings: dict | None = None, nproc: int = 1,
-              expect_killed: bool = False, env: dict | None = None) -> list[str]:
+              expect_killed: bool = False, env: dict | None = None, grace_s: float = 1.0) -> list[str]:
     """The worker's ``phase`` on every node (tests/support/node_launch.py); every node must exit 0
-    unless ``expect_killed`` (a node kills itself: then every rank is stopped)."""
+    unless ``expect_killed`` (a node kills itself: then every rank is stopped). No rank's Python
+    code may bind, listen on or connect a socket (the worker's audit hook says each): the bytes
+    between nodes go over torch.distributed."""
     _wall, codes, outs = launch_nodes(roots, nproc, [WORKER, phase, steps, json.dumps(settings or {})], env=env,
-                                      until_killed=expect_killed)
+                                      until_killed=expect_killed, grace_s=grace_s)
     if not expect_killed:
         for i, (code, out) in enumerate(zip(codes, outs)):
             assert code == 0, f"node {i} exited {code}:\n{out[-4000:]}"
+    sockets = [line for out in outs for line in out.splitlines() if line.startswith("SOCKET ")]
+    assert not sockets, sockets
     return outs
+
+
+def logged(outs: list[str], text: str) -> list[str]:
+    return [line for out in outs for line in out.splitlines() if line.startswith("LOG ") and text in line]
 
 
 def resumed(outs: list[str]) -> set:
@@ -136,6 +144,48 @@ def test_a_wiped_node_resumes_from_its_partner(node_roots, nproc=2):
     outs = run_nodes(node_roots, "resume", "40", settings, nproc=nproc)
     assert resumed(outs) == {"30"}
     assert steps_in(node_roots[1]) == ["step_00000030", "step_00000040"]  # copied back, then saved on
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.subprocess
+@pytest.mark.parametrize("before, after", [(1, 2), (2, 1)])
+def test_a_wiped_node_gets_its_files_back_whatever_the_ranks_per_node_of_the_relaunch(node_roots, before, after):
+    settings = {"partner": True, "keep_last": 2, "partner_keep_last": 2, "exchange_timeout_s": 60}
+    run_nodes(node_roots, "save", "2,4,6", settings, nproc=before)
+    wipe(node_roots[1])
+    outs = run_nodes(node_roots, "resume", "8", settings, nproc=after)
+    assert resumed(outs) == {"6"}
+    # node 1's own files of step 6 came back from node 0's partner copy, committed, and it saved on
+    assert steps_in(node_roots[1]) == ["step_00000006", "step_00000008"]
+    saved = {n.split("-")[0] for n in os.listdir(os.path.join(node_roots[0], ".partner", "step_00000008"))} - {METADATA_FILE}
+    back = {n.split("-")[0] for n in os.listdir(os.path.join(node_roots[1], "step_00000006"))} - {METADATA_FILE}
+    assert back == {f"rank{r:05d}" for r in range(before, 2 * before)}, back  # its saved ranks' files
+    assert saved == {f"rank{r:05d}" for r in range(after, 2 * after)}, saved
+    said = logged(outs, "node 1: copied back its")
+    assert len(said) == 1 and "step 6" in said[0] and "from node 0 (partner copy)" in said[0], said
+    # retention removes step 6's partner copy later: node 1's own copy stays as long as its retention keeps it
+    run_nodes(node_roots, "resume", "10,12", settings, nproc=after)
+    assert steps_in(node_roots[1]) == ["step_00000010", "step_00000012"]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.subprocess
+def test_a_node_killed_during_a_partner_copy_leaves_nothing_half_and_the_copy_is_made_at_restart(node_roots):
+    settings = {"partner": True, "keep_last": 3, "partner_keep_last": 3, "exchange_timeout_s": 5}
+    run_nodes(node_roots, "save", "10", settings)
+    outs = run_nodes(node_roots, "save-kill-copy", "20", settings, expect_killed=True, grace_s=10)
+    node0 = outs[0]
+    assert "TRAINED ON rank 0" in node0, node0[-3000:]
+    failed = [line for line in node0.splitlines() if line.startswith("COPY ")]
+    assert failed and failed[0].startswith("COPY FAILED DrainError") and "step 20" in failed[0], node0[-3000:]
+    # nothing of the interrupted copy is committed on node 0 (node 1's files of step 20)
+    assert not os.path.exists(os.path.join(node_roots[0], ".partner", "step_00000020", METADATA_FILE))
+    outs = run_nodes(node_roots, "resume", "", settings)
+    assert resumed(outs) == {"20"}
+    for root in node_roots:  # the restart made the copies the partners lacked
+        assert steps_in(os.path.join(root, ".partner")) == ["step_00000010", "step_00000020"]
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ import torch
 
 from dcp_datastates.exchange.channel import Channel
 from dcp_datastates.exchange.plan import Op, ops_of, pack
-from dcp_datastates.exchange.transfer import Endpoint, run_ops
+from dcp_datastates.exchange.transfer import BufferPool, Endpoint, run_ops
 from dcp_datastates.format.checkpoint_layout import RankFiles
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_envelope import split_metadata
@@ -77,7 +77,7 @@ def copy_files(channel: Channel, copies: Sequence[FileCopy], *, source: Where, d
     Returns every copy's outcome, the same on every rank. A failure of the group itself is an
     :class:`ExchangeError` (nothing half-received is published)."""
     copies = list(copies)
-    state = _Copies(channel.rank, copies, source, dest, pace)
+    state = _Copies(channel.rank, copies, source, dest, pace, BufferPool(channel.chunk_bytes))
     for phase in (INDEX, DATA):  # indexes first: they check the data files that follow
         chosen = [i for i, c in enumerate(copies) if (c.kind == DATA) == (phase == DATA)]
         chosen.sort(key=lambda i: (copies[i].kind, copies[i].hold, i))
@@ -115,8 +115,9 @@ def copy_files(channel: Channel, copies: Sequence[FileCopy], *, source: Where, d
 class _Copies(Endpoint):
     """This rank's ends of the copies: files read and checked, files written and checked."""
 
-    def __init__(self, rank: int, copies: list[FileCopy], source: Where, dest: Where, pace) -> None:
+    def __init__(self, rank: int, copies: list[FileCopy], source: Where, dest: Where, pace, pool: BufferPool) -> None:
         self.rank, self.copies, self.source, self.dest, self.pace = rank, copies, source, dest, pace
+        self.pool = pool
         self.failed: dict[tuple[int, str], str] = {}
         self.crcs: dict[int, dict[str, int | None]] = {}
         self.done_side: dict[tuple[int, str], int] = {}  # (copy, side) -> CRC of a finished end
@@ -197,7 +198,7 @@ class _Copies(Endpoint):
     def send_bytes(self, op: Op) -> torch.Tensor:
         if self.pace is not None:
             self.pace()
-        buf = torch.empty(op.message.nbytes, dtype=torch.uint8)
+        buf = self.pool.take(op, op.message.nbytes)
         view = memoryview(buf.numpy())
         pos = 0
         for seg in op.message.segments:
@@ -218,7 +219,7 @@ class _Copies(Endpoint):
         return buf
 
     def recv_bytes(self, op: Op) -> torch.Tensor:
-        return torch.empty(op.message.nbytes, dtype=torch.uint8)
+        return self.pool.take(op, op.message.nbytes)
 
     def received(self, op: Op, data: torch.Tensor) -> None:
         view = memoryview(data.numpy())
@@ -226,6 +227,10 @@ class _Copies(Endpoint):
         for seg in op.message.segments:
             self._feed(seg.piece, "dst", seg.at, view[pos:pos + seg.nbytes])
             pos += seg.nbytes
+        self.pool.give(op)
+
+    def sent(self, op: Op) -> None:
+        self.pool.give(op)
 
     def copy_here(self, i: int, block: int) -> None:
         """A copy whose source is a store of this rank (the durable tier): the same checks."""
@@ -297,7 +302,8 @@ class _Checked:
         if index is not None:
             stripe = copy.files.data_files().index(copy.name)
             self.checker = SegmentChecker.of_stripe(index, stripe, self.where, "the copy is refused")
-        self.keep = bytearray() if copy.kind != DATA else None  # small files, checked once whole
+        # the small files checked once whole: an index, a .metadata, a file held in memory
+        self.keep = bytearray() if copy.kind == INDEX or copy.hold or copy.name.rsplit("/", 1)[-1] == METADATA_FILE else None
         self.staged = store.open_staged(key) if staged else None
 
     def read(self, at: int, out: memoryview) -> None:

@@ -29,7 +29,7 @@ import torch
 
 from dcp_datastates.exchange.channel import Channel
 from dcp_datastates.exchange.plan import Access, Op, ReadPlan, ops_of, plan_reads
-from dcp_datastates.exchange.transfer import Endpoint, run_ops
+from dcp_datastates.exchange.transfer import BufferPool, Endpoint, run_ops
 from dcp_datastates.native import engine as _native
 from dcp_datastates.storage.store import (
     RangeRead,
@@ -153,7 +153,8 @@ class _Round(Endpoint):
             dests.sort(key=lambda d: not self.whole[d[0]])
         self.received_from: dict[int, int] = {}  # piece -> the rank it came from
         self.source_failed: dict[int, tuple] = {}  # piece -> (kind, message, transient or None) of its reader
-        self.staged: dict[int, torch.Tensor] = {}  # message -> its bytes received here, kept to forward
+        self.staged: dict[int, Op] = {}  # message -> the receive whose buffer holds it here, kept to forward
+        self.pool = BufferPool(channel.chunk_bytes)
         self.forwards = {op.message.index for op in ops_of(plan.messages, self.me) if op.send and op.hop > 0}
 
     # -- the round ---------------------------------------------------------------------
@@ -246,12 +247,12 @@ class _Round(Endpoint):
     def send_bytes(self, op: Op) -> torch.Tensor:
         m = op.message
         if op.hop > 0 and m.index in self.staged:
-            return self.staged[m.index]
+            return self.pool.held(self.staged[m.index], m.nbytes)
         if len(m.segments) == 1 and m.segments[0].piece in self.dests:
             seg = m.segments[0]
             i, at = self.dests[seg.piece][0]
             return self._tensor(self._view(i, at, seg.piece, seg.at, seg.nbytes))
-        buf = torch.empty(m.nbytes, dtype=torch.uint8)
+        buf = self.pool.take(op, m.nbytes)
         view = memoryview(buf.numpy())
         pos = 0
         for seg in m.segments:
@@ -286,7 +287,7 @@ class _Round(Endpoint):
             seg = m.segments[0]
             i, at = self.dests[seg.piece][0]
             return self._tensor(self._view(i, at, seg.piece, seg.at, seg.nbytes))
-        return torch.empty(m.nbytes, dtype=torch.uint8)
+        return self.pool.take(op, m.nbytes)
 
     def received(self, op: Op, data: torch.Tensor) -> None:
         m = op.message
@@ -301,8 +302,13 @@ class _Round(Endpoint):
                 self._view(i, at, seg.piece, seg.at, seg.nbytes)[:] = view[pos:pos + seg.nbytes]
             pos += seg.nbytes
         if not direct and m.index in self.forwards:
-            self.staged[m.index] = data
+            self.staged[m.index] = op  # its buffer goes back once forwarded
+        else:
+            self.pool.give(op)
 
     def sent(self, op: Op) -> None:
+        self.pool.give(op)
         if op.hop > 0:
-            self.staged.pop(op.message.index, None)
+            held = self.staged.pop(op.message.index, None)
+            if held is not None:
+                self.pool.give(held)

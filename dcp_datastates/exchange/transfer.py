@@ -44,6 +44,30 @@ class Endpoint:
         """The message left; its bytes may be reused."""
 
 
+class BufferPool:
+    """Message buffers used again and again: a fresh buffer of a message's size would cost its
+    page faults at every message (more than the transfer itself on the loopback)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._free: list[torch.Tensor] = []
+        self._out: dict[int, torch.Tensor] = {}  # what each op holds, by op
+
+    def take(self, op: Op, n: int) -> torch.Tensor:
+        buf = self._free.pop() if self._free else torch.empty(self.nbytes, dtype=torch.uint8)
+        self._out[id(op)] = buf
+        return buf[:n]
+
+    def held(self, op: Op, n: int) -> torch.Tensor:
+        """The buffer ``op`` took (still held)."""
+        return self._out[id(op)][:n]
+
+    def give(self, op: Op) -> None:
+        buf = self._out.pop(id(op), None)
+        if buf is not None:
+            self._free.append(buf)
+
+
 def run_ops(channel: Channel, ops: list[Op], endpoint: Endpoint) -> None:
     """Carry out ``ops`` on ``channel`` (module docstring); a failure of the group (a peer
     gone, the timeout) is an :class:`ExchangeError` naming the peer, and breaks the channel."""

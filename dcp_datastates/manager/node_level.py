@@ -229,7 +229,7 @@ class NodeLevel:
         mine = [c for c in restore.copies if self.nodes.node_of(c.dst) == node and c.name != METADATA_FILE]
         froms = sorted({"the durable tier" if c.tag == DURABLE_TAG else
                         f"node {self.nodes.node_of(c.src)}" + (" (partner copy)" if c.tag == PARTNER else "")
-                        for c in restore.copies if self.nodes.node_of(c.dst) == node})
+                        for c in mine})
         size = sum(max(c.size, 0) for c in mine)
         _log.info("node %d: copied back its %d files of step %d (%d bytes%s) from %s in %.3f s", node, len(mine), step,
                   size, ", and those read from the durable tier" if any(c.size < 0 for c in mine) else "",

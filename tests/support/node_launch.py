@@ -34,11 +34,12 @@ def say_killing(rank: int) -> None:
         f.write(f"{KILLED} rank {rank}\n")
 
 
-def launch_nodes(roots: list[str], nproc: int, argv: list[str], *, env: dict | None = None, timeout: float = 180,
-                 until_killed: bool = False) -> tuple[float, list[int], list[str]]:
-    """Run ``python ARGV`` on ``nproc`` ranks per node, one node per root; return the wall time,
-    each launcher's exit status and output. ``until_killed``: a rank kills its node
-    (:func:`say_killing`); a moment later every other rank is killed too."""
+def launch_nodes(roots: list[str], nproc: int | list[int], argv: list[str], *, env: dict | None = None,
+                 timeout: float = 180, until_killed: bool = False,
+                 grace_s: float = 1.0) -> tuple[float, list[int], list[str]]:
+    """Run ``python ARGV`` on ``nproc`` ranks per node (or ``nproc[i]`` on node ``i``), one node
+    per root; return the wall time, each launcher's exit status and output. ``until_killed``: a
+    rank kills its node (:func:`say_killing`); ``grace_s`` later every other rank is killed too."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -48,7 +49,7 @@ def launch_nodes(roots: list[str], nproc: int, argv: list[str], *, env: dict | N
     try:
         for i, root in enumerate(roots):
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(roots)}", f"--node-rank={i}",
-                   f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}", *argv]
+                   f"--nproc-per-node={nproc[i] if isinstance(nproc, list) else nproc}", "--master-addr=127.0.0.1", f"--master-port={port}", *argv]
             e = dict(os.environ, NODE_ROOT=root, NNODES=str(len(roots)), NODE_PIDS=pids, OMP_NUM_THREADS="1",
                      **(env or {}))
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
@@ -57,7 +58,7 @@ def launch_nodes(roots: list[str], nproc: int, argv: list[str], *, env: dict | N
             deadline = time.monotonic() + timeout
             while not any(line.startswith(KILLED) for line in _events(pids)) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            time.sleep(1.0)  # the other nodes go on a moment (their copies to the dead node fail)
+            time.sleep(grace_s)  # the other nodes go on a while (their copies to the dead node fail)
             _kill_ranks(pids)
             outs = [p.communicate(timeout=60)[0] for p in procs]
         else:

@@ -7,6 +7,8 @@ launcher on 127.0.0.1 with its own local root (``$NODE_ROOT``, a tmpfs the test 
   manager, wait for every copy (partner, durable), close;
 * ``save-kill``: the same, but the ranks of the last node kill themselves (SIGKILL) right after
   the last save returned, its copies still running; ``save-kill-mid``: while the last save runs;
+* ``save-kill-copy``: the same, the last node's ranks dying while the last step's partner
+  copies run; the other ranks go on training a little and say whether the copy failed;
 * ``resume``: resume into a zeroed state, check it bit for bit against the state of the step it
   reports (``RESUMED <step>``), save ``STEPS`` after it, close.
 
@@ -18,10 +20,12 @@ and a Python object.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
 import threading
+import time
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -66,9 +70,43 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def watch_sockets() -> None:
+    """Say every socket this process's Python code binds, listens on or connects (the package
+    opens none: bytes between nodes go over torch.distributed, whose C++ sockets are not Python's)."""
+
+    def hook(event, args):
+        if event in ("socket.bind", "socket.connect", "socket.listen"):
+            print(f"SOCKET {event} {args[1:]!r}", flush=True)
+
+    sys.addaudithook(hook)
+
+
+def go_on_training(mgr) -> None:
+    """The last node's ranks die while this step's partner copies run; the others train on
+    (local steps: a real job's collectives would fail with them), learn that the copy failed,
+    and wait for the launcher to stop them."""
+    last = int(os.environ["NNODES"]) - 1
+    if int(os.environ["GROUP_RANK"]) == last:
+        time.sleep(0.05)
+        die()
+    a = torch.randn(256, 256)
+    for _ in range(20):
+        a = torch.tanh(a @ a / 256)
+    print(f"TRAINED ON rank {dist.get_rank()}", flush=True)
+    try:
+        mgr.wait_durable()
+        print("COPY DONE", flush=True)
+    except Exception as exc:  # noqa: BLE001 - what the test checks
+        print(f"COPY FAILED {type(exc).__name__}: {exc}", flush=True)
+    time.sleep(600)  # the job is gone with its node: the scheduler (the launcher) stops this rank
+
+
 def main() -> None:
     phase, steps = sys.argv[1], [int(s) for s in sys.argv[2].split(",") if s]
     settings = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    watch_sockets()
+    logging.basicConfig(stream=sys.stdout, format="LOG %(name)s %(message)s")
+    logging.getLogger("dcp_datastates").setLevel(logging.INFO)
     register_rank()
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -90,6 +128,9 @@ def main() -> None:
         mgr.save(s, local_state(s, mesh)).result()
         if dying and last:
             die()
+        if phase == "save-kill-copy" and last:
+            go_on_training(mgr)
+            return
         mgr.wait_durable()
     mgr.close()
     print(f"DONE node {node} rank {dist.get_rank()}", flush=True)
