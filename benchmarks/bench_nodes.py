@@ -7,7 +7,7 @@ one rank.
 
 1. resume: save one step (synchronous, full), wait for every copy, close; then relaunch and
    time ``mgr.load`` with (c) nothing lost, (a) the last node's root wiped and its files
-   coming back from the previous node's partner copy over the peer transport, (b) the same
+   coming back from the previous node's partner copy over the exchange (torch.distributed), (b) the same
    without partner copies, its files coming back from the durable tier (a SeaweedFS server
    on the loopback: far faster than a remote object store, so (b) is a lower bound).
 2. loop: a fixed CPU compute per step (one thread) with an asynchronous save every few steps,
@@ -75,6 +75,22 @@ def _check(state: dict, mib: int, mesh, step: int) -> None:
     assert state["extra"] == want["extra"], state["extra"]
 
 
+def _count_object_store_reads() -> list:
+    """Count the bytes this process reads from the durable tier (every ranged read of an object
+    store goes through ``S3Store.read_range``): a box, filled as it reads."""
+    from dcp_datastates.storage.s3 import S3Store
+
+    box = [0]
+    read = S3Store.read_range
+
+    def counted(self, key, offset, length):
+        box[0] += length
+        return read(self, key, offset, length)
+
+    S3Store.read_range = counted
+    return box
+
+
 def _emit(**fields) -> None:
     print("BENCH " + json.dumps(fields), flush=True)
 
@@ -107,17 +123,17 @@ def worker(argv: list[str]) -> None:
         t1 = time.perf_counter()
         mgr.wait_durable()
         t2 = time.perf_counter()
-        dist.barrier()  # the partner copies into this node's root need its peer server until all are done
         _emit(rank=rank, node=node, save_s=t1 - t0, copies_s=t2 - t1)
     elif phase == "resume":
         state = _state(mib, mesh, 0, zero=True)
+        fetched = _count_object_store_reads()
         dist.barrier()
         t0 = time.perf_counter()
         got = mgr.load(state)
         dt = time.perf_counter() - t0
         assert got == 10, f"resumed {got}, expected 10"
         _check(state, mib, mesh, got)
-        out = dict(rank=rank, node=node, load_s=dt, init_s=init_s)
+        out = dict(rank=rank, node=node, load_s=dt, init_s=init_s, durable_bytes=fetched[0])
     elif phase == "loop":
         state = _state(mib, mesh, 0)
         a = torch.ones(loop["n"], loop["n"]) / loop["n"]
@@ -137,7 +153,6 @@ def worker(argv: list[str]) -> None:
             last.result()
         mgr.wait_durable()
         t2 = time.perf_counter()
-        dist.barrier()  # as in save: the others' copies into this root need its peer server
         _emit(rank=rank, node=node, loop_s=t1 - t0, tail_s=t2 - t1, blocked_s=blocked)
     t0 = time.perf_counter()
     mgr.close()
@@ -208,12 +223,13 @@ def bench_resume(base, nodes, nproc, mib, reps, s3_url, s3_env) -> dict:
                 wall, rows = launch(roots, nproc, ["resume", str(mib), json.dumps(settings)], env)
                 load = max(r["load_s"] for r in rows)
                 res[name]["load_s"].append(load)
+                res[name].setdefault("durable_bytes", []).append(sum(r.get("durable_bytes", 0) for r in rows))
                 res[name]["wall_s"].append(wall)
                 res[name].setdefault("init_s", []).append(max(r["init_s"] for r in rows))
                 res[name].setdefault("close_s", []).append(max(r["close_s"] for r in rows))
                 print(f"  rep {rep + 1} resume {name:8s}: load {load:6.2f} s (max over ranks), relaunch {wall:6.2f} s "
-                      f"(pg+manager init {res[name]['init_s'][-1]:.2f} s, close {res[name]['close_s'][-1]:.2f} s)",
-                      flush=True)
+                      f"(pg+manager init {res[name]['init_s'][-1]:.2f} s, close {res[name]['close_s'][-1]:.2f} s), "
+                      f"{res[name]['durable_bytes'][-1]} bytes from the durable tier", flush=True)
             shutil.rmtree(base, ignore_errors=True)
     res["saves"] = saves
     return res
@@ -298,11 +314,12 @@ def print_table(report: dict) -> None:
           f"{report['reps']}, {report['cpus']} CPUs")
     res = report.get("resume")
     if res:
-        print(f"{'resume (step 10)':34s} {'load s':>8s} {'relaunch s':>11s}")
+        print(f"{'resume (step 10)':34s} {'load s':>8s} {'relaunch s':>11s} {'durable MiB':>12s}")
         labels = {"local": "(c) nothing lost, local", "partner": "(a) node wiped, partner copy",
                   "durable": "(b) node wiped, durable (S3 lo)"}
         for k in ("local", "partner", "durable"):
-            print(f"{labels[k]:34s} {median(res[k]['load_s']):8.2f} {median(res[k]['wall_s']):11.2f}")
+            print(f"{labels[k]:34s} {median(res[k]['load_s']):8.2f} {median(res[k]['wall_s']):11.2f} "
+                  f"{median(res[k]['durable_bytes']) / 2**20:12.1f}")
         p, d = median(res["partner"]["load_s"]), median(res["durable"]["load_s"])
         pw, dw = median(res["partner"]["wall_s"]), median(res["durable"]["wall_s"])
         print(f"{'durable / partner':34s} {d / p:7.2f}x {dw / pw:10.2f}x")
