@@ -65,13 +65,14 @@ class ReadSession:
         checks: list = []
         failures: list = []
         wanted: list[int] = []
+        refused: BaseException | None = None
         for i, read in enumerate(reads):
             try:
-                checks.append(checks_of(store, read))  # a read its segments do not tile fails unread
+                checks.append(checks_of(store, read))
                 wanted.append(i)
-            except Exception as exc:  # noqa: BLE001 - this read's failure; the round goes on for the others
+            except Exception as exc:  # noqa: BLE001 - a read its segments do not tile: raised once the round ends
                 checks.append(None)
-                failures.append(_failure(i, read, store, "checksum", str(exc)))
+                refused = refused or exc
         names, kidx, offsets, lengths = _needs([reads[i] for i in wanted])
         gathered = self.channel.gather(((names, kidx, offsets, lengths), last))
         self._others_done = all(g[1] for g in gathered)
@@ -87,6 +88,8 @@ class ReadSession:
                                          offset=f.offset, message=f.message) for f in got]
         if raised is not None:
             raise raised
+        if refused is not None:
+            raise refused
         return sorted(failures, key=lambda f: f.request)
 
     def finish(self, store: Store, threads: int | None = None) -> None:
@@ -155,13 +158,14 @@ class _Round(Endpoint):
         self.source_failed: dict[int, tuple] = {}  # piece -> (kind, message, transient or None) of its reader
         self.staged: dict[int, Op] = {}  # message -> the receive whose buffer holds it here, kept to forward
         self.pool = BufferPool(channel.chunk_bytes)
-        self.forwards = {op.message.index for op in ops_of(plan.messages, self.me) if op.send and op.hop > 0}
+        self.ops = ops_of(plan.messages, self.me)
+        self.forwards = {op.message.index for op in self.ops if op.send and op.hop > 0}
 
     # -- the round ---------------------------------------------------------------------
 
     def run(self) -> tuple[list, BaseException | None]:
         raised = self._read_own()
-        run_ops(self.channel, ops_of(self.plan.messages, self.me), self)
+        run_ops(self.channel, self.ops, self)
         for p, dests in self.dests.items():  # a piece wanted in two reads of this rank: copied
             (i0, at0), *rest = dests
             for i, at in rest:

@@ -171,7 +171,54 @@ def _lower_priority() -> None:
         pass
 
 
-class DurableTier:
+class CopyQueue:
+    """What every tier whose copies run in a background thread keeps: each step's status, the
+    copies not ended yet, the failures not raised yet; :meth:`wait` for them (the durable tier,
+    the partner level)."""
+
+    url: str
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0
+        self._status: dict[int, DrainStatus] = {}
+        self._unreported: list[DrainError] = []
+
+    def status(self) -> dict[int, DrainStatus]:
+        with self._lock:
+            return {s: dataclasses.replace(st) for s, st in self._status.items()}
+
+    def _queued(self, step: int) -> None:
+        """Under ``self._lock``: a copy of ``step`` joined the queue."""
+        self._status[step] = DrainStatus(step)
+        self._pending += 1
+
+    def _ended(self) -> None:
+        """A copy ended (either way)."""
+        with self._lock:
+            self._pending -= 1
+            self._idle.notify_all()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until every queued copy ended; raise (once) the first failure not yet raised."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"copies to {self.url} still running after {timeout} s")
+                self._idle.wait(left)
+        self.raise_errors()
+
+    def raise_errors(self) -> None:
+        with self._lock:
+            errors, self._unreported = self._unreported, []
+        if errors:
+            raise errors[0]
+
+
+class DurableTier(CopyQueue):
     def __init__(
         self,
         url: str,
@@ -189,6 +236,7 @@ class DurableTier:
         commit_ranks: tuple | None = None,
         follows_commit: bool = False,
     ) -> None:
+        super().__init__()
         self.url = url
         self.store = store if store is not None else open_store(url, **(store_options or {}))
         self.rank = rank
@@ -198,13 +246,8 @@ class DurableTier:
         self._on_durable = on_durable
         self._pacer = DrainPacer()  # when the drain may start a block (manager.drain_pacing: why)
         self._warn = warn
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
         self._jobs: queue.Queue[DrainJob | None] = queue.Queue()
-        self._pending = 0
-        self._status: dict[int, DrainStatus] = {}
         self._failed: dict[int, DrainJob] = {}
-        self._unreported: list[DrainError] = []
         self._closing = False
         self._stopping = False  # close() ended its wait: the thread ends at its next wait
         # Small objects to write before the next copy, {key: (bytes, replace)}: rank 0's mirror of
@@ -259,10 +302,6 @@ class DurableTier:
         """A ``save()`` began: the drain keeps a quiet guard before the next one it expects."""
         self._pacer.save_started()
 
-    def status(self) -> dict[int, DrainStatus]:
-        with self._lock:
-            return {s: dataclasses.replace(st) for s, st in self._status.items()}
-
     # -- draining --------------------------------------------------------------------
 
     def enqueue(self, step: int, local_dir: str, files: RankFiles) -> None:
@@ -276,8 +315,7 @@ class DurableTier:
             self._failed.pop(step, None)  # this save of the step supersedes an earlier one's failed copy
             retry = [self._failed.pop(s) for s in sorted(self._failed)]
             for job in [*retry, DrainJob(step, local_dir, files)]:
-                self._status[job.step] = DrainStatus(job.step)
-                self._pending += 1
+                self._queued(job.step)
                 self._jobs.put(job)
             self._start_thread()
             self._idle.notify_all()  # the thread waits on this condition for work
@@ -287,23 +325,6 @@ class DurableTier:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="dcp_datastates-drain", daemon=True)
             self._thread.start()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait until every queued drain ended; raise (once) the first failure not yet raised."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"drains to {self.url} still running after {timeout} s")
-                self._idle.wait(left)
-        self.raise_errors()
-
-    def raise_errors(self) -> None:
-        with self._lock:
-            errors, self._unreported = self._unreported, []
-        if errors:
-            raise errors[0]
 
     def failed_steps(self) -> list[int]:
         """Steps whose drain failed and has not succeeded since (their local copies are kept)."""
@@ -373,9 +394,7 @@ class DurableTier:
                 self._warn(f"{err}; the local copy is kept and the drain is retried after the next save")
             finally:
                 st.seconds = time.perf_counter() - t0
-                with self._lock:
-                    self._pending -= 1
-                    self._idle.notify_all()
+                self._ended()
 
     def _next_job(self) -> DrainJob | None:
         """The next copy (None: stop), the small objects waiting written first."""

@@ -38,7 +38,7 @@ from dcp_datastates.format.checkpoint_layout import RankFiles
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.manager.checkpoint_root import step_dir_name, step_dirs
 from dcp_datastates.manager.drain_pacing import DrainPacer
-from dcp_datastates.manager.durable_tier import DRAINING, DURABLE, FAILED, DrainStatus, _lower_priority
+from dcp_datastates.manager.durable_tier import DRAINING, DURABLE, FAILED, CopyQueue, DrainStatus, _lower_priority
 from dcp_datastates.manager.node_copies import Share, partner_copies
 from dcp_datastates.manager.node_level import make_channel
 from dcp_datastates.manager.nodes import OWN, PARTNER, PARTNER_DIR
@@ -56,11 +56,12 @@ class _Job:
     nodes: frozenset | None = None  # the nodes whose files to copy (None: every node)
 
 
-class PartnerTier:
+class PartnerTier(CopyQueue):
     """The partner level's background copies (module docstring), with the durable tier's face:
     ``enqueue``, ``status``, ``wait``, ``close``, ``set_paused``, ``save_started``."""
 
     def __init__(self, node_level, ranks, options, *, warn, on_copied) -> None:
+        super().__init__()
         self.level = node_level
         self.nodes = node_level.nodes
         partner = self.nodes.partner(self.nodes.node)
@@ -69,13 +70,8 @@ class PartnerTier:
         self.channel = make_channel(ranks, options, "partner copies", self.nodes)
         self._warn, self._on_copied = warn, on_copied
         self._pacer = DrainPacer()
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._pending = 0
-        self._status: dict[int, DrainStatus] = {}
         self._failed: set[int] = set()
-        self._unreported: list[DrainError] = []
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -86,10 +82,6 @@ class PartnerTier:
 
     def save_started(self) -> None:
         self._pacer.save_started()
-
-    def status(self) -> dict[int, DrainStatus]:
-        with self._lock:
-            return {s: dataclasses.replace(st) for s, st in self._status.items()}
 
     def enqueue(self, step: int, path: str, files: RankFiles) -> None:
         """Every rank, once ``step`` committed on every node: copy it (this rank: ``files``)."""
@@ -103,25 +95,11 @@ class PartnerTier:
         with self._lock:
             if self._closed:
                 raise CheckpointError("the partner level is closed")
-            self._status[job.step] = DrainStatus(job.step)
-            self._pending += 1
+            self._queued(job.step)
             self._jobs.put(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="dcp_datastates-partner", daemon=True)
                 self._thread.start()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait until every queued copy ended; raise (once) the first failure not raised yet."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"copies to {self.url} still running after {timeout} s")
-                self._idle.wait(left)
-            errors, self._unreported = self._unreported, []
-        if errors:
-            raise errors[0]
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for the copies (up to ``timeout``), stop the thread; raise a failure not raised yet,
@@ -173,9 +151,7 @@ class PartnerTier:
                 self._warn(f"{err}; the step is kept on this node, and the next start copies it again")
             finally:
                 st.seconds = time.perf_counter() - t0
-                with self._lock:
-                    self._pending -= 1
-                    self._idle.notify_all()
+                self._ended()
 
     def _copy(self, job: _Job, st: DrainStatus) -> bool:
         """One step's copy on this rank (module docstring, steps 1-3); True when this rank's node
