@@ -49,18 +49,27 @@ def load_shard1(rank, world_size, path):
 
     from dcp_datastates import DataStatesReader
 
-    state = _state(dh._mesh(world_size), Shard(1), zeros=True)
-    reader = DataStatesReader(path)
-    dcp.load(state, storage_reader=reader)
-    cols = SHAPE[1] // world_size
-    for k, v in _full().items():
-        local = state[k].to_local()
-        assert torch.equal(local.view(torch.uint8), v[:, rank * cols : (rank + 1) * cols].contiguous().view(torch.uint8)), k
-    # half of every row of both saved chunks: an f32 half row is one 4 KiB segment, read alone;
-    # a bf16 half row (2 KiB) shares its segment with the other half, read too to verify it
+    import torch.distributed as dist
+
     f32, bf16 = (v.numel() * v.itemsize for v in _full().values())
-    assert reader.bytes_needed == (f32 + bf16) // world_size, reader.bytes_needed
-    assert reader.bytes_read == f32 // world_size + bf16, reader.bytes_read
+    cols = SHAPE[1] // world_size
+    for read_once in (False, True):
+        state = _state(dh._mesh(world_size), Shard(1), zeros=True)
+        reader = DataStatesReader(path, read_once=read_once)
+        dcp.load(state, storage_reader=reader)
+        for k, v in _full().items():
+            local = state[k].to_local()
+            assert torch.equal(local.view(torch.uint8), v[:, rank * cols : (rank + 1) * cols].contiguous().view(torch.uint8)), k
+        assert reader.bytes_needed == (f32 + bf16) // world_size, reader.bytes_needed
+        if not read_once:
+            # half of every row of both saved chunks: an f32 half row is one 4 KiB segment, read alone;
+            # a bf16 half row (2 KiB) shares its segment with the other half, read too to verify it
+            assert reader.bytes_read == f32 // world_size + bf16, reader.bytes_read
+        else:  # read once: the bf16 segments both ranks need are read by one of them and sent
+            total = torch.tensor([reader.bytes_read])
+            dist.all_reduce(total)
+            assert total.item() == f32 + bf16, total.item()
+            assert reader.bytes_received > 0
 
 if __name__ == "__main__":
     CASES.main()
