@@ -149,24 +149,22 @@ def test_a_wiped_node_resumes_from_its_partner(node_roots, nproc=2):
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.subprocess
-@pytest.mark.parametrize("before, after", [(1, 2), (2, 1)])
-def test_a_wiped_node_gets_its_files_back_whatever_the_ranks_per_node_of_the_relaunch(node_roots, before, after):
+def test_a_wiped_node_gets_its_files_back_whatever_the_ranks_per_node_of_the_relaunch(node_roots):
     settings = {"partner": True, "keep_last": 2, "partner_keep_last": 2, "exchange_timeout_s": 60}
-    run_nodes(node_roots, "save", "2,4,6", settings, nproc=before)
-    wipe(node_roots[1])
-    outs = run_nodes(node_roots, "resume", "8", settings, nproc=after)
-    assert resumed(outs) == {"6"}
-    # node 1's own files of step 6 came back from node 0's partner copy, committed, and it saved on
-    assert steps_in(node_roots[1]) == ["step_00000006", "step_00000008"]
-    saved = {n.split("-")[0] for n in os.listdir(os.path.join(node_roots[0], ".partner", "step_00000008"))} - {METADATA_FILE}
-    back = {n.split("-")[0] for n in os.listdir(os.path.join(node_roots[1], "step_00000006"))} - {METADATA_FILE}
-    assert back == {f"rank{r:05d}" for r in range(before, 2 * before)}, back  # its saved ranks' files
-    assert saved == {f"rank{r:05d}" for r in range(after, 2 * after)}, saved
-    said = logged(outs, "node 1: copied back its")
-    assert len(said) == 1 and "step 6" in said[0] and "from node 0 (partner copy)" in said[0], said
-    # retention removes step 6's partner copy later: node 1's own copy stays as long as its retention keeps it
-    run_nodes(node_roots, "resume", "10,12", settings, nproc=after)
-    assert steps_in(node_roots[1]) == ["step_00000010", "step_00000012"]
+    run_nodes(node_roots, "save", "2,4,6", settings, nproc=1)
+    # 1 rank per node, then 2 (saved ranks 0 | 1, then ranks 0-1 | 2-3); then back to 1
+    for step, saved, before, after in ((6, "8", 1, 2), (8, "10", 2, 1)):
+        wipe(node_roots[1])
+        outs = run_nodes(node_roots, "resume", saved, settings, nproc=after)
+        assert resumed(outs) == {str(step)}
+        # node 1's own files of the step came back from node 0's partner copy, committed; it saved on
+        assert steps_in(node_roots[1]) == [f"step_{step:08d}", f"step_{int(saved):08d}"]
+        back = {n.split("-")[0] for n in os.listdir(os.path.join(node_roots[1], f"step_{step:08d}"))} - {METADATA_FILE}
+        assert back == {f"rank{r:05d}" for r in range(before, 2 * before)}, back  # its saved ranks' files
+        copied = {n.split("-")[0] for n in os.listdir(os.path.join(node_roots[0], ".partner", f"step_{int(saved):08d}"))}
+        assert copied - {METADATA_FILE} == {f"rank{r:05d}" for r in range(after, 2 * after)}, copied
+        said = logged(outs, "node 1: copied back its")
+        assert len(said) == 1 and f"step {step}" in said[0] and "from node 0 (partner copy)" in said[0], said
 
 
 @pytest.mark.slow

@@ -29,72 +29,62 @@ def _stored(path) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".data"))
 
 
-def _load(tmp_path, case, world, path, read_once, **kwargs) -> list[dict]:
-    out = tmp_path / f"out-{case}-{read_once}"
+def _load(tmp_path, case, world, path, **kwargs) -> list[dict]:
+    """Run ``case``, which loads reading once and not; each rank's figures of both."""
+    out = tmp_path / f"out-{case}"
     out.mkdir()
-    _cases().run_ranks(case, world, tmp_path / "logs", path=str(path), out=str(out), read_once=read_once, **kwargs)
+    _cases().run_ranks(case, world, tmp_path / "logs", path=str(path), out=str(out), **kwargs)
     return _reports(out)
+
+
+def _sum(reports, variant, field) -> int:
+    return sum(r[variant][field] for r in reports)
 
 
 def test_ddp_replicated_state_is_read_once_and_lands_bit_exact_on_every_rank(tmp_path):
     path = tmp_path / "ckpt"
     _cases().run_ranks("ddp_save", 4, tmp_path / "logs", path=str(path))
-    once = _load(tmp_path, "ddp_load", 4, path, True)
-    every = _load(tmp_path, "ddp_load", 4, path, False)
+    got = _load(tmp_path, "ddp_load", 4, path)
     stored = _stored(path)
-    assert sum(r["read"] for r in once) <= 1.05 * stored
-    assert all(r["read"] > 0 for r in once)  # the reads are shared out
-    assert sum(r["read"] for r in every) >= 3.9 * sum(r["read"] for r in once)  # each rank read it all
-    assert sum(r["received"] for r in once) >= 2.9 * stored and not any(r["received"] for r in every)
+    assert _sum(got, "once", "read") <= 1.05 * stored
+    assert all(r["once"]["read"] > 0 for r in got)  # the reads are shared out
+    assert _sum(got, "every", "read") >= 3.9 * _sum(got, "once", "read")  # each rank read it all
+    assert _sum(got, "once", "received") >= 2.9 * stored and not _sum(got, "every", "received")
 
 
 def test_hsdp_replicas_read_each_shard_once(tmp_path):
     path = tmp_path / "ckpt"
-    once = _load(tmp_path, "hsdp_save_load", 8, path, True)
-    every = _load(tmp_path, "hsdp_save_load", 8, path, False)
+    got = _load(tmp_path, "hsdp_save_load", 8, path)
     stored = _stored(path)
-    assert sum(r["read"] for r in once) <= 1.05 * stored
-    assert sum(r["read"] for r in every) >= 3.9 * stored  # each shard read by its 4 replicas
+    assert _sum(got, "once", "read") <= 1.05 * stored
+    assert _sum(got, "every", "read") >= 3.9 * stored  # each shard read by its 4 replicas
 
 
 def test_resharded_loads_share_the_chunks_ranks_cut_through(tmp_path):
     path = tmp_path / "ckpt"
     DIST_CASES.run_ranks("save_dtensor_state", 2, tmp_path / "logs", default_path=str(path),
                          planner_path=str(tmp_path / "planner"))
-    once = _load(tmp_path, "reshard_load", 3, path, True)
-    every = _load(tmp_path, "reshard_load", 3, path, False)
-    assert sum(r["read"] for r in once) < sum(r["read"] for r in every)
-    assert sum(r["read"] for r in once) <= 1.05 * _stored(path)
+    got = _load(tmp_path, "reshard_load", 3, path)
+    assert _sum(got, "once", "read") < _sum(got, "every", "read")
+    assert _sum(got, "once", "read") <= 1.05 * _stored(path)
 
 
-@pytest.mark.parametrize("where", ["source", "in flight"])
-def test_damaged_bytes_are_named_on_every_rank(tmp_path, where):
+def test_damaged_bytes_are_named_on_every_rank(tmp_path):
     path = tmp_path / "ckpt"
     _cases().run_ranks("ddp_save", 4, tmp_path / "logs", path=str(path))
-    flip = -1
-    if where == "source":
-        data = sorted(f for f in os.listdir(path) if f.endswith(".data"))[1]
-        blob = bytearray((path / data).read_bytes())
-        blob[len(blob) // 3] ^= 0x10
-        (path / data).write_bytes(blob)
-    else:
-        flip = 2
-    out = tmp_path / "out"
-    out.mkdir()
-    _cases().run_ranks("ddp_load_fails", 4, tmp_path / "logs", path=str(path), out=str(out), flip_rank=flip)
-    errors = [r["error"] for r in _reports(out)]
-    assert all(e and e.startswith("ChecksumMismatchError") for e in errors), errors
-    if where == "source":
-        assert all(data in e for e in errors), errors
-    else:
-        assert any("received from rank 2" in e for e in errors), errors
+    data = sorted(f for f in os.listdir(path) if f.endswith(".data"))[1]
+    got = _load(tmp_path, "ddp_load_fails", 4, path, flip_rank=2, damage=str(path / data))
+    flight = [r["in flight"] for r in got]
+    assert all(e and e.startswith("ChecksumMismatchError") for e in flight), flight
+    assert any("received from rank 2" in e for e in flight), flight
+    source = [r["source"] for r in got]
+    assert all(e and e.startswith("ChecksumMismatchError") and data in e for e in source), source
 
 
 @pytest.mark.s3
 def test_read_once_from_object_storage(tmp_path, s3_server):
     url = f"s3://{s3_server.bucket}/read-once-{os.getpid()}-{tmp_path.name}"
     _cases().run_ranks("ddp_save", 4, tmp_path / "logs", path=url)
-    once = _load(tmp_path, "ddp_load", 4, url, True)
-    every = _load(tmp_path, "ddp_load", 4, url, False)
-    assert sum(r["read"] for r in every) >= 3.9 * sum(r["read"] for r in once)
-    assert sum(r["received"] for r in once) > 0
+    got = _load(tmp_path, "ddp_load", 4, url)
+    assert _sum(got, "every", "read") >= 3.9 * _sum(got, "once", "read")
+    assert _sum(got, "once", "received") > 0

@@ -190,18 +190,23 @@ def _hsdp(mesh, zeros=False):
     return out
 
 
-def _load_and_report(state, target, path, out, rank, read_once, check):
+def _load_and_report(state, make_target, path, out, rank, check):
+    """Load twice, reading once and with every rank reading what it needs; report both."""
     import torch.distributed.checkpoint as dcp
 
     from dcp_datastates import DataStatesReader
 
-    reader = DataStatesReader(path, read_once=read_once)
-    t0 = time.perf_counter()
-    dcp.load(target, storage_reader=reader)
-    seconds = time.perf_counter() - t0
-    check(target, state)
-    _report(out, rank, read=reader.bytes_read, received=reader.bytes_received, needed=reader.bytes_needed,
-            seconds=seconds)
+    got = {}
+    for read_once in (True, False):
+        reader = DataStatesReader(path, read_once=read_once)
+        target = make_target()
+        t0 = time.perf_counter()
+        dcp.load(target, storage_reader=reader)
+        seconds = time.perf_counter() - t0
+        check(target, state)
+        got["once" if read_once else "every"] = dict(read=reader.bytes_read, received=reader.bytes_received,
+                                                     needed=reader.bytes_needed, seconds=seconds)
+    _report(out, rank, **got)
 
 
 def _same(target, state):
@@ -229,13 +234,13 @@ def ddp_save(rank, world_size, path):
 
 
 @case
-def ddp_load(rank, world_size, path, out, read_once=True):
+def ddp_load(rank, world_size, path, out):
     state = _replicated()
-    _load_and_report(state, _zeros(state), path, out, rank, read_once, _same)
+    _load_and_report(state, lambda: _zeros(state), path, out, rank, _same)
 
 
 @case
-def hsdp_save_load(rank, world_size, path, out, read_once=True):
+def hsdp_save_load(rank, world_size, path, out):
     """2 shards x 4 replicas on 8 ranks: each saved shard wanted by its 4 replicas."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -244,50 +249,50 @@ def hsdp_save_load(rank, world_size, path, out, read_once=True):
     from dcp_datastates import DataStatesWriter
 
     mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("replicate", "shard"))
-    if not os.path.exists(os.path.join(path, ".metadata")):
-        dcp.save(_hsdp(mesh), storage_writer=DataStatesWriter(path))
+    dcp.save(_hsdp(mesh), storage_writer=DataStatesWriter(path))
     dist.barrier()
-    _load_and_report(_hsdp(mesh), _hsdp(mesh, zeros=True), path, out, rank, read_once, _same)
+    _load_and_report(_hsdp(mesh), lambda: _hsdp(mesh, zeros=True), path, out, rank, _same)
 
 
 @case
-def reshard_load(rank, world_size, path, out, read_once=True):
-    """dist_helpers' DTensor state saved on 2 ranks, loaded here as Shard(0) and Shard(1)."""
-    dh.load_resharded(rank, world_size, path)
-    import torch.distributed.checkpoint as dcp
-
-    from dcp_datastates import DataStatesReader
-
+def reshard_load(rank, world_size, path, out):
+    """dist_helpers' DTensor state saved on 2 ranks, loaded here as Shard(1) (every tensor that
+    has a second dimension), reading once and not."""
     mesh = dh._mesh(world_size)
     codes = {k: f"S{min(1, t.dim() - 1)}" for k, t in dh.reference_tensors().items() if t.dim() >= 1}
-    state = dh.dtensor_state(mesh, zeros=True, placements=codes)
-    reader = DataStatesReader(path, read_once=read_once)
-    dcp.load(state, storage_reader=reader)
-    dh.assert_equal_exact(state, dh.reference_state())
-    _report(out, rank, read=reader.bytes_read, received=reader.bytes_received, needed=reader.bytes_needed)
+    _load_and_report(dh.reference_state(), lambda: dh.dtensor_state(mesh, zeros=True, placements=codes), path, out,
+                     rank, dh.assert_equal_exact)
 
 
 @case
-def ddp_load_fails(rank, world_size, path, out, flip_rank=-1):
-    """A load whose bytes are damaged (in the file, or ``flip_rank``'s sends on the way): every
-    rank raises; what each said is reported."""
+def ddp_load_fails(rank, world_size, path, out, flip_rank=2, damage=""):
+    """Two loads whose bytes are damaged: ``flip_rank``'s sends on the way, then (rank 0 flips
+    a byte of it) the file ``damage``. Every rank raises each time; what each said is reported."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from dcp_datastates import DataStatesReader
     from dcp_datastates.exchange import faults
 
     state = _replicated()
-    if rank == flip_rank:
-        faults.corrupt_sends(1000)
-    try:
-        dcp.load(_zeros(state), storage_reader=DataStatesReader(path))
-    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        inner = dh.unwrap_checkpoint_exception(exc)
-        _report(out, rank, error=f"{type(inner).__name__}: {inner}")
-        return
-    finally:
-        faults.corrupt_sends(0)
-    _report(out, rank, error=None)
+    said = {}
+    for where in ("in flight", "source"):
+        if where == "source" and rank == 0:
+            blob = bytearray(open(damage, "rb").read())
+            blob[len(blob) // 3] ^= 0x10
+            open(damage, "wb").write(blob)
+        dist.barrier()
+        if where == "in flight" and rank == flip_rank:
+            faults.corrupt_sends(1000)
+        try:
+            dcp.load(_zeros(state), storage_reader=DataStatesReader(path))
+            said[where] = None
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            inner = dh.unwrap_checkpoint_exception(exc)
+            said[where] = f"{type(inner).__name__}: {inner}"
+        finally:
+            faults.corrupt_sends(0)
+    _report(out, rank, **said)
 
 
 if __name__ == "__main__":
