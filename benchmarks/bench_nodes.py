@@ -38,7 +38,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "support"))  # the simulated nodes and the S3 server
 
 from bench_common import median, write_json  # noqa: E402
-from node_launch import launch_nodes, register_rank, wipe  # noqa: E402
+from node_launch import launch_nodes, register_rank, say, wipe  # noqa: E402
 
 COLS = 1024  # float32 columns of the sharded tensor: a row is 4 KiB
 
@@ -92,7 +92,7 @@ def _count_object_store_reads() -> list:
 
 
 def _emit(**fields) -> None:
-    print("BENCH " + json.dumps(fields), flush=True)
+    say("BENCH " + json.dumps(fields))
 
 
 def worker(argv: list[str]) -> None:

@@ -10,6 +10,7 @@ launcher kills every registered rank before it returns, whatever happened.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -20,6 +21,24 @@ import tempfile
 import time
 
 KILLED = "KILLING"  # what a rank that is about to kill its node writes to $NODE_PIDS/events
+
+
+def say(line: str) -> None:
+    """A rank's report line, written to stdout in one ``write`` so that the lines of the ranks a
+    launcher's pipe shares never interleave (``print`` may write the text and its newline apart)."""
+    data = (line + "\n").encode()
+    while data:
+        data = data[os.write(1, data):]
+
+
+class LineHandler(logging.Handler):
+    """Log records as whole report lines (:func:`say`)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            say(self.format(record))
+        except Exception:  # noqa: BLE001 - logging's own rule: a record that cannot be written is reported, not raised
+            self.handleError(record)
 
 
 def register_rank() -> None:

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 
 import dcp_datastates  # noqa: E402
-from node_launch import register_rank, say_killing  # noqa: E402
+from node_launch import LineHandler, register_rank, say, say_killing  # noqa: E402
 
 
 def full_state(step: int) -> dict:
@@ -76,7 +76,7 @@ def watch_sockets() -> None:
 
     def hook(event, args):
         if event in ("socket.bind", "socket.connect", "socket.listen"):
-            print(f"SOCKET {event} {args[1:]!r}", flush=True)
+            say(f"SOCKET {event} {args[1:]!r}")
 
     sys.addaudithook(hook)
 
@@ -92,12 +92,12 @@ def go_on_training(mgr) -> None:
     a = torch.randn(256, 256)
     for _ in range(20):
         a = torch.tanh(a @ a / 256)
-    print(f"TRAINED ON rank {dist.get_rank()}", flush=True)
+    say(f"TRAINED ON rank {dist.get_rank()}")
     try:
         mgr.wait_durable()
-        print("COPY DONE", flush=True)
+        say("COPY DONE")
     except Exception as exc:  # noqa: BLE001 - what the test checks
-        print(f"COPY FAILED {type(exc).__name__}: {exc}", flush=True)
+        say(f"COPY FAILED {type(exc).__name__}: {exc}")
     time.sleep(600)  # the job is gone with its node: the scheduler (the launcher) stops this rank
 
 
@@ -105,7 +105,9 @@ def main() -> None:
     phase, steps = sys.argv[1], [int(s) for s in sys.argv[2].split(",") if s]
     settings = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     watch_sockets()
-    logging.basicConfig(stream=sys.stdout, format="LOG %(name)s %(message)s")
+    handler = LineHandler()
+    handler.setFormatter(logging.Formatter("LOG %(name)s %(message)s"))
+    logging.basicConfig(handlers=[handler])
     logging.getLogger("dcp_datastates").setLevel(logging.INFO)
     register_rank()
     dist.init_process_group("gloo")
@@ -119,7 +121,7 @@ def main() -> None:
         got = mgr.load(state)
         if got is not None:
             check(state, got)
-        print(f"RESUMED {got}", flush=True)
+        say(f"RESUMED {got}")
     dying = phase.startswith("save-kill") and node == int(os.environ["NNODES"]) - 1
     for s in steps:
         last = s == steps[-1]
@@ -133,7 +135,7 @@ def main() -> None:
             return
         mgr.wait_durable()
     mgr.close()
-    print(f"DONE node {node} rank {dist.get_rank()}", flush=True)
+    say(f"DONE node {node} rank {dist.get_rank()}")
     dist.destroy_process_group()
 
 
