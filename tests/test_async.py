@@ -257,6 +257,7 @@ print("exiting", flush=True)
 
 
 @pytest.mark.subprocess
+@pytest.mark.slow
 def test_exit_with_a_staged_snapshot_never_saved_is_clean(tmp_path):
     """The staging monitor (a daemon thread) was still blocked in the engine when the interpreter
     finalized: the process aborted with SIGABRT. At exit the unbegun snapshot is now stopped and
@@ -366,6 +367,7 @@ dist.destroy_process_group()
 
 
 @pytest.mark.subprocess
+@pytest.mark.slow
 def test_a_dtensor_mutated_before_its_copy_fails_the_save(tmp_path):
     """In-place ops on a DTensor bump the DTensor's version counter, not its local shard's:
     the snapshot must watch the DTensor (it watched only the shard, so an FSDP2 optimizer step

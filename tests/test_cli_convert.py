@@ -519,7 +519,7 @@ def test_full_disk_error_names_the_output_and_leaves_nothing(small_tmpfs, tmp_pa
     a full disk killed the process with SIGBUS.)"""
     import errno
 
-    from dcp_datastates.tools.commands.convert import convert_checkpoint
+    from dcp_datastates.tools.conversion import convert_checkpoint
 
     src = tmp_path / "src"
     dcp.save({"w": torch.randn(1 << 20), "b": torch.randn(1000)}, storage_writer=DataStatesWriter(src), no_dist=True)

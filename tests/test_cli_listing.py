@@ -70,6 +70,7 @@ def test_help_of_each_command_exits_0():
 
 
 @pytest.mark.subprocess
+@pytest.mark.slow
 def test_the_program_lists_and_fails_verify_with_status_1(run_checkpoints, tmp_path):
     """``python -m dcp_datastates``: the same table and exit status as the in-process entry."""
     listed = run_program("ls", run_checkpoints.root)

@@ -66,6 +66,7 @@ _DTENSOR_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.subprocess
+@pytest.mark.slow
 def test_local_shard_of_a_dtensor_is_its_shard_object():
     out = subprocess.run([sys.executable, "-c", _DTENSOR_SCRIPT], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr[-3000:]
@@ -186,6 +187,7 @@ _LOGGER_SCRIPT = textwrap.dedent(
     ],
 )
 @pytest.mark.subprocess
+@pytest.mark.slow
 def test_dcps_discarded_debug_records_are_quieted_only_where_nobody_can_see_them(setup, expected):
     """DCP builds two DEBUG records per top-level key of every save (1.1 s for 20,000 keys) on a
     logger whose only handler is a NullHandler; a fresh interpreter, since the level is global."""

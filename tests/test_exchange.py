@@ -154,6 +154,7 @@ def test_the_package_opens_no_socket_of_its_own():
 
 @pytest.mark.dist
 @pytest.mark.subprocess
+@pytest.mark.slow
 def test_read_rounds_of_unequal_counts_deliver_every_read_bit_exact(tmp_path):
     root = tmp_path / "files"
     root.mkdir()

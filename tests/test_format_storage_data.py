@@ -91,6 +91,7 @@ def test_a_saved_metadata_names_no_class_of_ours(tmp_path, kind):
 
 
 @pytest.mark.subprocess
+@pytest.mark.slow
 def test_dcp_reads_the_metadata_where_dcp_datastates_cannot_be_imported(ckpt):
     script = (
         "import pickle, sys\n"

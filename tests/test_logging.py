@@ -89,6 +89,7 @@ def test_an_empty_root_and_a_resumed_step_are_named(tmp_path, caplog):
 
 
 @pytest.mark.subprocess
+@pytest.mark.slow
 def test_nothing_reaches_stderr_unless_logging_is_configured(tmp_path):
     script = textwrap.dedent("""
         import logging, sys, torch, torch.distributed.checkpoint as dcp

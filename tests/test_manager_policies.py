@@ -24,7 +24,7 @@ from dcp_datastates.errors import (
     IncompleteCheckpointError,
     UnsafeCheckpointError,
 )
-from dcp_datastates.manager import checkpoint_manager
+from dcp_datastates.manager import saving  # where the manager calls DCP to save
 from dcp_datastates.manager.checkpoint_root import ResumeOrder
 from dcp_datastates.manager.collective import Raise, Ranks, classify
 from dcp_datastates.manager.resume import Listing, plan_load, with_durable_only
@@ -204,7 +204,7 @@ class FakeDCP:
 @pytest.fixture
 def fake_dcp(monkeypatch):
     fake = FakeDCP()
-    monkeypatch.setattr(checkpoint_manager, "dcp", fake)
+    monkeypatch.setattr(saving, "dcp", fake)
     return fake
 
 
@@ -230,12 +230,12 @@ def test_a_step_in_flight_is_not_saved_twice(tmp_path, fake_dcp):
 
 def test_a_failed_synchronous_save_raises_the_rank_error(tmp_path, monkeypatch):
     inner = CheckpointError("step_00000001: no space left")
-    monkeypatch.setattr(checkpoint_manager, "dcp", FakeDCP(CheckpointException("save", {0: inner})))
+    monkeypatch.setattr(saving, "dcp", FakeDCP(CheckpointException("save", {0: inner})))
     with CheckpointManager(tmp_path, CheckpointManagerOptions(async_save=False)) as mgr:
         with pytest.raises(CheckpointError, match="no space left") as info:
             mgr.save(1, {"x": torch.zeros(2)})
         assert info.value is inner and mgr.steps() == []
-    monkeypatch.setattr(checkpoint_manager, "dcp", FakeDCP(RuntimeError("collective timed out")))
+    monkeypatch.setattr(saving, "dcp", FakeDCP(RuntimeError("collective timed out")))
     with CheckpointManager(tmp_path, CheckpointManagerOptions(async_save=False)) as mgr:
         with pytest.raises(CheckpointError, match=r"the save of step 2 into .*step_00000002 failed: collective timed out"):
             mgr.save(2, {"x": torch.zeros(2)})

@@ -21,7 +21,9 @@ from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_envelope import CommitStamp
 from dcp_datastates.format.checkpoint_layout import RankFiles
 from dcp_datastates.manager.node_copies import homes, restore_copies
+from dcp_datastates.manager.checkpoint_root import ResumeOrder
 from dcp_datastates.manager.nodes import DURABLE, OWN, PARTNER, NodeMap, NodeReport, StepCopy, plan_node_load
+from dcp_datastates.manager.resume import Listing, plan_node_resume
 
 WORKER = os.path.join(os.path.dirname(__file__), "support", "node_worker.py")
 
@@ -88,6 +90,32 @@ def test_plan_of_a_step_saved_twice_keeps_the_newest_save():
     plan = plan_node_load(reports, [], [], None)
     # node 1 holds an older save of step 5: its files are not the newest save's, so 5 is unreachable
     assert plan.candidates == [] and 5 in plan.missing
+
+
+def test_the_node_load_plan_is_the_load_plan_with_what_the_nodes_report():
+    ranks = {0: None, 1: None}
+    reports = [
+        NodeReport(0, {10: _copy(1, ranks, [0]), 30: _copy(3, ranks, [0])}, {}, set(), {20: "ValueError: bad trailer"}),
+        NodeReport(1, {10: _copy(1, ranks, [1])}, {}, set()),
+    ]
+    listing = Listing(ResumeOrder([30, 10], [], None, None), uncommitted=[40])
+    nodes = plan_node_load(reports, [], [], None)
+    plan = plan_node_resume(listing, nodes, reports, None, "/run", None)
+    # the nodes' candidates, not rank 0's listing (which offered 30): no node holds rank 1's files of 30
+    assert plan.candidates == [10] and plan.local == {10} and plan.newest_known == 30 and plan.error is None
+    assert plan.warnings == [
+        "skipping /run/step_00000040: it was never committed (an interrupted or failed save)",
+        "skipping step 30: no node holds rank00001-000000000003.data, rank00001-000000000003.index (a node lost its root)",
+        "node 0: the checkpoint of step 20 cannot be read (ValueError: bad trailer)",
+    ]
+    # an explicit step no node holds whole: the error names the files, and the durable tier checked too
+    plan = plan_node_resume(listing, plan_node_load(reports, [], [], 30), reports, 30, "/run", "s3://b/run")
+    assert plan.candidates == [] and "no node holds rank00001-000000000003.data" in str(plan.error)
+    assert "(nor does s3://b/run)" in str(plan.error)
+    # the durable tier did not answer and no node holds anything: raised, not a fresh start
+    listing = Listing(ResumeOrder([], [], None, None), uncommitted=[], tier_error="timed out")
+    plan = plan_node_resume(listing, plan_node_load([], [], [], None), [], None, "/run", "s3://b/run")
+    assert plan.candidates == [] and "did not answer (timed out)" in str(plan.error)
 
 
 # -- simulated nodes --------------------------------------------------------------------

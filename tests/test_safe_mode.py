@@ -249,6 +249,7 @@ def test_the_manager_raises_unsafe_checkpoint_error_for_a_hostile_metadata(tmp_p
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_every_rank_raises_unsafe_checkpoint_error_for_a_hostile_metadata(tmp_path):
     """Two gloo ranks: the verdict travels between ranks pickled, and still says 'raise, unsafe'."""
     from manager_workers import run_ranks

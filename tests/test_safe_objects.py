@@ -216,6 +216,7 @@ print("maxrss MiB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
 
 @pytest.mark.subprocess
 @pytest.mark.parametrize("case", ["objbuf", "big"])
+@pytest.mark.slow
 def test_reviewers_newobj_ndarray_is_refused_without_crash_or_allocation(tmp_path, case):
     r = subprocess.run(
         [sys.executable, "-c", _REVIEW_CASE, str(tmp_path / "c"), HERE, case],

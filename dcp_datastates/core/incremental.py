@@ -95,12 +95,10 @@ def _hash_stream(device: torch.device):
     with _HASH_STREAMS_LOCK:
         stream = _HASH_STREAMS.get(device.index)
         if stream is None:
-            from dcp_datastates import _engine
-            from dcp_datastates.native.engine import ensure_cuda_runtime
+            from dcp_datastates.native.engine import new_cuda_stream
 
-            ensure_cuda_runtime()
             with torch.cuda.device(device):
-                stream = torch.cuda.ExternalStream(_engine.create_cuda_stream(), device=device)
+                stream = torch.cuda.ExternalStream(new_cuda_stream(), device=device)
             _HASH_STREAMS[device.index] = stream
         return stream
 

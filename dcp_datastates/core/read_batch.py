@@ -16,10 +16,11 @@ the whole frames holding the box's bounding range: a frame is only decoded whole
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 from bisect import bisect_left, bisect_right
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -30,13 +31,11 @@ from dcp_datastates.core.compression.codec import default_threads, run_parallel
 from dcp_datastates.core.compression.read import add_frame_reads, block_span
 from dcp_datastates.core.stock_dcp import add_stock_item
 from dcp_datastates.errors import ChecksumMismatchError, CorruptCheckpointError
+from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 from dcp_datastates.format.rank_index import RankIndex
 from dcp_datastates.format.safe_objects import plain_object_stream
 from dcp_datastates.native import engine as _native
 from dcp_datastates.storage import RangeRead, StoreError
-
-if TYPE_CHECKING:
-    from dcp_datastates.core.reader import DataStatesReader
 
 # Neighbouring spans of a strided box are read as one when the gap between them is at most a
 # fifth of a run (the bytes read stay within 1.2 times those needed) or at most this many bytes
@@ -45,10 +44,32 @@ MERGE_GAP_RATIO = 5
 TINY_GAP_BYTES = 1024
 
 
+@dataclasses.dataclass(frozen=True)
+class ReadContext:
+    """What a batch needs of the load's reader (:meth:`DataStatesReader.read_context`): the
+    checkpoint's decoded metadata, how files are named and found, and the one way its reads are
+    carried out (the store's batch, or the load's read-once rounds)."""
+
+    location: str  # the checkpoint, for errors
+    verify: bool  # reads are checked against the rank indexes' segments
+    allow_pickle: bool
+    layout: CheckpointLayout | None  # ours (None: a stock DCP checkpoint, ``stock`` set)
+    tensors: dict  # the metadata's state_dict_metadata: {fqn: TensorStorageMetadata or BytesStorageMetadata}
+    stock: dict | None  # a stock DCP checkpoint's storage data (:mod:`stock_dcp`)
+    stock_chains: dict  # its stream transforms' undoers by descriptors
+    undo_frame: Callable | None  # undoes a compressed frame or a transformed object
+    key: Callable[[str], str]  # a file's key in the store
+    where: Callable[[str], str]  # a file, named for errors
+    stored_at: Callable  # (index, data file, data offset) -> (file name, stripe, stripe base, stripe end)
+    rank_index: Callable[[str], RankIndex]  # the index of the rank whose data file is named
+    chunk_sizes: Callable  # MetadataIndex -> (dtype, the saved chunk's sizes)
+    read_ranges: Callable[[list, bool], list]  # (RangeReads, last) -> failures
+
+
 class ReadBatch:
     """A set of reads handed to the store together, then committed to DCP."""
 
-    def __init__(self, reader: DataStatesReader) -> None:
+    def __init__(self, reader: ReadContext) -> None:
         self.reader = reader
         self.reads: list[RangeRead] = []
         self.keys: list[str] = []
@@ -97,6 +118,19 @@ class ReadBatch:
         self.keys.extend([key] * len(offsets))
         self.read_bytes += int(lengths.sum())
 
+    def request_unverified(self, key: str, name: str, offset: int, buf: bytearray) -> None:
+        """Read all of ``buf`` from ``offset`` of the file ``name`` (a stock DCP record: no
+        segments to check it against)."""
+        if buf:
+            self.reads.append(RangeRead(self.reader.key(name), offset, len(buf), _native.bytearray_address(buf)))
+            self.keys.append(key)
+        self.temp_bytes += len(buf)
+        self.read_bytes += len(buf)
+
+    def then(self, step: Callable[[], None]) -> None:
+        """Run ``step`` once every read of the batch is done (in the order given)."""
+        self.after.append(step)
+
     def add(self, item: ReadItem, planner: LoadPlanner) -> None:
         if item.type == LoadItemType.BYTE_IO:
             before = self.read_bytes
@@ -104,7 +138,7 @@ class ReadBatch:
             self.needed_bytes += self.read_bytes - before
         else:
             self._add(item, planner)  # a tensor the metadata does not describe is refused here
-            md = self.reader._metadata.state_dict_metadata.get(item.storage_index.fqn)
+            md = self.reader.tensors.get(item.storage_index.fqn)
             if isinstance(md, TensorStorageMetadata):
                 self.needed_bytes += math.prod(item.lengths) * md.properties.dtype.itemsize
 

@@ -31,7 +31,7 @@ from dcp_datastates.core import stock_dcp
 from dcp_datastates.core.compression import transforms
 from dcp_datastates.core.compression.codec import frame_undoer
 from dcp_datastates.core import read_once
-from dcp_datastates.core.read_batch import ReadBatch
+from dcp_datastates.core.read_batch import ReadBatch, ReadContext
 from dcp_datastates.exchange.channel import DEFAULT_TIMEOUT_S, Channel, check_settings
 from dcp_datastates.exchange.plan import Access
 from dcp_datastates.exchange.reads import ReadSession
@@ -342,15 +342,16 @@ class DataStatesReader(StorageReader):
         try:
             if session is not None and session.access is not None:
                 self._fetch_indexes(plan, session)
+            context = self.read_context()
             with _native.gc_paused():
-                batch = ReadBatch(self)
+                batch = ReadBatch(context)
                 for item in plan.items:
                     batch.add(item, planner)
                     if batch.temp_bytes >= TEMP_BUDGET_BYTES:
                         batch.run(last=False)
                         read_bytes += batch.read_bytes
                         self.bytes_needed += batch.needed_bytes
-                        batch = ReadBatch(self)
+                        batch = ReadBatch(context)
                 batch.run(last=True)
                 read_bytes += batch.read_bytes
                 self.bytes_needed += batch.needed_bytes
@@ -397,6 +398,15 @@ class DataStatesReader(StorageReader):
             raise CorruptCheckpointError(f"{f.path}: fetching the rank index from the rank that holds it: {f.message}")
         for key, buf in wanted.items():
             self.store.adopt(key, bytes(buf))
+
+    def read_context(self) -> ReadContext:
+        """What this load's read batches use of the reader (its metadata decoded)."""
+        return ReadContext(
+            location=self.location, verify=self.verify, allow_pickle=self.allow_pickle, layout=self._layout,
+            tensors=self._metadata.state_dict_metadata, stock=self.stock, stock_chains=self.stock_chains,
+            undo_frame=self.undo_frame, key=self.key, where=self.where, stored_at=self.stored_at,
+            rank_index=self.rank_index, chunk_sizes=self.chunk_sizes, read_ranges=self.read_ranges,
+        )
 
     def read_ranges(self, reads: list, last: bool = True) -> list:
         """Carry out a batch's reads (:meth:`Store.read_batch`'s answer): through this load's

@@ -11,7 +11,9 @@ removed) when it commits or fails.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
+import time
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -100,3 +102,21 @@ class RankSave:
     staged: StagedMetadata | None = None
     ended: bool = False
 
+
+# The writer's log (README names it): one line per rank and save.
+_log = logging.getLogger("dcp_datastates.core.writer")
+
+
+def log_rank_written(rank: int, path: str, stats: SaveStats) -> None:
+    """One INFO line per rank and save: bytes, seconds since the save began, rate, and for an
+    asynchronous save how long the caller was blocked (the rest overlapped training)."""
+    if not _log.isEnabledFor(logging.INFO):
+        return
+    seconds = time.perf_counter() - stats.began_at
+    rate = stats.bytes_written / seconds / 1e9 if seconds > 0 else float("inf")
+    line = f"rank {rank} wrote {stats.bytes_written} bytes to {path} in {seconds:.3f} s ({rate:.2f} GB/s)"
+    if stats.asynchronous:
+        line += f"; async: the caller was blocked {stats.stage_call_s:.3f} s, the snapshot was copied after {stats.staged_s:.3f} s"
+    if stats.referenced_bytes:
+        line += f"; {stats.referenced_bytes} bytes referred to in the base"
+    _log.info("%s", line)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import io
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -29,11 +29,6 @@ from dcp_datastates.core.compression import transforms
 from dcp_datastates.errors import CorruptCheckpointError
 from dcp_datastates.format.checkpoint_layout import show
 from dcp_datastates.format.safe_objects import plain_object_stream
-from dcp_datastates.native.engine import bytearray_address
-from dcp_datastates.storage import RangeRead
-
-if TYPE_CHECKING:
-    from dcp_datastates.core.read_batch import ReadBatch
 
 # FileSystemWriter names its files ``__<rank>_<n>.distcp``; any plain name in the checkpoint's
 # own directory is accepted, none that could leave it.
@@ -80,7 +75,18 @@ def transform_chains(storage_data: dict, registry, where: str) -> dict[tuple, li
     return chains
 
 
-def add_stock_item(batch: ReadBatch, item: ReadItem, planner: LoadPlanner) -> None:
+class StockBatch(Protocol):
+    """What a stock record's reads need of the load's batch (:class:`read_batch.ReadBatch`)."""
+
+    reader: Any  # its read_batch.ReadContext: ``stock``, ``stock_chains``, ``location``, ``where``, ``allow_pickle``
+    shared: dict  # the stock records it reads, by (file, offset): each read once
+
+    def request_unverified(self, key: str, name: str, offset: int, buf: bytearray) -> None: ...
+
+    def then(self, step: Callable[[], None]) -> None: ...
+
+
+def add_stock_item(batch: StockBatch, item: ReadItem, planner: LoadPlanner) -> None:
     """Queue on ``batch`` the read of the stock record ``item`` needs (once per record and batch),
     and after it the item's decoding, narrowing and commit."""
     reader = batch.reader
@@ -91,11 +97,7 @@ def add_stock_item(batch: ReadBatch, item: ReadItem, planner: LoadPlanner) -> No
     record = batch.shared.get((info.relative_path, info.offset))
     if record is None:
         buf = bytearray(info.length)
-        if info.length:
-            batch.reads.append(RangeRead(reader.key(info.relative_path), info.offset, info.length, bytearray_address(buf)))
-            batch.keys.append(index.fqn)
-        batch.temp_bytes += info.length
-        batch.read_bytes += info.length
+        batch.request_unverified(index.fqn, info.relative_path, info.offset, buf)
         record = batch.shared[(info.relative_path, info.offset)] = _Record(buf, info, reader.where(info.relative_path))
     chain = reader.stock_chains[tuple(info.transform_descriptors or ())]
     if item.type == LoadItemType.BYTE_IO:
@@ -106,7 +108,7 @@ def add_stock_item(batch: ReadBatch, item: ReadItem, planner: LoadPlanner) -> No
             stream = io.BytesIO(blob) if allow else plain_object_stream(blob, index.fqn, record.where, map_location=None)
             planner.load_bytes(item, stream)
 
-        batch.after.append(load_object)
+        batch.then(load_object)
         return
 
     def load_tensor() -> None:
@@ -126,7 +128,7 @@ def add_stock_item(batch: ReadBatch, item: ReadItem, planner: LoadPlanner) -> No
         target.copy_(tensor)
         planner.commit_tensor(item, target)
 
-    batch.after.append(load_tensor)
+    batch.then(load_tensor)
 
 
 class _Record:

@@ -51,8 +51,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_datastates import _dcp_compat
-from dcp_datastates.core import incremental, rank_file
-from dcp_datastates.core.coordinator_layout import layout_from_reports, predict_layout, predict_staged_layout
+from dcp_datastates.core import incremental, rank_file, save_metadata
+from dcp_datastates.core.coordinator_layout import layout_from_reports
 from dcp_datastates.core.destination import destination_of
 from dcp_datastates.core.compression.codec import descriptor_of, resolve_compression
 from dcp_datastates.core.placement import (
@@ -67,33 +67,14 @@ from dcp_datastates.core.rank_reports import split_reports, with_report
 from dcp_datastates.core.async_save.handoff import StagingFuture, WriterSnapshots
 from dcp_datastates.core.async_save.runtime import new_writer_serial, runtime
 from dcp_datastates.core.async_save.snapshot import Snapshot
-from dcp_datastates.core.save_state import RankSave, SaveStats, SaveTarget, StagedMetadata
+from dcp_datastates.core.save_state import RankSave, SaveStats, SaveTarget, log_rank_written
 from dcp_datastates.errors import CheckpointError
-from dcp_datastates.format.metadata_file import encode_metadata
 from dcp_datastates.format.file_names import MAX_STRIPES, METADATA_FILE, layout_files
-from dcp_datastates.storage.url import check_location, is_store_url
-from dcp_datastates.format.checkpoint_layout import CheckpointLayout, RankFiles
+from dcp_datastates.storage.url import check_save_target, is_store_url
+from dcp_datastates.format.checkpoint_layout import RankFiles
 from dcp_datastates.native import engine as _native
 
 __all__ = ["DataStatesWriter", "SaveStats"]
-
-
-def _check_target(path, compression, base) -> None:
-    """A ValueError for a destination no store serves, or for what a save straight into object
-    storage does not do (naming what to use instead)."""
-    if path is None:
-        return
-    check_location(path, "DataStatesWriter")
-    if not is_store_url(path):
-        return
-    unsupported = [what for what, given in (("compression", compression is not None), ("base", base is not None)) if given]
-    if unsupported:
-        raise ValueError(
-            f"DataStatesWriter({os.fspath(path)!r}, {', '.join(unsupported)}=...): a save straight into object "
-            "storage writes raw, full checkpoints; for compressed or incremental checkpoints there, save them "
-            "to a local directory and have them copied in the background: CheckpointManager(local_root, "
-            "CheckpointManagerOptions(durable=URL, ...)) (docs/tiers.md)"
-        )
 
 
 class DataStatesWriter(StorageWriter, AsyncStager):
@@ -147,7 +128,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         # Before the codec is resolved: an impossible combination is named as such, also where
         # the codec's package is not installed.
         incremental.check_options(base, record_digests, compressed=compression is not None or bool(_extensions))
-        _check_target(path, compression if compression is not None else (_extensions or None), base)
+        check_save_target(path, compression if compression is not None else (_extensions or None), base)
         self.compression = resolve_compression(compression, compression_level, _extensions)
         self.base = os.fspath(base) if base is not None else None
         if self.base is not None and path is not None:
@@ -301,7 +282,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         """
         self.save_id = _new_dcp_id()
         if checkpoint_id is not None:
-            _check_target(checkpoint_id, self.compression, self.base)
+            check_save_target(checkpoint_id, self.compression, self.base)
             self.path = os.fspath(checkpoint_id)
             with self._lock:
                 self._reset_paths[threading.get_ident()] = self.path
@@ -390,7 +371,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 write, increment, placement = self._start_planned_write(save, plan, planner)
             save.job = write.job
             if save.is_coordinator and increment is None:
-                self._stage_predicted_metadata(save, planner, placement)
+                save_metadata.stage_predicted(save, planner, self._rule(save), placement, self.sequence)
             results = write.complete(target.dest, save.stats, target.snapshot)
             report = write.report
             if increment is not None:
@@ -422,8 +403,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 layout = layout_from_reports(results, reports, target.save_id, metadata, target.dest.where(METADATA_FILE))
             staged = save.staged
             if staged is None or staged.metadata is not metadata or staged.layout is not layout:
-                self._discard_staged_metadata(save)
-                self._stage_metadata(save, metadata, layout)
+                save_metadata.discard(save)
+                save_metadata.stage(save, metadata, layout, self.sequence)
             replaced = target.dest.files_of_committed() if self.overwrite else []  # read now: another save may have committed
             target.dest.commit_metadata(save.staged.handle, self.overwrite)
             # Committed from here on: nothing below may remove this checkpoint's files.
@@ -537,7 +518,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._end(save)
         if committed is False:
             dest.remove(save.written_files)
-        self._discard_staged_metadata(save)
+        save_metadata.discard(save)
 
     # -- placement and metadata -----------------------------------------------------
 
@@ -582,36 +563,6 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         )
         return increment
 
-    def _stage_predicted_metadata(self, save: RankSave, planner: SavePlanner, own) -> None:
-        """Predict the layout (the coordinator's own placement ``own`` included) and serialize the
-        final metadata with it while the engine writes tensor bytes; ``finish`` checks it."""
-        if save.target.asynchronous:
-            prediction = predict_staged_layout(list(save.plans), save.target.save_id) if save.plans else None
-        else:
-            plans = save.plans or _cached_global_plans(planner)
-            prediction = predict_layout(plans, self._rule(save), own) if plans else None
-        save.prediction = prediction
-        metadata = getattr(planner, "metadata", None)
-        if prediction is None or not isinstance(metadata, Metadata):
-            return  # finish() serializes the metadata
-        t = time.perf_counter()
-        self._stage_metadata(save, metadata, prediction.layout)
-        save.stats.metadata_serialize_s = time.perf_counter() - t
-
-    def _stage_metadata(self, save: RankSave, metadata: Metadata, layout: CheckpointLayout) -> None:
-        metadata.storage_data = layout
-        metadata.storage_meta = StorageMeta(checkpoint_id=save.target.path, save_id=save.target.dcp_save_id)
-        version = _dcp_compat.dcp_metadata_version()
-        if version is not None:
-            metadata.version = version
-        handle = save.target.dest.stage_metadata(layout.save_id, encode_metadata(metadata, self.sequence))
-        save.staged = StagedMetadata(metadata, layout, handle)
-
-    def _discard_staged_metadata(self, save: RankSave) -> None:
-        if save.staged is not None:
-            save.target.dest.discard_metadata(save.staged.handle)
-            save.staged = None
-
     def _forget_parent_saves(self) -> None:
         """In a fork child: the saves this writer staged or ran in the parent go on
         (and are cleaned up) in the parent only; here the writer starts idle."""
@@ -622,30 +573,6 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
 
 _log = logging.getLogger(__name__)
-
-
-def log_rank_written(rank: int, path: str, stats: SaveStats) -> None:
-    """One INFO line per rank and save: bytes, seconds since the save began, rate, and for an
-    asynchronous save how long the caller was blocked (the rest overlapped training)."""
-    if not _log.isEnabledFor(logging.INFO):
-        return
-    seconds = time.perf_counter() - stats.began_at
-    rate = stats.bytes_written / seconds / 1e9 if seconds > 0 else float("inf")
-    line = f"rank {rank} wrote {stats.bytes_written} bytes to {path} in {seconds:.3f} s ({rate:.2f} GB/s)"
-    if stats.asynchronous:
-        line += f"; async: the caller was blocked {stats.stage_call_s:.3f} s, the snapshot was copied after {stats.staged_s:.3f} s"
-    if stats.referenced_bytes:
-        line += f"; {stats.referenced_bytes} bytes referred to in the base"
-    _log.info("%s", line)
-
-
-def _cached_global_plans(planner: SavePlanner) -> list[SavePlan] | None:
-    """Every rank's final plan where DCP's cache stood in for some (``DefaultSavePlanner``
-    keeps them as ``global_plan``); None where the planner keeps none."""
-    plans = getattr(planner, "global_plan", None)
-    if isinstance(plans, list) and plans and all(isinstance(p, SavePlan) and p.usable for p in plans):
-        return plans
-    return None
 
 
 def _new_dcp_id() -> str:

@@ -10,7 +10,7 @@
   world size, straight from a Hugging Face directory; what
   ``CheckpointManagerOptions(init_from_huggingface=...)`` does on a fresh root.
 
-All three are the library face of the machinery in :mod:`tools.commands.convert`
+All three are the library face of the machinery in :mod:`tools.conversion`
 and :mod:`manager.huggingface_init`; docs/huggingface.md describes them.
 transformers is imported only where a config must be read.
 """
@@ -21,7 +21,7 @@ import os
 
 from dcp_datastates.errors import CheckpointNotFoundError
 from dcp_datastates.manager.huggingface_init import load_from_huggingface
-from dcp_datastates.tools.commands.convert import DEFAULT_MAX_SHARD_BYTES, ConvertSummary, Progress, convert_checkpoint
+from dcp_datastates.tools.conversion import DEFAULT_MAX_SHARD_BYTES, ConvertSummary, Progress, convert_checkpoint
 from dcp_datastates.tools.formats.huggingface import DEFAULT_PREFIX
 from dcp_datastates.tools.safetensors_view import is_safetensors_dir
 

@@ -13,6 +13,7 @@ import errno
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_datastates.errors import (
     CheckpointError,
@@ -63,6 +64,15 @@ def classify(exc: BaseException) -> Verdict:
 def describe(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return " ".join(text.split())
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The error a rank raised, out of DCP's CheckpointException (the first failing rank's)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        inner = next(iter(exc.failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else getattr(inner, "exc", inner)
+        return inner if isinstance(inner, BaseException) else exc
+    return exc
 
 
 class Ranks:

@@ -12,6 +12,7 @@ import os
 
 from dcp_datastates.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from dcp_datastates.manager.checkpoint_root import LATEST_FILE, ResumeOrder, step_dir_name
+from dcp_datastates.manager.nodes import NodePlan, NodeReport
 
 
 @dataclasses.dataclass
@@ -96,3 +97,30 @@ def with_durable_only(local: list[int], durable_only: list[int]) -> list[int]:
         at = next((i for i, c in enumerate(out) if c < s), len(out))
         out.insert(at, s)
     return out
+
+
+def plan_node_resume(listing: Listing, nodes: NodePlan, reports: list[NodeReport], step: int | None, root: str,
+                     tier_url: str | None) -> LoadPlan:
+    """The plan of a load from node-local roots: the candidates and newest step of ``nodes``
+    (:func:`nodes.plan_node_load`, from every leader's report), the warnings of rank 0's listing
+    (:func:`plan_load` of a resume), and what the nodes' reports add: the steps no node holds
+    whole, the copies a node could not read. Every candidate is loaded from the nodes' roots."""
+    listed = plan_load(listing, None, root, tier_url)
+    plan = LoadPlan(list(nodes.candidates), set(nodes.candidates), list(listed.warnings), None, listed.unanswered,
+                    nodes.newest_known)
+    if not plan.candidates and plan.unanswered:
+        plan.error = listed.error
+    for s, lacking in sorted(nodes.missing.items(), reverse=True):
+        if not plan.candidates or s > plan.candidates[0] or step is not None:
+            plan.warnings.append(f"skipping step {s}: no node holds {', '.join(lacking[:3])}"
+                                 f"{' and others' if len(lacking) > 3 else ''} (a node lost its root)")
+    for r in reports:
+        for s, why in r.unreadable.items():
+            plan.warnings.append(f"node {r.node}: the checkpoint of step {s} cannot be read ({why})")
+    if step is not None and not plan.candidates:
+        plan.error = CheckpointError(
+            f"cannot load step {step} from the nodes' roots {root}"
+            + (f": no node holds {', '.join(nodes.missing[step][:3])}" if step in nodes.missing else ": no node holds it")
+            + (f" (nor does {tier_url})" if tier_url is not None else "")
+        )
+    return plan

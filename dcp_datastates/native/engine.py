@@ -33,7 +33,7 @@ _NOT_BUILT = (
     "imported rather than the sources."
 )
 try:
-    from dcp_datastates import _engine
+    import dcp_datastates._engine as _engine
 except ImportError as exc:  # pragma: no cover - depends on how the package was installed
     raise ImportError(_NOT_BUILT) from exc
 if not hasattr(_engine, "Engine"):  # pragma: no cover - the stub directory _engine/, imported as a namespace
@@ -285,6 +285,13 @@ def _loaded_cuda_runtimes() -> list[str]:
     except OSError:
         pass
     return found
+
+
+def new_cuda_stream() -> int:
+    """A CUDA stream of the engine's own (its handle), created outside torch's pool of streams
+    (which NCCL's and FSDP's streams are taken from too); the CUDA runtime is found first."""
+    ensure_cuda_runtime()
+    return _engine.create_cuda_stream()
 
 
 def ensure_cuda_runtime() -> None:

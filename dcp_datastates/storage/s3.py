@@ -26,6 +26,7 @@ from datetime import timedelta
 
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.storage.store import ObjectExistsError, Progress, ShortObjectError, Store, StoreError, check_key
+from dcp_datastates.storage.upload import StreamUpload
 from dcp_datastates.storage.url import parse_s3_url
 
 PART_BYTES = 64 << 20  # multipart part size (S3: 5 MiB to 5 GiB, at most 10,000 parts)
@@ -137,6 +138,12 @@ class S3Store(Store):
             if isinstance(cause, CheckpointError):  # raised by ``blocks`` inside the upload
                 raise cause from exc
             raise self._fail("uploading to", key, exc) from exc
+
+    def start_write(self, engine, key: str, regions, keep, **options):
+        """The engine job's windows streamed into the object as a multipart upload, in bounded
+        memory (``options``: ``verify``, whether it is read back and compared once complete)."""
+        return StreamUpload(self, engine, key, regions, keep, verify=options.get("verify", True),
+                            size_hint=options.get("preallocate") or None)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         check_key(key)

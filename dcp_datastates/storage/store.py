@@ -146,12 +146,9 @@ class Store(abc.ABC):
 
     def start_write(self, engine, key: str, regions, keep, **options):
         """An engine write job of the object ``key`` (the engine's ``Engine.write`` interface):
-        here the job's windows are streamed into the object (:class:`upload.StreamUpload`;
-        ``options``: ``verify``, whether it is read back and compared once complete)."""
-        from dcp_datastates.storage.upload import StreamUpload
-
-        return StreamUpload(self, engine, key, regions, keep, verify=options.get("verify", True),
-                            size_hint=options.get("preallocate") or None)
+        written into a file where it will be (:class:`LocalStore`), or streamed into an object
+        (:class:`upload.StreamUpload`, S3). A store that takes no engine writes refuses."""
+        raise StoreError(f"{self.where(key)}: this store does not take engine writes")
 
     @abc.abstractmethod
     def replace_bytes(self, key: str, data: bytes) -> None:

@@ -41,6 +41,24 @@ def check_location(location, what: str = "a checkpoint location") -> None:
         )
 
 
+def check_save_target(path, compression, base) -> None:
+    """:func:`check_location` for a writer's path, and a ValueError for what a save straight into
+    object storage does not do (``compression``, a ``base``: given or not), naming what to use instead."""
+    if path is None:
+        return
+    check_location(path, "DataStatesWriter")
+    if not is_store_url(path):
+        return
+    unsupported = [what for what, given in (("compression", compression is not None), ("base", base is not None)) if given]
+    if unsupported:
+        raise ValueError(
+            f"DataStatesWriter({os.fspath(path)!r}, {', '.join(unsupported)}=...): a save straight into object "
+            "storage writes raw, full checkpoints; for compressed or incremental checkpoints there, save them "
+            "to a local directory and have them copied in the background: CheckpointManager(local_root, "
+            "CheckpointManagerOptions(durable=URL, ...)) (docs/tiers.md)"
+        )
+
+
 def refuse_url(path, who: str, instead: str) -> None:
     """A ValueError when ``path`` is a URL: ``who`` works on local directories only, and nothing
     may be written (or looked for) in a folder named after the URL. ``instead``: what to use."""

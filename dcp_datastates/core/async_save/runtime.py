@@ -18,13 +18,21 @@ import os
 import queue
 import threading
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from dcp_datastates.core.async_save.order import SaveOrder
 from dcp_datastates.errors import CheckpointError
 
-if TYPE_CHECKING:
-    from dcp_datastates.core.async_save.snapshot import Snapshot
+
+class Snapshot(Protocol):
+    """What the runtime needs of a snapshot it tracks (:class:`snapshot.Snapshot`, which imports
+    this module: the runtime names only this interface)."""
+
+    begun: bool
+    abandoned: str | None  # why, once abandoned
+    staged: threading.Event
+
+    def abandon(self, why: str) -> bool: ...
 
 
 class BackgroundErrors:

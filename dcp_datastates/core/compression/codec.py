@@ -17,7 +17,7 @@ from dcp_datastates.format.checkpoint_layout import BLOCK_ALIGN, COMPRESSION_COD
 ZSTD = "zstd"
 DEFAULT_LEVEL = 3  # zstd's default, and what DCP's ZStandard() compresses with
 DEFAULT_BLOCK_BYTES = 4 << 20
-INSTALL_HINT = 'pip install "dcp_datastates[zstd]" (or pip install zstandard)'
+INSTALL_HINT = transforms.INSTALL_HINT
 
 
 def zstd_module():

@@ -18,6 +18,9 @@ from typing import Sequence
 from dcp_datastates import _dcp_compat
 from dcp_datastates.errors import CorruptCheckpointError, UnsupportedFormatError
 
+# How to get the zstandard package (the codec's zstd and DCP's ZStandard extension both need it).
+INSTALL_HINT = 'pip install "dcp_datastates[zstd]" (or pip install zstandard)'
+
 
 def check_extensions(extensions: Sequence) -> tuple:
     """``extensions`` as a tuple, each a DCP ``StreamTransformExtension`` (else a ValueError
@@ -83,8 +86,6 @@ def extensions_for(descriptors: Sequence[str], registry, where: str) -> list:
         return list(registry.from_descriptor_list(list(descriptors)))
     except Exception as exc:  # noqa: BLE001 - an extension's from_descriptor may raise anything
         if any(d.partition("/")[0] == "stream.zstd" for d in descriptors):
-            from dcp_datastates.core.compression.codec import INSTALL_HINT
-
             how = f"DCP's ZStandard needs the zstandard package: {INSTALL_HINT}; other extensions: "
         else:
             how = ""
