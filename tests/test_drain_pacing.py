@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dcp_datastates.manager.drain_pacing import MAX_GUARD_S, MIN_GUARD_S, DrainPacer
+from dcp_datastates.tiers.drain_pacing import MAX_GUARD_S, MIN_GUARD_S, DrainPacer
 
 
 class FakeClock:

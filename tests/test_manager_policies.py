@@ -239,3 +239,40 @@ def test_a_failed_synchronous_save_raises_the_rank_error(tmp_path, monkeypatch):
     with CheckpointManager(tmp_path, CheckpointManagerOptions(async_save=False)) as mgr:
         with pytest.raises(CheckpointError, match=r"the save of step 2 into .*step_00000002 failed: collective timed out"):
             mgr.save(2, {"x": torch.zeros(2)})
+
+
+def test_one_rule_tells_two_copies_of_a_step_hold_the_same_save(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesWriter
+    from dcp_datastates.format.metadata_envelope import CommitStamp, is_newer_save, is_same_save
+    from dcp_datastates.format.metadata_file import read_commit_stamp
+
+    # two saves of one step: their stamps differ; a copy of one (same bytes) has the same stamp
+    first, second = tmp_path / "a", tmp_path / "b"
+    for path, value in ((first, 1.0), (second, 2.0)):
+        dcp.save({"x": torch.full((4,), value)}, storage_writer=DataStatesWriter(path, sequence=7))
+    a, b = (read_commit_stamp(str(p / ".metadata")) for p in (first, second))
+    copy = tmp_path / "copy.metadata"
+    copy.write_bytes((first / ".metadata").read_bytes())
+    assert is_same_save(a, read_commit_stamp(str(copy))) and not is_same_save(a, b)
+    # a copy whose stamp cannot be told is the same as nothing, not even another unknown one
+    assert not is_same_save(None, None) and not is_same_save(None, a) and not is_same_save(a, None)
+    assert is_newer_save(CommitStamp(8, 0, 1), a) and not is_newer_save(a, CommitStamp(8, 0, 1))
+    assert not is_newer_save(a, b) and not is_newer_save(None, a) and not is_newer_save(a, None)
+
+
+def test_each_rank_of_the_durable_tier_has_one_commit_rule():
+    from dcp_datastates.manager.durable_tier import commit_rule_for
+    from dcp_datastates.manager.retention import RetentionPolicy
+    from dcp_datastates.tiers.commit_rules import AwaitCommit, CommitWhenAllConfirmed, LeaveCommit
+
+    policy = RetentionPolicy(2, None)
+    # rank 0 commits (node-local or not); another node's leader waits for that commit; any other rank leaves it
+    assert isinstance(commit_rule_for(0, True, policy), CommitWhenAllConfirmed)
+    assert isinstance(commit_rule_for(0, False, policy), CommitWhenAllConfirmed)
+    assert isinstance(commit_rule_for(4, True, policy), AwaitCommit)
+    assert isinstance(commit_rule_for(3, False, policy), LeaveCommit)
+    # who learns that the copy is committed (and so may free the local copy): the first two only
+    assert [commit_rule_for(r, lead, policy).settles for r, lead in ((0, False), (4, True), (3, False))] == [True, True, False]
+    assert LeaveCommit().after_copy(None, "/nowhere", 5, "step_00000005", 1.0, None) == (None, None, [])

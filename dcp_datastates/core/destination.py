@@ -28,7 +28,7 @@ from dcp_datastates.errors import CheckpointError, CheckpointExistsError
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 from dcp_datastates.format.file_names import METADATA_FILE, layout_files
 from dcp_datastates.format.metadata_file import read_metadata_file
-from dcp_datastates.storage import ObjectExistsError, Store, StoreError, open_store
+from dcp_datastates.storage import ObjectExistsError, Store, StoreError, is_committed, open_store
 from dcp_datastates.storage.url import is_store_url, split_parent
 
 
@@ -124,7 +124,7 @@ class StoreDestination:
         pass  # an object store has no directories
 
     def refuse_committed(self) -> None:
-        if self.store.size(self.key(METADATA_FILE)) is not None:
+        if is_committed(self.store, self.prefix):
             raise CheckpointExistsError(
                 f"{self.location} already holds a committed checkpoint (.metadata exists), and "
                 "DataStatesWriter does not save over one unless asked; pass "

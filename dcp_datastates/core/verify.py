@@ -46,7 +46,7 @@ from dcp_datastates.format.rank_index import RankIndex
 from dcp_datastates.core.compression.codec import default_threads, run_parallel, zstd_module
 from dcp_datastates.core.compression.read import chunk_frames, frames_past_table
 from dcp_datastates.core.reader import DataStatesReader, names_under
-from dcp_datastates.storage import RangeRead, StoreError
+from dcp_datastates.storage import RangeRead, StoreError, is_committed
 from dcp_datastates.format.safe_objects import check_object_is_plain
 
 VERIFY_BUFFER_BYTES = 64 << 20  # bytes read (and checked) per engine job
@@ -186,7 +186,7 @@ def verify(
 
 def _has_metadata(reader: DataStatesReader) -> bool:
     try:
-        return reader.store.size(reader.key(METADATA_FILE)) is not None
+        return is_committed(reader.store, reader.prefix)
     except (CheckpointError, OSError):
         return True  # there, but not a regular file
 

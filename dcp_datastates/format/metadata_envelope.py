@@ -126,6 +126,18 @@ class CommitStamp:
     size: int
 
 
+def is_same_save(a: CommitStamp | None, b: CommitStamp | None) -> bool:
+    """Whether two copies of a step hold the very same save (the one rule: equal stamps; a copy
+    whose stamp cannot be told is never the same as anything)."""
+    return a is not None and a == b
+
+
+def is_newer_save(a: CommitStamp | None, than: CommitStamp | None) -> bool:
+    """Whether the copy stamped ``a`` holds a save committed after the one stamped ``than``
+    (both known): the run went on from it elsewhere."""
+    return a is not None and than is not None and a.sequence > than.sequence
+
+
 def read_commit_stamp(path) -> CommitStamp | None:
     """The :class:`CommitStamp` of the ``.metadata`` at ``path`` (a local path, or an opened file
     of any store: ``storage.Store.open_file``; unverified), or None: missing, or no trailer to

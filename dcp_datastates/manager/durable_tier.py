@@ -2,12 +2,14 @@
 
 Each committed step is handed to a :class:`DurableTier`, whose one background
 thread per rank copies the rank's files to the tier (:func:`tiers.drain.drain_rank`)
-and, on rank 0, commits the copy there once every rank confirmed, then applies
-the tier's retention (:mod:`manager.retention`): :func:`run_drain_job`. The
+and then does the rank's part of the commit, its :class:`tiers.commit_rules.CommitRule`
+(:func:`commit_rule_for`: rank 0 commits the copy there once every rank confirmed, then
+applies the tier's retention, :mod:`manager.retention`): :func:`run_drain_job`. Its queue
+is a :class:`tiers.copy_queue.CopyQueue`. The
 thread stays in the training process (a child process blocked ``save()`` no
 less and costs a second interpreter with torch; docs/benchmarks.md), works in
 small blocks, runs at the lowest priority and keeps out of saves' way
-(:mod:`manager.drain_pacing`). A drain the store does not answer is retried
+(:mod:`tiers.drain_pacing`). A drain the store does not answer is retried
 with capped backoff for ``retry_s``; one that still fails is retried with the
 next step and reported by :meth:`DurableTier.wait`; the local copy of a step
 not durable yet is kept. Rank 0 mirrors the run's pointer to the tier before
@@ -34,13 +36,13 @@ from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_file import CommitStamp
 from dcp_datastates.manager.checkpoint_root import LATEST_FILE, POINTER_LIMIT, Pointer, step_dir_name, step_of
 from dcp_datastates.manager.retention import RetentionPolicy
-from dcp_datastates.manager.drain_pacing import DrainPacer
+from dcp_datastates.tiers.commit_rules import AwaitCommit, CommitRule, CommitWhenAllConfirmed, LeaveCommit, Outcome
+from dcp_datastates.tiers.copy_queue import DELETED, DRAINING, DURABLE, FAILED, QUEUED, CopyQueue, DrainJob, DrainStatus, lower_priority
+from dcp_datastates.tiers.drain_pacing import DrainPacer
 from dcp_datastates.storage import StoreError, open_store
 from dcp_datastates.tiers.drain import (
     DrainError,
-    await_commit,
     clear_incomplete_step,
-    commit_durable,
     drain_rank,
     durable_commit_stamp,
     durable_steps,
@@ -50,32 +52,8 @@ from dcp_datastates.tiers.drain import (
 )
 
 _log = logging.getLogger(__name__)
-QUEUED, DRAINING, DURABLE, FAILED, DELETED = "queued", "draining", "durable", "failed", "deleted"
 RETRY_S = 1800.0  # how long a drain is retried while the store does not answer (an outage)
 RETRY_FIRST_S, RETRY_MAX_S = 1.0, 60.0  # the backoff between those tries: doubling, capped
-
-
-@dataclasses.dataclass
-class DrainStatus:
-    """Where one step's copy to the durable tier stands, on this rank."""
-
-    step: int
-    # queued, draining, durable (rank 0: committed there; others: confirmed), failed, or deleted (rank 0,
-    # which applies the tier's retention: the copy was durable and retention removed it since)
-    state: str = QUEUED
-    bytes_done: int = 0
-    bytes_total: int = 0
-    seconds: float = 0.0
-    error: str | None = None
-
-
-@dataclasses.dataclass
-class DrainJob:
-    """One step to copy: this rank's files of it, in the local step directory."""
-
-    step: int
-    local_dir: str
-    files: RankFiles
 
 
 @dataclasses.dataclass
@@ -83,38 +61,29 @@ class DrainConfig:
     """What every job of a tier does besides the copy."""
 
     rank: int
+    commit: CommitRule = dataclasses.field(default_factory=LeaveCommit)  # this rank's part once its files are there
     read_back: bool = True
     commit_timeout_s: float = 3600.0
-    retention: RetentionPolicy = RetentionPolicy()
     retry_s: float = RETRY_S
-    # Who commits a copy once the ranks of ``commit_ranks`` (None: every rank) confirmed
-    # (rank 0 by default; a node's leader for its partner copy), and whether this rank, not
-    # committing, waits for the commit to learn that its local copy is settled (a leader of
-    # another node, whose local retention waits for the durable copy).
-    commits: bool = False
-    commit_ranks: tuple | None = None
-    follows_commit: bool = False
 
 
-def run_drain_job(store, job: DrainJob, config: DrainConfig, progress, pace,
-                  stop=None) -> tuple[CommitStamp | None, str | None, list[int]]:
-    """Copy this rank's files of ``job``'s step to ``store``; on rank 0, commit the copy once
-    every rank confirmed, then apply the tier's retention. Returns the stamp of the save
-    committed there (rank 0; None elsewhere), a warning (retention failed after the
-    commit, which stands) and the steps retention deleted; raises if the copy is not durable."""
+def run_drain_job(store, job: DrainJob, config: DrainConfig, progress, pace, stop=None) -> Outcome:
+    """Copy this rank's files of ``job``'s step to ``store``, then do this rank's part of the
+    commit (its :class:`CommitRule`). Returns the stamp of the save committed there (None where
+    this rank does not learn it), a warning (retention failed after the commit, which stands)
+    and the steps retention deleted; raises if the copy is not durable."""
     step_dir = step_dir_name(job.step)
     drain_rank(job.local_dir, step_dir, job.files, store, read_back=config.read_back, progress=progress, pace=pace)
-    if not config.commits:
-        if config.follows_commit:
-            return await_commit(job.local_dir, step_dir, store, timeout_s=config.commit_timeout_s, stop=stop), None, []
-        return None, None, []
-    stamp = commit_durable(job.local_dir, step_dir, store, timeout_s=config.commit_timeout_s, stop=stop,
-                           ranks=config.commit_ranks)
-    try:
-        deleted = apply_durable_retention(store, job.step, config.retention)
-    except Exception as exc:  # noqa: BLE001 - the commit stands; retention catches up next time
-        return stamp, f"step {job.step} is durable in {store.where('')}, but retention there failed: {exc}", []
-    return stamp, None, deleted
+    return config.commit.after_copy(store, job.local_dir, job.step, step_dir, config.commit_timeout_s, stop)
+
+
+def commit_rule_for(rank: int, learns_commit: bool, retention: RetentionPolicy) -> CommitRule:
+    """Rank 0 commits every copy to the durable tier once every rank confirmed, then applies
+    the tier's ``retention``; a rank that must learn of the commit (``learns_commit``: another
+    node's leader) waits for it; any other rank's part ends with its files."""
+    if rank == 0:
+        return CommitWhenAllConfirmed(lambda store, step: apply_durable_retention(store, step, retention))
+    return AwaitCommit() if learns_commit else LeaveCommit()
 
 
 def is_outage(exc: BaseException) -> bool:
@@ -162,69 +131,13 @@ def apply_durable_retention(store, committed_step: int, policy: RetentionPolicy)
     return victims
 
 
-def _lower_priority() -> None:
-    """The drain thread runs at the lowest CPU priority (nice 19; Linux applies it to this
-    thread only): the training loop and the save's own threads come first."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (OSError, AttributeError):  # not permitted, or not Linux: the drain still pauses for saves
-        pass
-
-
-class CopyQueue:
-    """What every tier whose copies run in a background thread keeps: each step's status, the
-    copies not ended yet, the failures not raised yet; :meth:`wait` for them (the durable tier,
-    the partner level)."""
-
-    url: str
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._pending = 0
-        self._status: dict[int, DrainStatus] = {}
-        self._unreported: list[DrainError] = []
-
-    def status(self) -> dict[int, DrainStatus]:
-        with self._lock:
-            return {s: dataclasses.replace(st) for s, st in self._status.items()}
-
-    def _queued(self, step: int) -> None:
-        """Under ``self._lock``: a copy of ``step`` joined the queue."""
-        self._status[step] = DrainStatus(step)
-        self._pending += 1
-
-    def _ended(self) -> None:
-        """A copy ended (either way)."""
-        with self._lock:
-            self._pending -= 1
-            self._idle.notify_all()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait until every queued copy ended; raise (once) the first failure not yet raised."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"copies to {self.url} still running after {timeout} s")
-                self._idle.wait(left)
-        self.raise_errors()
-
-    def raise_errors(self) -> None:
-        with self._lock:
-            errors, self._unreported = self._unreported, []
-        if errors:
-            raise errors[0]
-
-
 class DurableTier(CopyQueue):
     def __init__(
         self,
         url: str,
         *,
         rank: int,
-        retention: RetentionPolicy = RetentionPolicy(),
+        commit: CommitRule | None = None,
         read_back: bool = True,
         commit_timeout_s: float = 3600.0,
         retry_s: float = RETRY_S,
@@ -232,19 +145,15 @@ class DurableTier(CopyQueue):
         on_durable: Callable[[int, CommitStamp | None], None] | None = None,
         warn: Callable[[str], None] = lambda m: warnings.warn(m, stacklevel=3),
         store=None,
-        commits: bool | None = None,
-        commit_ranks: tuple | None = None,
-        follows_commit: bool = False,
     ) -> None:
         super().__init__()
         self.url = url
         self.store = store if store is not None else open_store(url, **(store_options or {}))
         self.rank = rank
-        self.config = DrainConfig(rank, read_back, commit_timeout_s, retention, float(retry_s),
-                                  commits=rank == 0 if commits is None else commits, commit_ranks=commit_ranks,
-                                  follows_commit=follows_commit)
+        self.config = DrainConfig(rank, commit if commit is not None else LeaveCommit(), read_back, commit_timeout_s,
+                                  float(retry_s))
         self._on_durable = on_durable
-        self._pacer = DrainPacer()  # when the drain may start a block (manager.drain_pacing: why)
+        self._pacer = DrainPacer()  # when the drain may start a block (tiers.drain_pacing: why)
         self._warn = warn
         self._jobs: queue.Queue[DrainJob | None] = queue.Queue()
         self._failed: dict[int, DrainJob] = {}
@@ -368,7 +277,7 @@ class DurableTier(CopyQueue):
                 self.store.close()
 
     def _run(self) -> None:
-        _lower_priority()
+        lower_priority()
         while True:
             job = self._next_job()
             if job is None:
@@ -464,7 +373,7 @@ class DurableTier(CopyQueue):
                 self._write_small()  # before the copy: a new node must see a rollback first
                 self._drain(job, progress)
                 _log.info("step %d: rank %d copied %d bytes to %s in %.3f s%s", job.step, self.rank, st.bytes_done,
-                          self.url, time.monotonic() - t0, "; the durable copy is committed" if self.config.commits else "")
+                          self.url, time.monotonic() - t0, self.config.commit.done_note)
                 return
             except Exception as exc:  # noqa: BLE001 - retried below, or raised
                 if not is_outage(exc) or self._stopping:
@@ -491,7 +400,7 @@ class DurableTier(CopyQueue):
                     self._status[s].state = DELETED
         if warning is not None:
             self._warn(warning)
-        if (self.config.commits or self.config.follows_commit) and self._on_durable is not None and not self._stopping:
+        if self.config.commit.settles and self._on_durable is not None and not self._stopping:
             self._pacer.wait_for_gap()  # it deletes local copies: freeing their pages takes a core too
             self._on_durable(job.step, stamp)
 

@@ -12,6 +12,7 @@ import os
 import threading
 
 from dcp_datastates.format.file_names import METADATA_FILE
+from dcp_datastates.format.metadata_envelope import is_same_save
 from dcp_datastates.format.metadata_file import CommitStamp, read_commit_stamp
 from dcp_datastates.manager.checkpoint_root import is_committed, is_link, resume_order, step_dirs, step_of
 from dcp_datastates.manager.cleanup import delete_checkpoint_dir
@@ -79,8 +80,7 @@ class LocalRetention:
         path = os.path.join(self.state.root, name)
         if not is_committed(path):
             return True
-        stamp = self.state.settled.get(step)
-        return stamp is not None and stamp == read_commit_stamp(os.path.join(path, METADATA_FILE))
+        return is_same_save(self.state.settled.get(step), read_commit_stamp(os.path.join(path, METADATA_FILE)))
 
     def on_partner_copied(self, step: int, _stamp: CommitStamp | None) -> None:
         """A leader's partner thread, once its node's copy of ``step`` committed on the partner:

@@ -26,7 +26,7 @@ import socket
 
 from dcp_datastates.format.checkpoint_layout import RankFiles
 from dcp_datastates.format.file_names import METADATA_FILE
-from dcp_datastates.format.metadata_envelope import CommitStamp
+from dcp_datastates.format.metadata_envelope import CommitStamp, is_same_save
 from dcp_datastates.manager.checkpoint_root import resume_order, step_dir_name, step_dirs
 
 NODE_ENV = "DCP_DATASTATES_NODE"  # names this process's node where host names do not tell nodes apart
@@ -207,7 +207,7 @@ def plan_node_load(reports: list[NodeReport], durable: list[int], given_up: list
     for s, copies in by_step.items():
         newest = max(c.sequence for _src, c in copies)
         plan.copies[s] = [(src, c) for src, c in copies if c.sequence == newest]
-        if s in plan.durable and (durable_stamps or {}).get(s) != plan.copies[s][0][1].stamp:
+        if s in plan.durable and not is_same_save((durable_stamps or {}).get(s), plan.copies[s][0][1].stamp):
             plan.durable.discard(s)  # another save of the step there: its files are not these
     known = sorted(set(by_step) | set(durable) - set(given_up))
     plan.newest_known = max(known) if known else None

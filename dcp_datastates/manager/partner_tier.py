@@ -11,7 +11,7 @@ in the same order on every rank, over a channel of its own (:mod:`exchange`):
 2. the files go to the partner node's ranks (:func:`node_copies.partner_copies`), each
    message checked against the rank index's segments as it is read and again on arrival,
    each file renamed into place once whole (:func:`exchange.files.copy_files`), paced away
-   from saves (:mod:`manager.drain_pacing`);
+   from saves (:mod:`tiers.drain_pacing`);
 3. the partner's leader commits the copy of a node whose every file arrived intact
    (``.metadata`` last), removes it otherwise, and keeps ``keep_last`` copies; the leaders'
    verdicts are gathered, so every rank learns whether its node's copy committed.
@@ -37,12 +37,12 @@ from dcp_datastates.exchange.files import copy_files
 from dcp_datastates.format.checkpoint_layout import RankFiles
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.manager.checkpoint_root import step_dir_name, step_dirs
-from dcp_datastates.manager.drain_pacing import DrainPacer
-from dcp_datastates.manager.durable_tier import DRAINING, DURABLE, FAILED, CopyQueue, DrainStatus, _lower_priority
+from dcp_datastates.tiers.drain_pacing import DrainPacer
 from dcp_datastates.manager.node_copies import Share, partner_copies
 from dcp_datastates.manager.node_level import make_channel
 from dcp_datastates.manager.nodes import OWN, PARTNER, PARTNER_DIR
 from dcp_datastates.manager.retention import RetentionPolicy
+from dcp_datastates.tiers.copy_queue import DRAINING, DURABLE, FAILED, CopyQueue, DrainStatus, lower_priority
 from dcp_datastates.tiers.drain import DrainError
 
 _log = logging.getLogger("dcp_datastates.manager.durable_tier")
@@ -124,7 +124,7 @@ class PartnerTier(CopyQueue):
     # -- the copies ------------------------------------------------------------------
 
     def _run(self) -> None:
-        _lower_priority()
+        lower_priority()
         while True:
             job = self._jobs.get()
             if job is None:

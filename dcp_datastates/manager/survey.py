@@ -12,6 +12,7 @@ import os
 from typing import Any, Callable
 
 from dcp_datastates.format.file_names import METADATA_FILE
+from dcp_datastates.format.metadata_envelope import is_newer_save, is_same_save
 from dcp_datastates.format.metadata_file import read_commit_stamp
 from dcp_datastates.manager.checkpoint_root import (
     given_up,
@@ -67,8 +68,8 @@ def list_checkpoints(root: str, tier, rollbacks, warn: Callable[[str], None]) ->
     listing.given_up = [s for s in given_up(sequences, pointer) if s in durable_only]
     for s in both:
         mine = read_commit_stamp(os.path.join(root, step_dir_name(s), METADATA_FILE))
-        if there.get(s) is not None and (
-            there[s] == mine or (mine is None and not given_up({s: there[s].sequence}, pointer))
+        if is_same_save(there.get(s), mine) or (
+            there.get(s) is not None and mine is None and not given_up({s: there[s].sequence}, pointer)
         ):
             listing.durable_same.add(s)
     return listing
@@ -95,7 +96,7 @@ def survey_tier(root: str, tier, retention: RetentionPolicy, bases_of: BasesOf, 
             raise
         return TierSurvey(by_commit, {}, error=describe(exc))
     mine = {s: read_commit_stamp(os.path.join(root, step_dir_name(s), METADATA_FILE)) for s in by_commit}
-    settled = {s: st for s, st in mine.items() if st is not None and there.get(s) == st}
+    settled = {s: st for s, st in mine.items() if is_same_save(st, there.get(s))}
     # The tier's pointer newer than ours: another node resumed from the tier and went on.
     behind = tier_pointer is not None and (tier_pointer.sequence or 0) > (
         (local_pointer.sequence or 0) if local_pointer is not None else 0)
@@ -104,7 +105,7 @@ def survey_tier(root: str, tier, retention: RetentionPolicy, bases_of: BasesOf, 
         if s in settled:
             continue
         other = there.get(s)
-        if other is not None and mine[s] is not None and (behind or other.sequence > mine[s].sequence):
+        if other is not None and mine[s] is not None and (behind or is_newer_save(other, mine[s])):
             settled[s] = mine[s]  # the run saved this step again since: the tier's copy is the run's
         elif not behind:  # behind: a step the run did not take from here; kept, not drained
             missing.append(s)

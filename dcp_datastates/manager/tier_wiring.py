@@ -7,7 +7,7 @@ import os
 import weakref
 
 from dcp_datastates.core.reader import DataStatesReader
-from dcp_datastates.manager.durable_tier import DurableTier
+from dcp_datastates.manager.durable_tier import DurableTier, commit_rule_for
 from dcp_datastates.manager.local_retention import LocalRetention
 from dcp_datastates.manager.manager_state import ManagerState
 from dcp_datastates.manager.node_copies import missing_partner_copies
@@ -27,11 +27,11 @@ def open_durable_tier(st: ManagerState, retention: LocalRetention) -> None:
     opts = st.options
     policy = RetentionPolicy(opts.durable_keep_last, opts.durable_keep_every)
     st.tier = tier = DurableTier(
-        os.fspath(opts.durable), rank=st.rank, retention=policy, read_back=opts.durable_read_back,
+        os.fspath(opts.durable), rank=st.rank, read_back=opts.durable_read_back,
+        # node-local roots: the other nodes' leaders learn when rank 0 committed each copy
+        commit=commit_rule_for(st.rank, st.nodes.is_leader, policy),
         retry_s=opts.durable_retry_s, store_options=opts.durable_options,
         on_durable=weak_call(retention, "on_durable"), warn=warn_manager,
-        # node-local roots: the other nodes' leaders learn when rank 0 committed each copy
-        follows_commit=st.nodes.is_leader and st.rank != 0,
     )
     if not st.owner:
         return

@@ -12,10 +12,18 @@ from __future__ import annotations
 
 import os
 
-from dcp_datastates.storage.store import ObjectExistsError, RangeRead, ShortObjectError, Store, StoreError, StoredFile
+from dcp_datastates.storage.store import (
+    ObjectExistsError,
+    RangeRead,
+    ShortObjectError,
+    Store,
+    StoredFile,
+    StoreError,
+    is_committed,
+)
 from dcp_datastates.storage.url import check_location, is_store_url
 
-__all__ = ["ObjectExistsError", "RangeRead", "ShortObjectError", "Store", "StoreError", "StoredFile", "open_store"]
+__all__ = ["ObjectExistsError", "RangeRead", "ShortObjectError", "Store", "StoreError", "StoredFile", "is_committed", "open_store"]
 
 
 def open_store(location: str | os.PathLike, **options) -> Store:

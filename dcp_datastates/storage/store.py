@@ -183,17 +183,31 @@ class Store(abc.ABC):
         for at in range(start, start + size, block):
             yield at, self.read_range(key, at, min(block, start + size - at))
 
-    def crc32c_of(self, key: str, size: int, pace: Callable[[], None] | None = None) -> int:
-        """The CRC-32C of the object's first ``size`` bytes (a copy's read-back), read in
-        ``read_block`` pieces, ``pace()`` before each. A store that can compute it where the
-        bytes are (another node's) does, instead of sending them back."""
-        crc = 0
-        if pace is not None:
-            pace()
-        for _at, data in self.read_blocks(key, size, self.read_block):
-            crc = _native.crc32c(data, crc)
+    def crc32c(self, key: str, start: int, end: int, crc: int = 0, pace: Callable[[], None] | None = None) -> int:
+        """The CRC-32C of bytes ``[start, end)`` of the object, extending ``crc``: the one way a
+        stored range is checksummed (a copy's read-back, a small file's check). Ranged reads of
+        ``read_block``, ``read_concurrency`` in flight, each block checksummed on arrival and
+        the block checksums joined in order (``crc32c_combine``); with ``pace``, one block at a
+        time, ``pace()`` before each (a background copy's read-back stays out of a save's way).
+        A store that can compute it where the bytes are overrides this."""
+        block = self.read_block
+        ranges = [(at, min(block, end - at)) for at in range(start, end, block)]
+        crcs = [0] * len(ranges)
+
+        def one(i: int) -> None:
+            at, n = ranges[i]
             if pace is not None:
                 pace()
+            crcs[i] = _native.crc32c(self.read_range(key, at, n))
+
+        if len(ranges) > 1 and pace is None:
+            with ThreadPoolExecutor(min(self.read_concurrency, len(ranges)), thread_name_prefix="dcp_datastates-crc") as pool:
+                run_all(pool, one, range(len(ranges)))
+        else:
+            for i in range(len(ranges)):
+                one(i)
+        for (_at, n), c in zip(ranges, crcs):
+            crc = _native.crc32c_combine(crc, c, n)
         return crc
 
     def read(self, key: str) -> bytes:
@@ -251,6 +265,13 @@ class Store(abc.ABC):
         """Release connections or handles (the store may not be used afterwards)."""
 
 
+def is_committed(store: Store, checkpoint: str = "") -> bool:
+    """Whether the checkpoint under the key prefix ``checkpoint`` (``""``: the store's root) is
+    committed: the one rule, for every store and every tier, that a checkpoint exists once its
+    ``.metadata`` does (written last, never replaced in place)."""
+    return store.size(f"{checkpoint}/{METADATA_FILE}" if checkpoint else METADATA_FILE) is not None
+
+
 class StoredFile:
     """An object read in bounded pieces, as ``format`` reads a checkpoint's small files (the same
     methods as ``format.checkpoint_files.CheckpointFile``, a local file's)."""
@@ -269,25 +290,8 @@ class StoredFile:
         return bytes(self.store.read_range(self.key, offset, nbytes))
 
     def crc32c(self, start: int, end: int, crc: int = 0) -> int:
-        """CRC-32C of bytes ``[start, end)``, extending ``crc``: ranged reads of ``read_block``,
-        ``read_concurrency`` in flight (each waits for the store), each block checksummed on
-        arrival and the block checksums joined in order (``crc32c_combine``)."""
-        block = self.store.read_block
-        ranges = [(at, min(block, end - at)) for at in range(start, end, block)]
-        crcs = [0] * len(ranges)
-
-        def one(i: int) -> None:
-            at, n = ranges[i]
-            crcs[i] = _native.crc32c(self.store.read_range(self.key, at, n))
-
-        if len(ranges) > 1:
-            with ThreadPoolExecutor(min(self.store.read_concurrency, len(ranges)), thread_name_prefix="dcp_datastates-crc") as pool:
-                run_all(pool, one, range(len(ranges)))
-        elif ranges:
-            one(0)
-        for (_at, n), c in zip(ranges, crcs):
-            crc = _native.crc32c_combine(crc, c, n)
-        return crc
+        """CRC-32C of bytes ``[start, end)``, extending ``crc`` (:meth:`Store.crc32c`)."""
+        return self.store.crc32c(self.key, start, end, crc)
 
     def read(self, nbytes: int, offset: int = 0) -> bytearray:
         buf = bytearray(nbytes)

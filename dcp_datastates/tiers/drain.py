@@ -38,10 +38,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout, RankFiles
 from dcp_datastates.format.file_names import METADATA_FILE, step_of, steps_named
-from dcp_datastates.format.metadata_envelope import TRAILER_BYTES, CommitStamp, read_commit_stamp, stamp_in_tail
+from dcp_datastates.format.metadata_envelope import (
+    TRAILER_BYTES,
+    CommitStamp,
+    is_newer_save,
+    is_same_save,
+    read_commit_stamp,
+    stamp_in_tail,
+)
 from dcp_datastates.native.engine import crc32c
 from dcp_datastates.storage.segments import SegmentChecker, rank_index_of
-from dcp_datastates.storage.store import Store, StoreError, run_all
+from dcp_datastates.storage.store import Store, StoreError, is_committed, run_all
 
 BLOCK_BYTES = 8 << 20  # bytes a fetch or verify reads from the store at a time
 # Bytes the drain reads from the local tier, checks and hands to the store at a time: small, so
@@ -162,7 +169,7 @@ def drain_rank(
     except OSError as exc:
         raise DrainError(f"{local_dir}: reading rank {files.rank}'s files: {exc}") from exc
     keys = [f"{step_dir}/{n}" for n in files.file_names()]
-    if store.size(f"{step_dir}/{METADATA_FILE}") is not None:
+    if is_committed(store, step_dir):
         sizes_there = [store.size(k) for k in keys]
         local = [*sizes, os.path.getsize(index_path)]
         if sizes_there == local:
@@ -181,7 +188,7 @@ def drain_rank(
         size = os.path.getsize(path)
         store.put_stream(key, _local_blocks(path, checker, crc_box, block, pace), size, progress)
         if read_back:
-            got = store.crc32c_of(key, size, pace)
+            got = store.crc32c(key, 0, size, pace=pace)
             if got != crc_box[0]:
                 raise DrainError(
                     f"{store.where(key)}: the copy reads back with CRC-32C {got:08x}, the local file {path} has {crc_box[0]:08x}"
@@ -230,7 +237,7 @@ def commit_durable(
         return stamp  # committed already, this very save (a drain repeated after its commit)
     if committed_there:
         there = stamp_in_tail(there_blob[-TRAILER_BYTES:], len(there_blob), store.where(meta_key))
-        if there is not None and stamp is not None and there.sequence > stamp.sequence:
+        if is_newer_save(there, stamp):
             raise DrainError(
                 f"{store.where(step_dir)} holds a newer save of this step (commit sequence {there.sequence}, "
                 f"{local_dir}'s is {stamp.sequence}): the run went on from the tier elsewhere; not replaced"
@@ -294,9 +301,9 @@ def await_commit(local_dir: str, step_dir: str, store: Store, *, timeout_s: floa
     deadline = time.monotonic() + timeout_s
     while True:
         there = durable_commit_stamp(store, step_dir)
-        if there is not None and there == mine:
+        if is_same_save(there, mine):
             return there
-        if there is not None and mine is not None and there.sequence > mine.sequence:
+        if is_newer_save(there, mine):
             raise DrainError(f"{store.where(step_dir)} holds a newer save of this step than {local_dir}")
         if time.monotonic() > deadline or (stop is not None and stop()):
             raise DrainError(f"{store.where(step_dir)}: the copy was not committed within {timeout_s:.0f} s")
@@ -312,7 +319,7 @@ def _check_bases_durable(layout, step_dir: str, store: Store) -> None:
     id). Drains run in commit order, so a base is normally durable first; one that is not (its
     drain failed, or its durable copy is of another save) fails this one too, to be retried."""
     for base in layout.bases:
-        missing = [] if store.size(f"{base}/{METADATA_FILE}") is not None else [METADATA_FILE]
+        missing = [] if is_committed(store, base) else [METADATA_FILE]
         for files in layout.ranks:
             if files.base == base:
                 missing += [n for n in files.file_names() if store.size(f"{base}/{n}") is None]
@@ -366,7 +373,7 @@ def durable_commit_stamp(store: Store, step_dir: str) -> CommitStamp | None:
 
 def clear_incomplete_step(store: Store, step_dir: str) -> bool:
     """Remove what an interrupted drain left of an uncommitted step; False if it is committed."""
-    if store.size(f"{step_dir}/{METADATA_FILE}") is not None:
+    if is_committed(store, step_dir):
         return False
     store.delete(store.list(step_prefix(step_dir)))
     return True
