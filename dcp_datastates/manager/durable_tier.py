@@ -61,7 +61,7 @@ class DrainConfig:
     """What every job of a tier does besides the copy."""
 
     rank: int
-    commit: CommitRule = dataclasses.field(default_factory=LeaveCommit)  # this rank's part once its files are there
+    commit: CommitRule  # this rank's part once its files are there (commit_rule_for)
     read_back: bool = True
     commit_timeout_s: float = 3600.0
     retry_s: float = RETRY_S
@@ -137,7 +137,7 @@ class DurableTier(CopyQueue):
         url: str,
         *,
         rank: int,
-        commit: CommitRule | None = None,
+        commit: CommitRule,
         read_back: bool = True,
         commit_timeout_s: float = 3600.0,
         retry_s: float = RETRY_S,
@@ -150,8 +150,7 @@ class DurableTier(CopyQueue):
         self.url = url
         self.store = store if store is not None else open_store(url, **(store_options or {}))
         self.rank = rank
-        self.config = DrainConfig(rank, commit if commit is not None else LeaveCommit(), read_back, commit_timeout_s,
-                                  float(retry_s))
+        self.config = DrainConfig(rank, commit, read_back, commit_timeout_s, float(retry_s))
         self._on_durable = on_durable
         self._pacer = DrainPacer()  # when the drain may start a block (tiers.drain_pacing: why)
         self._warn = warn

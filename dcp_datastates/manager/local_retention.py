@@ -16,10 +16,10 @@ from dcp_datastates.format.metadata_envelope import is_same_save
 from dcp_datastates.format.metadata_file import CommitStamp, read_commit_stamp
 from dcp_datastates.manager.checkpoint_root import is_committed, is_link, resume_order, step_dirs, step_of
 from dcp_datastates.manager.cleanup import delete_checkpoint_dir
-from dcp_datastates.manager.durable_tier import DRAINING, QUEUED
 from dcp_datastates.manager.manager_state import ManagerState
 from dcp_datastates.manager.reporting import log, warn_manager
 from dcp_datastates.manager.retention import RetentionPolicy
+from dcp_datastates.tiers.copy_queue import DRAINING, QUEUED
 
 
 class LocalRetention:
@@ -37,13 +37,18 @@ class LocalRetention:
         with self._root_lock:
             self._root_released = True
 
+    def after_commit(self, step: int) -> list[str]:
+        """``step`` committed (under the state's lock): retention counts from it from now on;
+        the directories it deletes now (:meth:`victims`)."""
+        self.anchor = step
+        return self.victims(step)
+
     def victims(self, committed_step: int) -> list[str]:
-        """The directories local retention deletes now that ``committed_step`` committed (under
-        the state's lock), newest first. Never a save in flight or its base, nor a step linked
+        """The directories local retention deletes now that ``committed_step`` was the last
+        commit (under the state's lock), newest first. Never a save in flight or its base, nor a step linked
         from elsewhere; with a durable tier, only steps whose own save's durable copy committed
         (unless ``delete_undrained``), or that the run gave up (no durable copy is wanted)."""
         st = self.state
-        self.anchor = committed_step
         running = st.in_flight()
         bases = {p.base for p in running if p.base is not None and p.step != committed_step}
         held = {p.step for p in running} | {step_of(os.path.basename(b)) for b in (*bases, *st.reserved_bases)}

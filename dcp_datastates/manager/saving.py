@@ -265,7 +265,7 @@ class Saves:
                     st.pointed_seq = pending.seq
                     if st.tier is not None:
                         st.tier.mirror_pointer(pointer)
-                victims = self.retention.victims(pending.step)
+                victims = self.retention.after_commit(pending.step)
             log.info("step %d committed in %s%s", pending.step, pending.path,
                      f"; {LATEST_FILE} -> step {pending.step}" if moved else " (a later save moved the pointer first)")
             self.retention.delete(victims)

@@ -118,13 +118,12 @@ def _rank_errors():
     """DCP wraps a rank's error in CheckpointException (a BaseException): raise the rank's own."""
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from dcp_datastates.manager.collective import unwrap
+
     try:
         yield
     except CheckpointException as exc:
-        failures = list(exc.failures.values())
-        if failures:
-            inner = failures[0]
-            inner = inner[0] if isinstance(inner, tuple) else inner
-            if isinstance(inner, BaseException):
-                raise inner from None
+        inner = unwrap(exc)
+        if inner is not exc:
+            raise inner from None
         raise CheckpointError(str(exc)) from None
