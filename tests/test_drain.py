@@ -12,6 +12,7 @@ from conftest import FailingReads, assert_same, load, save
 from dcp_datastates import DataStatesReader, verify
 from dcp_datastates.errors import CorruptCheckpointError
 from dcp_datastates.storage import StoreError, open_store
+from dcp_datastates.storage.local import LocalStore
 from dcp_datastates.tiers.drain import (
     DrainError,
     clear_incomplete_step,
@@ -42,8 +43,8 @@ def _store(url):
 
 
 def _drain(local, step_dir, store, **kw):
-    drains = [drain_rank(str(local), step_dir, files, store, block=1 << 20, **kw) for files in _rank_files(local)]
-    commit_durable(str(local), step_dir, store)
+    drains = [drain_rank(LocalStore(str(local)), step_dir, files, store, block=1 << 20, **kw) for files in _rank_files(local)]
+    commit_durable(LocalStore(str(local)), step_dir, store)
     return drains
 
 
@@ -62,7 +63,7 @@ def test_a_drained_checkpoint_is_committed_and_loads_from_the_durable_tier(tmp_p
     if not durable_url.startswith("s3://"):  # a shared file system: the copy is a checkpoint as it is
         assert verify(os.path.join(durable_url, "step_00000005")).ok
     fetched = tmp_path / "fetched"
-    fetch_step(store, "step_00000005", str(fetched), block=1 << 20, concurrency=3)  # ranges in flight, written at their offsets
+    fetch_step(store, "step_00000005", LocalStore(str(fetched)), block=1 << 20, concurrency=3)  # ranges in flight, written at their offsets
     assert verify(fetched).ok
     out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in state.items()}
     assert_same(load(out, fetched), state)
@@ -79,7 +80,7 @@ def test_a_damaged_local_copy_is_never_uploaded(tmp_path, durable_url):
         f.write(bytes([b[0] ^ 1]))
     store = _store(durable_url)
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch.*not drained"):
-        drain_rank(str(local), "step_00000001", files, store, block=1 << 20)
+        drain_rank(LocalStore(str(local)), "step_00000001", files, store, block=1 << 20)
     assert store.size(f"step_00000001/{files.data_file}") is None  # the upload was abandoned
     assert durable_steps(store) == {}
 
@@ -106,6 +107,10 @@ class _CrashingStore:
         self._count()
         return self._store.put_bytes(*a, **k)
 
+    def stage_bytes(self, *a, **k):  # the commit: .metadata staged, then published
+        self._count()
+        return self._store.stage_bytes(*a, **k)
+
 
 @pytest.mark.parametrize("allowed", [0, 1, 2, 3, 4])  # before any object, mid-files, before the confirmation, before .metadata
 def test_a_crash_mid_drain_leaves_nothing_committed_and_a_new_drain_commits(tmp_path, durable_url, allowed):
@@ -118,11 +123,11 @@ def test_a_crash_mid_drain_leaves_nothing_committed_and_a_new_drain_commits(tmp_
         _drain(local, "step_00000002", crashing)
     assert durable_steps(store).get(2, ("", False))[1] is False
     with pytest.raises(DrainError, match="not a committed checkpoint"):
-        fetch_step(store, "step_00000002", str(tmp_path / "f"))
+        fetch_step(store, "step_00000002", LocalStore(str(tmp_path / "f")))
     if store.list():
         assert clear_incomplete_step(store, "step_00000002")
     _drain(local, "step_00000002", store)
-    fetch_step(store, "step_00000002", str(tmp_path / "f2"))
+    fetch_step(store, "step_00000002", LocalStore(str(tmp_path / "f2")))
     assert verify(tmp_path / "f2").ok
 
 
@@ -136,10 +141,10 @@ def test_a_failed_fetch_leaves_no_checkpoint_and_no_temporaries(tmp_path, durabl
     with pytest.raises(StoreError, match="connection reset"):
         # one ranged read in the middle of a data file fails
         failing = FailingReads(store, lambda key, offset: key.endswith(".data") and offset == 2 << 20)
-        fetch_step(failing, "step_00000003", str(dest), block=1 << 20, concurrency=4)
+        fetch_step(failing, "step_00000003", LocalStore(str(dest)), block=1 << 20, concurrency=4)
     assert not (dest / ".metadata").exists()
     assert not [n for n in os.listdir(dest) if ".fetch-" in n]
-    fetch_step(store, "step_00000003", str(dest), block=1 << 20)  # a retry completes it
+    fetch_step(store, "step_00000003", LocalStore(str(dest)), block=1 << 20)  # a retry completes it
     out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in state.items()}
     assert_same(load(out, dest), state)
 
@@ -149,12 +154,12 @@ def test_the_commit_waits_for_every_rank_and_checks_what_it_confirmed(tmp_path, 
     save(_state(3), local)
     store = _store(durable_url)
     with pytest.raises(DrainError, match=r"ranks \[0\] did not confirm"):
-        commit_durable(str(local), "step_00000003", store, timeout_s=0.5)
+        commit_durable(LocalStore(str(local)), "step_00000003", store, timeout_s=0.5)
     files = _rank_files(local)[0]
-    drain_rank(str(local), "step_00000003", files, store)
+    drain_rank(LocalStore(str(local)), "step_00000003", files, store)
     store.delete([f"step_00000003/{files.index_file}"])
     with pytest.raises(DrainError, match="None bytes in the store"):
-        commit_durable(str(local), "step_00000003", store)
+        commit_durable(LocalStore(str(local)), "step_00000003", store)
     assert store.size("step_00000003/.metadata") is None
 
 
@@ -167,13 +172,13 @@ def test_the_commit_stops_waiting_for_a_rank_that_reported_its_failure(tmp_path,
     store.put_bytes(failure_key("step_00000005", 0), b"StoreError: the disk is full")
     t = time.perf_counter()
     with pytest.raises(DrainError, match="rank 0's drain failed .StoreError: the disk is full"):
-        commit_durable(str(local), "step_00000005", store, timeout_s=60)
+        commit_durable(LocalStore(str(local)), "step_00000005", store, timeout_s=60)
     assert time.perf_counter() - t < 10
     _drain(local, "step_00000005", store)  # a new drain of the rank clears its failure and commits
     assert durable_steps(store) == {5: ("step_00000005", True)}
     files = _rank_files(local)[0]  # draining it again once committed changes nothing there
     before = {k: store.size(k) for k in store.list()}
-    drain_rank(str(local), "step_00000005", files, store)
+    drain_rank(LocalStore(str(local)), "step_00000005", files, store)
     assert {k: store.size(k) for k in store.list()} == before
 
 
@@ -198,5 +203,5 @@ def test_a_local_read_error_is_named_and_is_not_taken_for_an_outage_of_the_store
     where = tmp_path / "rank00000-0123456789ab.data"
     where.mkdir()  # reading it fails (EISDIR), as a failing disk would with EIO
     with pytest.raises(DrainError, match=str(where)) as info:
-        list(_local_blocks(str(where), None, [0], 1 << 20))
+        list(_local_blocks(LocalStore(str(tmp_path)), where.name, 1 << 20, None, [0], 1 << 20))
     assert not is_outage(info.value)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_datastates
+import dcp_datastates.storage.fsync_files
 from dcp_datastates.core.async_save.runtime import runtime
 from conftest import assert_same, data_files, load, mounted_tmpfs, raises_from_checkpoint, save, zeros_like_state
 from dcp_datastates import DataStatesReader, DataStatesWriter, verify
@@ -311,7 +312,7 @@ def test_error_after_the_rename_keeps_the_committed_checkpoint(tmp_path, monkeyp
         save(make_state(0), path, **SMALL)
 
     committed_before = os.stat(path / ".metadata").st_ino if overwrite else None
-    real_fsync_dir = dcp_datastates.core.commit.fsync_dir
+    real_fsync_dir = dcp_datastates.storage.fsync_files.fsync_dir
 
     def failing_fsync_dir(directory):
         try:
@@ -322,7 +323,7 @@ def test_error_after_the_rename_keeps_the_committed_checkpoint(tmp_path, monkeyp
             raise OSError(errno.EIO, "injected: directory fsync failed", directory)
         real_fsync_dir(directory)
 
-    monkeypatch.setattr(dcp_datastates.core.commit, "fsync_dir", failing_fsync_dir)
+    monkeypatch.setattr(dcp_datastates.storage.fsync_files, "fsync_dir", failing_fsync_dir)
     new = make_state(1)
     with raises_from_checkpoint(dcp_datastates.CheckpointError, match="is committed") as info:
         if mode == "sync":

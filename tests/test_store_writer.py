@@ -196,16 +196,19 @@ def test_a_commit_whose_answer_was_lost_is_told_by_its_bytes(tmp_path):
     """A create-only PUT of .metadata retried after it landed meets its own bytes: committed.
     Another save's .metadata there: CheckpointExistsError. A store that cannot say: None, and
     a failed save's cleanup then keeps the objects (never deleted under a .metadata naming them)."""
-    from dcp_datastates.core.destination import StoreDestination
+    from dcp_datastates.core.destination import Destination
     from dcp_datastates.storage.local import LocalStore
+    from dcp_datastates.storage.store import StagedBytes
 
     store = LocalStore(str(tmp_path))
-    dest = StoreDestination(store, "step_1", "s3://b/run/step_1")
-    store.put_new("step_1/.metadata", b"ours")  # the PUT landed; its answer was lost
-    dest.commit_metadata(b"ours", overwrite=False)  # the retry finds its own bytes
-    assert dest.committed_by(b"ours") is True
+    dest = Destination(store, "step_1", "s3://b/run/step_1")
+    key = "step_1/.metadata"
+    store.put_new(key, b"ours")  # the PUT landed; its answer was lost
+    ours = StagedBytes(store, key, b"ours")  # staged as an object store stages it: in memory
+    dest.commit_metadata(ours, overwrite=False)  # the retry finds its own bytes
+    assert dest.committed_by(ours) is True
     with pytest.raises(CheckpointExistsError, match="another save committed"):
-        dest.commit_metadata(b"theirs", overwrite=False)
+        dest.commit_metadata(StagedBytes(store, key, b"theirs"), overwrite=False)
 
     class Unreachable:
         def __getattr__(self, name):
@@ -214,7 +217,7 @@ def test_a_commit_whose_answer_was_lost_is_told_by_its_bytes(tmp_path):
         def size(self, key):
             raise StoreError("s3://b/run/step_1/.metadata: connection refused", transient=True)
 
-    assert StoreDestination(Unreachable(), "step_1", "s3://b/run/step_1").committed_by(b"ours") is None
+    assert Destination(Unreachable(), "step_1", "s3://b/run/step_1").committed_by(StagedBytes(Unreachable(), key, b"ours")) is None
 
 
 def test_an_upload_is_told_the_size_its_object_will_have(url, monkeypatch):

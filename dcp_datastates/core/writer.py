@@ -15,8 +15,9 @@ Synchronous saves (``dcp.save``), per rank:
    final metadata with the layout it predicts (:mod:`coordinator_layout`);
    the rank reports its files with its results (:mod:`rank_reports`);
 4. ``finish`` (coordinator) keeps the predicted layout if the reports confirm
-   it (else builds it from them) and commits (:mod:`commit`): directory
-   fsync, rename of the temporary metadata to ``.metadata``, directory fsync.
+   it (else builds it from them) and commits through its :mod:`destination`:
+   the staged metadata published as ``.metadata`` without replacing one (a
+   directory: fsync, rename, fsync; object storage: a create-only PUT).
 
 Asynchronous saves (``dcp.async_save``) start earlier: ``stage()`` captures a
 lazy snapshot (:mod:`async_save`) that places the rank's tensors
@@ -302,7 +303,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         parts in flight in memory; the store's upload has its own parallelism."""
         if self._stripes is not None:
             striping = (self._stripes, 0)
-        elif not save.target.dest.is_local:
+        elif not save.target.dest.is_file_system:
             striping = (1, 0)
         else:
             striping = (self._io_threads, AUTO_STRIPE_MIN_BYTES)

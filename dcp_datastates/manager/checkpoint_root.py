@@ -17,6 +17,7 @@ import json
 import os
 import re
 
+from dcp_datastates.storage.local import is_committed_directory
 from dcp_datastates.storage.fsync_files import fsync_dir, rename_into_place, remove_if_present, write_new_file_durably
 from dcp_datastates.format.file_names import METADATA_FILE, step_dir_name, step_of, steps_named  # noqa: F401 - the run's names
 from dcp_datastates.format.metadata_envelope import read_commit_sequence
@@ -46,8 +47,9 @@ def is_link(root: str, name: str) -> bool:
 
 
 def is_committed(path: str) -> bool:
-    """Whether the checkpoint directory ``path`` has been committed (its ``.metadata`` exists)."""
-    return os.path.isfile(os.path.join(path, METADATA_FILE))
+    """Whether the checkpoint directory ``path`` has been committed: the store's rule
+    (:func:`storage.local.is_committed_directory`)."""
+    return is_committed_directory(path)
 
 
 @dataclasses.dataclass(frozen=True)

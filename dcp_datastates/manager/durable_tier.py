@@ -32,14 +32,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dcp_datastates.core.reader import DataStatesReader
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_layout import RankFiles
-from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_file import CommitStamp
 from dcp_datastates.manager.checkpoint_root import LATEST_FILE, POINTER_LIMIT, Pointer, step_dir_name, step_of
 from dcp_datastates.manager.retention import RetentionPolicy
 from dcp_datastates.tiers.commit_rules import AwaitCommit, CommitRule, CommitWhenAllConfirmed, LeaveCommit, Outcome
 from dcp_datastates.tiers.copy_queue import DELETED, DRAINING, DURABLE, FAILED, QUEUED, CopyQueue, DrainJob, DrainStatus, lower_priority
 from dcp_datastates.tiers.drain_pacing import DrainPacer
-from dcp_datastates.storage import StoreError, open_store
+from dcp_datastates.storage import StoreError, is_committed, open_store
+from dcp_datastates.storage.local import LocalStore
 from dcp_datastates.tiers.drain import (
     DrainError,
     clear_incomplete_step,
@@ -73,8 +73,9 @@ def run_drain_job(store, job: DrainJob, config: DrainConfig, progress, pace, sto
     this rank does not learn it), a warning (retention failed after the commit, which stands)
     and the steps retention deleted; raises if the copy is not durable."""
     step_dir = step_dir_name(job.step)
-    drain_rank(job.local_dir, step_dir, job.files, store, read_back=config.read_back, progress=progress, pace=pace)
-    return config.commit.after_copy(store, job.local_dir, job.step, step_dir, config.commit_timeout_s, stop)
+    local = LocalStore(job.local_dir)
+    drain_rank(local, step_dir, job.files, store, read_back=config.read_back, progress=progress, pace=pace)
+    return config.commit.after_copy(store, local, job.step, step_dir, config.commit_timeout_s, stop)
 
 
 def commit_rule_for(rank: int, learns_commit: bool, retention: RetentionPolicy) -> CommitRule:
@@ -437,6 +438,6 @@ class DurableTier(CopyQueue):
         total = 0
         for base in sorted(step_bases(self.store, step_dir) or ()):
             base_dir = os.path.join(os.path.dirname(local_dir), base)
-            if base not in seen and not os.path.lexists(os.path.join(base_dir, METADATA_FILE)):
+            if base not in seen and not is_committed(LocalStore(base_dir)):
                 total += self._fetch_with_bases(base, base_dir, seen)
-        return total + fetch_step(self.store, step_dir, local_dir)
+        return total + fetch_step(self.store, step_dir, LocalStore(local_dir))

@@ -42,6 +42,7 @@ from dcp_datastates.manager.node_copies import (
     restore_copies,
 )
 from dcp_datastates.manager.nodes import OWN, PARTNER, PARTNER_DIR, NodeMap, node_key, survey_node
+from dcp_datastates.storage import commit_checkpoint
 from dcp_datastates.storage.local import LocalStore
 from dcp_datastates.storage.memory import MemoryStore
 from dcp_datastates.storage.routed import RoutedStore
@@ -121,7 +122,7 @@ class NodeLevel:
             if c.dst == self.nodes.rank:
                 if not o.ok:
                     raise CheckpointError(f"receiving the commit of step {step} from rank 0: {o.error}")
-                self.store().put_bytes(key, o.data)
+                commit_checkpoint(self.store(), step_dir, o.data)
 
     def repair_commits(self) -> None:
         """Every rank, at start, before the leaders' crash cleanup: a step directory of a node
@@ -166,7 +167,7 @@ class NodeLevel:
             return
         held = [r for r in layout.own_ranks if any(n in here for n in r.file_names())]
         if held and all(n in here for r in held for n in r.file_names()):
-            self.store().put_bytes(key, blob)
+            commit_checkpoint(self.store(), step_dir, blob)
             _log.info("node %d: %s was committed on node %d before this node received its .metadata: committed now",
                       self.nodes.node, path, source_node)
 
@@ -206,7 +207,7 @@ class NodeLevel:
             for c, o, purpose in zip(restore.copies, out, restore.purpose):
                 if purpose == "commit" and c.dst == self.nodes.rank:
                     try:
-                        self.store().put_bytes(f"{step_dir}/{METADATA_FILE}", o.data)
+                        commit_checkpoint(self.store(), step_dir, o.data)
                     except Exception as exc:  # noqa: BLE001 - agreed on below
                         commit_error = f"committing the copy: {exc}"
         errors = self.loads.gather(commit_error)

@@ -27,7 +27,8 @@ import socket
 from dcp_datastates.format.checkpoint_layout import RankFiles
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.format.metadata_envelope import CommitStamp, is_same_save
-from dcp_datastates.manager.checkpoint_root import resume_order, step_dir_name, step_dirs
+from dcp_datastates.errors import CheckpointError
+from dcp_datastates.manager.checkpoint_root import is_committed, resume_order, step_dir_name, step_dirs
 
 NODE_ENV = "DCP_DATASTATES_NODE"  # names this process's node where host names do not tell nodes apart
 PARTNER_DIR = ".partner"  # under a node's root: the copies it holds of its predecessor's files
@@ -129,7 +130,11 @@ def survey_node(node: int, root: str, allow_pickle: bool) -> NodeReport:
     if os.path.isdir(partner_root):
         for step, name in step_dirs(partner_root).items():
             path = os.path.join(partner_root, name)
-            if os.path.exists(os.path.join(path, METADATA_FILE)):
+            try:
+                committed = is_committed(path)
+            except CheckpointError:  # a .metadata that is not a regular file: not offered
+                continue
+            if committed:
                 _add_copy(report.partner, {}, step, path, allow_pickle)
     return report
 

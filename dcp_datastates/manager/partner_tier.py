@@ -44,6 +44,7 @@ from dcp_datastates.manager.nodes import OWN, PARTNER, PARTNER_DIR
 from dcp_datastates.manager.retention import RetentionPolicy
 from dcp_datastates.tiers.copy_queue import DRAINING, DURABLE, FAILED, CopyQueue, DrainStatus, lower_priority
 from dcp_datastates.tiers.drain import DrainError
+from dcp_datastates.storage import commit_checkpoint, is_committed
 
 _log = logging.getLogger("dcp_datastates.manager.durable_tier")
 
@@ -211,9 +212,9 @@ class PartnerTier(CopyQueue):
             store.delete_checkpoint(step_dir)
             return f"the copy of step {step} on node {self.nodes.node} is refused: {'; '.join(bad[:3])}"
         try:
-            store.put_bytes(f"{step_dir}/{METADATA_FILE}", blob)
+            commit_checkpoint(store, step_dir, blob)
             root = os.path.join(self.level.root, PARTNER_DIR)
-            present = sorted(s for s, n in step_dirs(root).items() if os.path.exists(os.path.join(root, n, METADATA_FILE)))
+            present = sorted(s for s, n in step_dirs(root).items() if is_committed(store, n))
             for s in self.retention.victims(step, present, lambda _s: set()):
                 store.delete_checkpoint(step_dir_name(s))
                 _log.info("partner retention: deleted step %d from %s", s, root)
@@ -227,5 +228,5 @@ class PartnerTier(CopyQueue):
         store = self.level.store(PARTNER)
         store.sweep_partials()
         for s, n in step_dirs(root).items():
-            if not os.path.exists(os.path.join(root, n, METADATA_FILE)):
+            if not is_committed(store, n):
                 store.delete_checkpoint(n)

@@ -3,7 +3,7 @@
 The rules live in the native engine, so they hit the engine's own writes,
 reads and fsyncs, and the Python side of a save (rank index, metadata,
 renames, directory fsyncs) passes through the same rules via
-:func:`fault_point` calls in :mod:`commit`. The engine side is the
+:func:`fault_point` calls in :mod:`storage.fsync_files`. The engine side is the
 ``faults`` submodule of the extension (``dcp_datastates._engine.faults``),
 kept apart from the production API. Nothing is armed unless a test
 arms it; while nothing is, each I/O call pays one atomic load.

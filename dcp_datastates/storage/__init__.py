@@ -19,11 +19,14 @@ from dcp_datastates.storage.store import (
     Store,
     StoredFile,
     StoreError,
+    commit_checkpoint,
     is_committed,
+    metadata_key,
 )
 from dcp_datastates.storage.url import check_location, is_store_url
 
-__all__ = ["ObjectExistsError", "RangeRead", "ShortObjectError", "Store", "StoreError", "StoredFile", "is_committed", "open_store"]
+__all__ = ["ObjectExistsError", "RangeRead", "ShortObjectError", "Store", "StoreError", "StoredFile", "commit_checkpoint", "is_committed", "metadata_key",
+           "open_store"]
 
 
 def open_store(location: str | os.PathLike, **options) -> Store:

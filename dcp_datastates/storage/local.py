@@ -8,11 +8,14 @@ a symbolic link, FIFO or device under a checkpoint's name is refused, never
 followed or blocked on (a checkpoint may come from someone else).
 
 Each object written is written to a temporary name in its directory, fsynced, and
-renamed to its key without replacing an existing file (``replace_bytes``
-alone replaces, for the mirrored pointer); then the directory is fsynced. A
-crash leaves a temporary file (``.<name>.part-<pid>``) that
-:meth:`LocalStore.list` does not report and :meth:`LocalStore.sweep_partials`
-removes, never a short file under a key.
+renamed to its key without replacing an existing file (``replace_bytes`` and a
+``publish(replace=True)`` alone replace: the mirrored pointer, an overwriting
+save's commit); then the directory is fsynced. A crash leaves a temporary file
+(``.<name>.part-<pid>``) that :meth:`LocalStore.list` does not report and
+:meth:`LocalStore.sweep_partials` removes, never a short file under a key. The
+exception is an engine write (:meth:`LocalStore.start_write`): a save's rank
+files are written in place, under names of that save's own, which only its
+``.metadata``, written last, makes part of a checkpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dcp_datastates.errors import CheckpointError, CorruptCheckpointError
 from dcp_datastates.format.checkpoint_files import CheckpointFile, open_checkpoint_file
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.native import engine as _native
-from dcp_datastates.storage.store import ObjectExistsError, Progress, RangeRead, ShortObjectError, Store, StoreError, check_key
+from dcp_datastates.storage.store import ObjectExistsError, Progress, RangeRead, ShortObjectError, Store, StoreError, check_key, is_committed
 
 _PART_MARK = ".part-"
 
@@ -39,7 +42,15 @@ def _is_partial(name: str) -> bool:
 _DIR_RACE_RETRIES = 5
 
 
+def is_committed_directory(path: str) -> bool:
+    """:func:`storage.is_committed` of the checkpoint directory ``path``: its ``.metadata`` is a
+    regular file (a link or anything else under that name is refused: CorruptCheckpointError)."""
+    return is_committed(LocalStore(path))
+
+
 class LocalStore(Store):
+    is_file_system = True
+
     def __init__(self, root: str, *, io_threads: int = _native.DEFAULT_READ_THREADS,
                  window_bytes: int = _native.DEFAULT_WINDOW_BYTES) -> None:
         self.url = os.path.abspath(root)
@@ -64,17 +75,6 @@ class LocalStore(Store):
     def _tmp(self, path: str) -> str:
         head, name = os.path.split(path)
         return os.path.join(head, f".{name}{_PART_MARK}{os.getpid()}")
-
-    def _publish(self, tmp: str, path: str, key: str) -> None:
-        directory = os.path.dirname(path)
-        try:
-            fsync_files.rename_without_replacing(tmp, path, directory)
-            fsync_files.fsync_dir(directory)
-        except FileExistsError as exc:
-            fsync_files.remove_if_present([tmp])
-            raise ObjectExistsError(f"{self.where(key)}: already exists (a durable object is never replaced)") from exc
-        except OSError as exc:
-            raise StoreError(f"publishing {self.where(key)}: {exc.strerror or exc}") from exc
 
     def _make_dirs(self, directory: str) -> None:
         """Create ``directory`` and its missing parents, each new entry fsynced in its parent."""
@@ -102,18 +102,50 @@ class LocalStore(Store):
                 if attempt == _DIR_RACE_RETRIES - 1:
                     raise
 
-    def open_staged(self, key: str) -> StagedFile:
-        """A file written in pieces as they come (a copy from another rank), visible under ``key``
-        only once :meth:`StagedFile.publish` renamed it into place (never over another file)."""
+    def make_prefix(self, prefix: str) -> None:
+        try:
+            self._make_dirs(self._dir(f"{prefix}/" if prefix else ""))
+        except OSError as exc:
+            raise _failed(f"creating {self.where(prefix)}", exc, self._dir(f"{prefix}/" if prefix else "")) from exc
+
+    def free_space(self, prefix: str) -> int | None:
+        st = os.statvfs(self._dir(f"{prefix}/" if prefix else ""))
+        return st.f_bavail * st.f_frsize
+
+    def open_staged(self, key: str, staging_key: str | None = None) -> StagedFile:
+        """A file written in pieces as they come (a copy from another rank, a fetch), visible
+        under ``key`` only once :meth:`StagedFile.publish` renamed it into place. Written under
+        ``staging_key`` (default ``.<name>.part-<pid>``, which listings skip)."""
         path = self._path(key)
-        tmp = self._tmp(path)
+        tmp = self._path(staging_key) if staging_key else self._tmp(path)
         try:
             fsync_files.remove_if_present([tmp])
             fd = self._in_dir(os.path.dirname(path),
                               lambda: os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
         except OSError as exc:
-            raise StoreError(f"writing {self.where(key)}: {exc.strerror or exc}") from exc
+            raise _failed(f"writing {self.where(key)}", exc, tmp) from exc
         return StagedFile(self, key, path, tmp, fd)
+
+    def stage_bytes(self, key: str, data: bytes, staging_key: str | None = None) -> StagedFile:
+        """:meth:`Store.stage_bytes`: ``data`` written and fsynced under ``staging_key`` now (a
+        durable write, through the fault-injection points: crash and disk-full tests reach it)."""
+        path = self._path(key)
+        tmp = self._path(staging_key) if staging_key else self._tmp(path)
+        try:
+            fsync_files.remove_if_present([tmp])
+            self._in_dir(os.path.dirname(path), lambda: fsync_files.write_new_file_durably(tmp, data))
+        except OSError as exc:
+            raise _failed(f"writing {self.where(key)}", exc, tmp) from exc
+        staged = StagedFile(self, key, path, tmp, None)
+        staged.data = data
+        return staged
+
+    def put_in_place(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        try:
+            self._in_dir(os.path.dirname(path), lambda: fsync_files.write_new_file_durably(path, data))
+        except OSError as exc:
+            raise _failed(f"writing {self.where(key)}", exc, path) from exc
 
     def put_stream(self, key: str, blocks, size: int | None, progress: Progress | None = None,
                    size_hint: int | None = None) -> None:
@@ -130,37 +162,24 @@ class LocalStore(Store):
         finally:
             staged.abandon()  # nothing, once published
 
-    def put_bytes(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        tmp = self._tmp(path)
+    def put_bytes(self, key: str, data: bytes, replace: bool = False) -> None:
+        """Staged, then renamed into place: never over a file unless ``replace``."""
+        staged = self.stage_bytes(key, data)
         try:
-            fsync_files.remove_if_present([tmp])
-            self._in_dir(os.path.dirname(path), lambda: fsync_files.write_new_file_durably(tmp, data))
-        except OSError as exc:
-            fsync_files.remove_if_present([tmp])
-            raise StoreError(f"writing {self.where(key)}: {exc.strerror or exc}") from exc
-        self._publish(tmp, path, key)
+            staged.publish(replace=replace)
+        finally:
+            staged.abandon()  # nothing, once published
 
     def put_new(self, key: str, data: bytes) -> None:
         self.put_bytes(key, data)  # never replaces: ObjectExistsError
+
+    def replace_bytes(self, key: str, data: bytes) -> None:
+        self.put_bytes(key, data, replace=True)
 
     def start_write(self, engine, key: str, regions, keep, **options):
         """An engine job writing the file of ``key`` (its directory exists)."""
         options.pop("verify", None)  # a file is fsynced, not read back
         return engine.write(self._path(key), regions, keep, **options)
-
-    def replace_bytes(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        tmp = self._tmp(path)
-        directory = os.path.dirname(path)
-        try:
-            fsync_files.remove_if_present([tmp])
-            self._in_dir(directory, lambda: fsync_files.write_new_file_durably(tmp, data))
-            fsync_files.rename_into_place(tmp, path, directory)
-            fsync_files.fsync_dir(directory)
-        except OSError as exc:
-            fsync_files.remove_if_present([tmp])
-            raise StoreError(f"writing {self.where(key)}: {exc.strerror or exc}") from exc
 
     def read_range(self, key: str, offset: int, length: int) -> bytearray:
         out = bytearray(length)  # filled in place by preadv, outside the GIL: no copy under it
@@ -280,12 +299,20 @@ class LocalStore(Store):
             except OSError as exc:
                 raise StoreError(f"deleting {self.where(key)}: {exc.strerror or exc}") from exc
             dirs.add(os.path.dirname(path))
-        for d in sorted(dirs, key=len, reverse=True):  # an emptied step directory goes too
+        for d in sorted(dirs, key=len, reverse=True):  # an emptied step directory goes too, never the root
             try:
-                os.rmdir(d)
+                if d != self.root:
+                    os.rmdir(d)
+                    continue
             except OSError as exc:
                 if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.EBUSY):
                     raise StoreError(f"removing {d}: {exc.strerror or exc}") from exc
+            try:
+                fsync_files.fsync_dir(d)  # the removals are durable
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise _failed(f"deleting under {d}", exc, d) from exc
 
     def sweep_partials(self, prefix: str = "") -> list[str]:
         """Remove the temporary files of copies a crash interrupted; return their paths."""
@@ -300,31 +327,87 @@ class LocalStore(Store):
 
 
 class StagedFile:
-    """A file of a :class:`LocalStore` being written (``.<name>.part-<pid>``): appended to, then
-    fsynced and renamed into place by :meth:`publish`, or removed by :meth:`abandon`."""
+    """A file of a :class:`LocalStore` being written under a temporary name: written to (in
+    order, or at offsets from several threads), then fsynced and renamed into place by
+    :meth:`publish`, or removed by :meth:`abandon`."""
 
-    def __init__(self, store: LocalStore, key: str, path: str, tmp: str, fd: int) -> None:
+    def __init__(self, store: LocalStore, key: str, path: str, tmp: str, fd: int | None) -> None:
         self.store, self.key, self.path, self.tmp, self._fd = store, key, path, tmp, fd
         self.size = 0
+        self.data = None  # the bytes, when staged whole (stage_bytes): a retry is told by them
+        self._refused = self._published = False
 
     def write(self, data) -> None:
+        """Append ``data``."""
+        view = memoryview(data).cast("B")
+        self.write_at(self.size, view)
+
+    def write_at(self, offset: int, data) -> None:
+        """Write ``data`` at ``offset`` (safe from several threads, each its own range)."""
         view = memoryview(data).cast("B")
         done = 0
         try:
             while done < len(view):
-                done += os.pwrite(self._fd, view[done:], self.size + done)
+                done += os.pwrite(self._fd, view[done:], offset + done)
         except OSError as exc:
-            raise StoreError(f"writing {self.store.where(self.key)} at offset {self.size + done}: {exc.strerror or exc}") from exc
-        self.size += len(view)
+            raise _failed(f"writing {self.store.where(self.key)} at offset {offset + done}", exc, self.tmp, offset + done) from exc
+        self.size = max(self.size, offset + len(view))
 
-    def publish(self) -> None:
+    def sync(self) -> None:
+        """fsync and close the file: what was written is durable under the temporary name."""
+        if self._fd is None:
+            return
         try:
             os.fsync(self._fd)
         except OSError as exc:
-            raise StoreError(f"writing {self.store.where(self.key)}: fsync: {exc.strerror or exc}") from exc
+            raise _failed(f"writing {self.store.where(self.key)}: fsync", exc, self.tmp) from exc
         self._close()
-        self.store._publish(self.tmp, self.path, self.key)
+
+    def publish(self, replace: bool = False) -> None:
+        """Rename the file to its key once durable, then fsync the directory: never over another
+        file (:class:`ObjectExistsError`) unless ``replace``; a file staged whole that finds its
+        very bytes there is published already (a retried commit, as :class:`StagedBytes` tells)."""
+        self.sync()
+        directory = os.path.dirname(self.path)
+        try:
+            if replace:
+                fsync_files.rename_into_place(self.tmp, self.path, directory)
+            else:
+                fsync_files.rename_without_replacing(self.tmp, self.path, directory)
+        except FileExistsError as exc:
+            if self.data is not None and self._holds_these_bytes():  # a retried commit, as StagedBytes tells one
+                self.abandon()
+                self._published = True
+                return
+            self._refused = True
+            raise ObjectExistsError(f"{self.store.where(self.key)}: already exists (a committed file is never replaced)") from exc
+        except OSError as exc:
+            raise _failed(f"publishing {self.store.where(self.key)}", exc, self.path) from exc
+        self._published = True
+        try:
+            fsync_files.fsync_dir(directory)
+        except OSError as exc:
+            raise _failed(f"publishing {self.store.where(self.key)}", exc, self.path) from exc
         self.tmp = None
+
+    def _holds_these_bytes(self) -> bool:
+        try:
+            return (self.store.size(self.key) == len(self.data)
+                    and bytes(self.store.read_range(self.key, 0, len(self.data))) == bytes(self.data))
+        except (StoreError, CorruptCheckpointError):
+            return False
+
+    def landed(self) -> bool:
+        """Whether the file is in place under its key: published, or a rename interrupted after
+        its link (filesystems without RENAME_NOREPLACE link, then unlink: both names, one file)."""
+        if self._published or self._refused:
+            return self._published
+        try:
+            if self.tmp is not None and os.path.exists(self.tmp):
+                return os.path.samefile(self.tmp, self.path)
+        except FileNotFoundError:
+            return False
+        return os.path.exists(self.path)
 
     def abandon(self) -> None:
         """Remove what was written (nothing once published)."""
@@ -352,6 +435,15 @@ def _engine_request(read: RangeRead, file_index: int, path: str):
     except ValueError:
         read.index.check_tiled(read.data_offset, read.nbytes, path, read.key)  # names the untiled bytes
         raise
+
+
+def _failed(what: str, exc: OSError, path: str, offset: int | None = None) -> StoreError:
+    """A write's :class:`StoreError` as the engine's write errors are: the errno (a full disk
+    stays ENOSPC), the file (``.filename``: the one the error names, else ``path``, the name it
+    is written under) and ``.offset``."""
+    error = StoreError(exc.errno, f"{what}: {exc.strerror or exc}", exc.filename or path)
+    error.offset = getattr(exc, "offset", -1) if offset is None else offset
+    return error
 
 
 def _raise(exc: OSError) -> None:

@@ -107,6 +107,33 @@ class Store(abc.ABC):
 
     url: str  # where the root is, as the user named it (a path or s3://bucket/prefix)
     read_block: int = 1 << 20  # the bytes a streamed read-back asks for at a time (a request each)
+    # Whether writes are files of a file system, which several files written at once (a rank's
+    # stripes) make faster; an object store's upload has a parallelism of its own.
+    is_file_system: bool = False
+
+    def make_prefix(self, prefix: str) -> None:
+        """Make ``prefix`` ready to be written under (a directory, made durably); an object store
+        has no directories."""
+
+    def free_space(self, prefix: str) -> int | None:
+        """The bytes that can still be written under ``prefix``; None where the store cannot tell
+        (an object store: a write finds out)."""
+        return None
+
+    def put_in_place(self, key: str, data: bytes) -> None:
+        """Write a small object under a name no other writer uses and nothing refers to yet (a
+        save's rank index, named by the save's id, which only its ``.metadata`` makes part of a
+        checkpoint): durable when this returns, but possibly visible before it is whole, as an
+        engine write's files are. A file system's store writes it where it will be (the commit's
+        directory fsync makes its name durable); an object store's objects are whole anyway."""
+        self.put_bytes(key, data)
+
+    def stage_bytes(self, key: str, data: bytes, staging_key: str | None = None) -> StagedBytes:
+        """``data`` bound for ``key`` and not visible there until :meth:`StagedBytes.publish`:
+        the two steps of a commit, so that a save's ``.metadata`` is ready while its data is
+        written and appears in one step at the end. Held in memory here (an object appears whole
+        in one PUT); a file system's store writes it durably under ``staging_key`` first."""
+        return StagedBytes(self, key, bytes(data))
 
     @abc.abstractmethod
     def put_stream(self, key: str, blocks: Iterable[bytes], size: int | None, progress: Progress | None = None,
@@ -265,11 +292,58 @@ class Store(abc.ABC):
         """Release connections or handles (the store may not be used afterwards)."""
 
 
+def metadata_key(checkpoint: str = "") -> str:
+    """The key of the ``.metadata`` of the checkpoint under the key prefix ``checkpoint``."""
+    return f"{checkpoint}/{METADATA_FILE}" if checkpoint else METADATA_FILE
+
+
 def is_committed(store: Store, checkpoint: str = "") -> bool:
     """Whether the checkpoint under the key prefix ``checkpoint`` (``""``: the store's root) is
     committed: the one rule, for every store and every tier, that a checkpoint exists once its
-    ``.metadata`` does (written last, never replaced in place)."""
-    return store.size(f"{checkpoint}/{METADATA_FILE}" if checkpoint else METADATA_FILE) is not None
+    ``.metadata`` does (written last, never replaced in place). A file system's store refuses a
+    ``.metadata`` that is not a regular file (a link) rather than answer."""
+    return store.size(metadata_key(checkpoint)) is not None
+
+
+def commit_checkpoint(store: Store, checkpoint: str, blob: bytes, *, replace: bool = False) -> None:
+    """Commit the checkpoint under ``checkpoint`` by writing its ``.metadata`` ``blob``: the last
+    step of every copy (a partner, durable or node copy), once everything ``blob`` names is
+    durable; a save does the same in two steps (:meth:`Store.stage_bytes` while its data is
+    written, ``publish`` at the end). Never over another commit unless ``replace``
+    (:class:`ObjectExistsError`; these very bytes there already are this commit, retried)."""
+    store.stage_bytes(metadata_key(checkpoint), blob).publish(replace=replace)
+
+
+class StagedBytes:
+    """A small object staged by :meth:`Store.stage_bytes`, held in memory until published."""
+
+    def __init__(self, store: Store, key: str, data: bytes) -> None:
+        self.store, self.key, self.data = store, key, data
+
+    def publish(self, replace: bool = False) -> None:
+        """Make the object visible under its key, whole, in one step: replacing one there only
+        if ``replace``; otherwise :class:`ObjectExistsError` unless the object there holds these
+        very bytes (a write that landed though its answer was lost)."""
+        if replace:
+            self.store.replace_bytes(self.key, self.data)
+            return
+        try:
+            self.store.put_new(self.key, self.data)
+        except ObjectExistsError:
+            if not self.landed():
+                raise
+
+    def landed(self) -> bool | None:
+        """Whether the key holds these very bytes (published); None when the store cannot tell,
+        which a cleanup takes for yes: what the object names is kept (strays at worst)."""
+        try:
+            size = self.store.size(self.key)
+            return size == len(self.data) and bytes(self.store.read_range(self.key, 0, size)) == self.data
+        except StoreError:
+            return None
+
+    def abandon(self) -> None:
+        """Give up the staged bytes (nothing to remove: they were never stored)."""
 
 
 class StoredFile:

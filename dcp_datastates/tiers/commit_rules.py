@@ -26,9 +26,10 @@ class CommitRule(abc.ABC):
     done_note = ""  # what the log line of a finished copy adds
 
     @abc.abstractmethod
-    def after_copy(self, store: Store, local_dir: str, step: int, step_dir: str, timeout_s: float,
+    def after_copy(self, store: Store, local: Store, step: int, step_dir: str, timeout_s: float,
                    stop: Callable[[], bool] | None) -> Outcome:
-        """Once this rank's files of ``step`` are on ``store`` (under ``step_dir``): what it does."""
+        """Once this rank's files of ``step`` (the local copy at the root of ``local``) are on
+        ``store`` (under ``step_dir``): what it does."""
 
 
 class CommitWhenAllConfirmed(CommitRule):
@@ -42,8 +43,8 @@ class CommitWhenAllConfirmed(CommitRule):
     def __init__(self, retention: Callable[[Store, int], list[int]], ranks: tuple | None = None) -> None:
         self.retention, self.ranks = retention, ranks
 
-    def after_copy(self, store, local_dir, step, step_dir, timeout_s, stop) -> Outcome:
-        stamp = commit_durable(local_dir, step_dir, store, timeout_s=timeout_s, stop=stop, ranks=self.ranks)
+    def after_copy(self, store, local, step, step_dir, timeout_s, stop) -> Outcome:
+        stamp = commit_durable(local, step_dir, store, timeout_s=timeout_s, stop=stop, ranks=self.ranks)
         try:
             deleted = self.retention(store, step)
         except Exception as exc:  # noqa: BLE001 - the commit stands; retention catches up next time
@@ -54,10 +55,10 @@ class CommitWhenAllConfirmed(CommitRule):
 class AwaitCommit(CommitRule):
     settles = True
 
-    def after_copy(self, store, local_dir, step, step_dir, timeout_s, stop) -> Outcome:
-        return await_commit(local_dir, step_dir, store, timeout_s=timeout_s, stop=stop), None, []
+    def after_copy(self, store, local, step, step_dir, timeout_s, stop) -> Outcome:
+        return await_commit(local, step_dir, store, timeout_s=timeout_s, stop=stop), None, []
 
 
 class LeaveCommit(CommitRule):
-    def after_copy(self, store, local_dir, step, step_dir, timeout_s, stop) -> Outcome:
+    def after_copy(self, store, local, step, step_dir, timeout_s, stop) -> Outcome:
         return None, None, []

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -48,7 +47,9 @@ from dcp_datastates.format.metadata_envelope import (
 )
 from dcp_datastates.native.engine import crc32c
 from dcp_datastates.storage.segments import SegmentChecker, rank_index_of
-from dcp_datastates.storage.store import Store, StoreError, is_committed, run_all
+from dcp_datastates.storage.local import LocalStore, StagedFile
+from dcp_datastates.storage.memory import MemoryStore
+from dcp_datastates.storage.store import ObjectExistsError, Store, StoreError, commit_checkpoint, is_committed, metadata_key, run_all
 
 BLOCK_BYTES = 8 << 20  # bytes a fetch or verify reads from the store at a time
 # Bytes the drain reads from the local tier, checks and hands to the store at a time: small, so
@@ -111,38 +112,45 @@ def failure_key(step_dir: str, rank: int) -> str:
 # -- one rank's files ----------------------------------------------------------------
 
 
-def _local_blocks(path: str, checker: SegmentChecker | None, crc_box: list, block: int, pace=None) -> Iterator[bytes]:
-    """The file's bytes in blocks, each checked (``checker``) before it is yielded; the
-    whole file's CRC-32C ends in ``crc_box[0]``. ``pace()`` runs before each block."""
+def _local_blocks(local: Store, key: str, size: int, checker: SegmentChecker | None, crc_box: list, block: int,
+                  pace=None) -> Iterator[bytes | bytearray | memoryview]:
+    """The ``size`` bytes of the local copy's ``key`` in blocks, each checked (``checker``) before
+    it is yielded; the whole file's CRC-32C ends in ``crc_box[0]``. ``pace()`` runs before each
+    block. A failure to read it is the local copy's, never taken for an outage of the store."""
     crc = 0
-    at = 0
-    try:
-        f = open(path, "rb", buffering=0)
-    except OSError as exc:  # the local copy, not the store: never taken for an outage of the store
-        raise DrainError(f"{path}: reading the local copy to drain it: {exc.strerror or exc}") from exc
-    with f:
-        while True:
-            if pace is not None:
-                pace()
-            try:
-                data = f.read(block)
-            except OSError as exc:
-                raise DrainError(f"{path}: reading the local copy at offset {at} to drain it: {exc.strerror or exc}") from exc
-            if not data:
-                break
-            view = memoryview(data)
-            if checker is not None:
-                checker.feed(view, at)
-            crc = crc32c(view, crc)
-            at += len(data)
-            yield data
+    for at in range(0, size, block):
+        if pace is not None:
+            pace()
+        try:
+            data = local.read_range(key, at, min(block, size - at))
+        except StoreError as exc:
+            raise DrainError(f"{local.where(key)}: reading the local copy at offset {at} to drain it: {exc}") from exc
+        view = memoryview(data)
+        if checker is not None:
+            checker.feed(view, at)
+        crc = crc32c(view, crc)
+        yield data
     if checker is not None:
-        checker.finish(at)
+        checker.finish(size)
     crc_box[0] = crc
 
 
+def _local_sizes(local: Store, files: RankFiles) -> list[int]:
+    """The sizes of the rank's files in the local copy, index last (a missing one: DrainError)."""
+    sizes = []
+    for name in files.file_names():
+        try:
+            size = local.size(name)
+        except StoreError as exc:
+            raise DrainError(f"{local.url}: reading rank {files.rank}'s files: {exc}") from exc
+        if size is None:
+            raise DrainError(f"{local.url}: rank {files.rank}'s file {local.where(name)} is missing; the step is not drained")
+        sizes.append(size)
+    return sizes
+
+
 def drain_rank(
-    local_dir: str,
+    local: Store,
     step_dir: str,
     files: RankFiles,
     store: Store,
@@ -152,41 +160,40 @@ def drain_rank(
     block: int = DRAIN_BLOCK_BYTES,
     pace: Callable[[], None] | None = None,
 ) -> RankDrain:
-    """Copy one rank's files of the committed checkpoint in ``local_dir`` to ``step_dir/`` in
-    ``store``, verified (see the module docstring); then write the rank's confirmation.
+    """Copy one rank's files of the committed checkpoint at the root of ``local`` (a step
+    directory of the local tier, as a store) to ``step_dir/`` in ``store``, verified (see the
+    module docstring); then write the rank's confirmation.
 
     Files of this rank an interrupted drain left in the store are replaced. ``pace()`` runs
     before every block read (the manager's waits while a snapshot copies the training state,
     so that the drain never slows the copies the training loop may wait for)."""
     t0 = time.perf_counter()
     names = files.data_files()
-    index_path = os.path.join(local_dir, files.index_file)
+    local_sizes = _local_sizes(local, files)
+    sizes = local_sizes[:len(names)]
+    index_where = local.where(files.index_file)
     try:
-        sizes = [os.path.getsize(os.path.join(local_dir, n)) for n in names]
-        index = rank_index_of(index_path, files, sizes, index_path)
-    except FileNotFoundError as exc:
-        raise DrainError(f"{local_dir}: rank {files.rank}'s file {exc.filename} is missing; the step is not drained") from exc
+        with local.open_file(files.index_file) as f:
+            index = rank_index_of(f, files, sizes, index_where)
     except OSError as exc:
-        raise DrainError(f"{local_dir}: reading rank {files.rank}'s files: {exc}") from exc
+        raise DrainError(f"{local.url}: reading rank {files.rank}'s files: {exc}") from exc
     keys = [f"{step_dir}/{n}" for n in files.file_names()]
     if is_committed(store, step_dir):
         sizes_there = [store.size(k) for k in keys]
-        local = [*sizes, os.path.getsize(index_path)]
-        if sizes_there == local:
+        if sizes_there == local_sizes:
             # A drain repeated after the step committed there with these very files (their names
             # carry the save's id): re-uploading would first delete objects a commit names.
-            result = RankDrain(files.rank, [DrainedFile(n, size, 0) for n, size in zip(files.file_names(), local)])
+            result = RankDrain(files.rank, [DrainedFile(n, size, 0) for n, size in zip(files.file_names(), local_sizes)])
             result.seconds = time.perf_counter() - t0
             return result
     store.delete(keys + [confirmation_key(step_dir, files.rank), failure_key(step_dir, files.rank)])
     drained = []
-    for stripe, name in enumerate(files.file_names()):
-        path = os.path.join(local_dir, name)
+    for stripe, (name, size) in enumerate(zip(files.file_names(), local_sizes)):
+        path = local.where(name)
         key = f"{step_dir}/{name}"
         checker = SegmentChecker.of_stripe(index, stripe, path) if stripe < len(names) else None
         crc_box = [0]
-        size = os.path.getsize(path)
-        store.put_stream(key, _local_blocks(path, checker, crc_box, block, pace), size, progress)
+        store.put_stream(key, _local_blocks(local, name, size, checker, crc_box, block, pace), size, progress)
         if read_back:
             got = store.crc32c(key, 0, size, pace=pace)
             if got != crc_box[0]:
@@ -204,7 +211,7 @@ def drain_rank(
 
 
 def commit_durable(
-    local_dir: str,
+    local: Store,
     step_dir: str,
     store: Store,
     *,
@@ -221,11 +228,11 @@ def commit_durable(
     and the store must hold each at the confirmed size."""
     from dcp_datastates.format.metadata_file import read_metadata_file  # torch: not for the tools that list steps
 
-    meta_path = os.path.join(local_dir, METADATA_FILE)
+    meta_path = local.where(METADATA_FILE)
     try:
-        metadata, _ = read_metadata_file(meta_path, allow_pickle=False)
-        with open(meta_path, "rb") as f:
-            blob = f.read()
+        blob = local.read(METADATA_FILE)
+        metadata, _ = read_metadata_file(MemoryStore({METADATA_FILE: blob}, local.url).open_file(METADATA_FILE),
+                                         allow_pickle=False)
     except OSError as exc:
         raise DrainError(f"{meta_path}: {exc}") from exc
     layout = metadata.storage_data
@@ -240,7 +247,7 @@ def commit_durable(
         if is_newer_save(there, stamp):
             raise DrainError(
                 f"{store.where(step_dir)} holds a newer save of this step (commit sequence {there.sequence}, "
-                f"{local_dir}'s is {stamp.sequence}): the run went on from the tier elsewhere; not replaced"
+                f"{local.url}'s is {stamp.sequence}): the run went on from the tier elsewhere; not replaced"
             )
     _check_bases_durable(layout, step_dir, store)
     expected = {r.rank: r.file_names() for r in layout.own_ranks if ranks is None or r.rank in ranks}
@@ -271,11 +278,13 @@ def commit_durable(
             size = store.size(f"{step_dir}/{f.name}")
             if size != f.size:
                 raise DrainError(f"{store.where(step_dir + '/' + f.name)}: {size} bytes in the store, {f.size} confirmed")
-    if committed_there:
-        # An earlier save of this step (overwritten locally) is committed there: uncommit it
-        # first; its files that the new checkpoint does not name go below, once it commits.
-        store.delete([meta_key])
-    store.put_bytes(meta_key, blob)
+    # An earlier save of this step (overwritten locally) committed there is replaced in one step
+    # (a reader sees the old checkpoint or the new, whole); its files the new one does not name
+    # go below, once it is committed.
+    try:
+        commit_checkpoint(store, step_dir, blob, replace=committed_there)
+    except ObjectExistsError as exc:
+        raise DrainError(f"{store.where(step_dir)}: another save of this step committed there meanwhile; not replaced") from exc
     named = {METADATA_FILE, *(n for names in expected.values() for n in names)}
     prefix = step_prefix(step_dir)
     try:
@@ -285,7 +294,7 @@ def commit_durable(
     return stamp
 
 
-def await_commit(local_dir: str, step_dir: str, store: Store, *, timeout_s: float = 3600.0, poll_s: float = 0.2,
+def await_commit(local: Store, step_dir: str, store: Store, *, timeout_s: float = 3600.0, poll_s: float = 0.2,
                  stop: Callable[[], bool] | None = None) -> CommitStamp | None:
     """A rank that does not commit (a leader of another node): wait until the coordinator
     committed this very save of the step on the store (its commit stamp there equals the
@@ -293,18 +302,18 @@ def await_commit(local_dir: str, step_dir: str, store: Store, *, timeout_s: floa
     running out, is a :class:`DrainError`."""
     from dcp_datastates.format.metadata_file import read_commit_stamp
 
-    meta_path = os.path.join(local_dir, METADATA_FILE)
-    if not os.path.exists(meta_path):
-        raise DrainError(f"{local_dir} has no {METADATA_FILE} (this node's copy of the commit is missing): "
+    if not is_committed(local):
+        raise DrainError(f"{local.url} has no {METADATA_FILE} (this node's copy of the commit is missing): "
                          "which save to wait for is unknown")
-    mine = read_commit_stamp(meta_path)
+    with local.open_file(METADATA_FILE) as f:
+        mine = read_commit_stamp(f)
     deadline = time.monotonic() + timeout_s
     while True:
         there = durable_commit_stamp(store, step_dir)
         if is_same_save(there, mine):
             return there
         if is_newer_save(there, mine):
-            raise DrainError(f"{store.where(step_dir)} holds a newer save of this step than {local_dir}")
+            raise DrainError(f"{store.where(step_dir)} holds a newer save of this step than {local.url}")
         if time.monotonic() > deadline or (stop is not None and stop()):
             raise DrainError(f"{store.where(step_dir)}: the copy was not committed within {timeout_s:.0f} s")
         time.sleep(poll_s)
@@ -382,55 +391,46 @@ def clear_incomplete_step(store: Store, step_dir: str) -> bool:
 FETCH_CONCURRENCY = 8  # ranged reads in flight while fetching a file (an object store serves each slowly)
 
 
-def fetch_step(store: Store, step_dir: str, local_dir: str, *, block: int = BLOCK_BYTES,
+def fetch_step(store: Store, step_dir: str, into: LocalStore, *, block: int = BLOCK_BYTES,
                concurrency: int = FETCH_CONCURRENCY) -> int:
-    """Copy a committed step from the durable tier into ``local_dir`` (created; it must not hold a
-    ``.metadata``), ``.metadata`` last, each file fsynced before it is renamed into place; return
-    the bytes copied. Each file is read in ``block``-byte ranges, ``concurrency`` of them in flight,
-    each written at its offset. The load that follows verifies every byte it reads against the
-    checksums."""
-    from dcp_datastates.storage import fsync_files
-
-    meta_key = f"{step_dir}/{METADATA_FILE}"
-    if store.size(meta_key) is None:
+    """Copy a committed step from the durable tier to the root of ``into`` (a step directory of
+    the local tier, as a store: created; it must not hold a ``.metadata``), ``.metadata`` last,
+    each file staged, fsynced and renamed into place; return the bytes copied. Each file is
+    read in ``block``-byte ranges, ``concurrency`` of them in flight, each written at its
+    offset. The load that follows verifies every byte it reads against the checksums."""
+    meta_key = metadata_key(step_dir)
+    if not is_committed(store, step_dir):
         raise DrainError(f"{store.where(step_dir)}: not a committed checkpoint on the durable tier (no {METADATA_FILE})")
-    if os.path.lexists(os.path.join(local_dir, METADATA_FILE)):
-        raise DrainError(f"{local_dir} holds a committed checkpoint already; it is not replaced by a fetch")
+    if is_committed(into):
+        raise DrainError(f"{into.url} holds a committed checkpoint already; it is not replaced by a fetch")
     keys = [k for k in store.list(step_prefix(step_dir)) if k != meta_key and f"/{CONFIRM_DIR}/" not in k]
-    os.makedirs(local_dir, exist_ok=True)
+    into.make_prefix("")
     total = 0
     with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="dcp_datastates-fetch") as pool:
         for key in [*keys, meta_key]:
             name = key[len(step_prefix(step_dir)):]
             if "/" in name:
                 raise DrainError(f"{store.where(key)}: a checkpoint holds no subdirectories")
-            final = os.path.join(local_dir, name)
-            tmp = os.path.join(local_dir, f".{name}.fetch-{os.getpid()}")
             size = store.size(key)
             if size is None:
                 raise DrainError(f"{store.where(key)}: vanished during the fetch")
+            staged = into.open_staged(name)
             try:
-                fsync_files.remove_if_present([tmp])
-                with open(tmp, "xb", buffering=0) as f:
-                    _fetch_ranges(store, key, size, f.fileno(), block, pool)
-                    os.fsync(f.fileno())
-                fsync_files.rename_into_place(tmp, final, local_dir)
-            except BaseException:
-                fsync_files.remove_if_present([tmp])
-                raise
+                _fetch_ranges(store, key, size, staged, block, pool)
+                # a file an interrupted fetch of this step left is these very bytes (its name
+                # carries the save's id); .metadata, the commit, never replaces one
+                staged.publish(replace=name != METADATA_FILE)
+            finally:
+                staged.abandon()  # nothing, once published
             total += size
-    fsync_files.fsync_dir(local_dir)
     return total
 
 
-def _fetch_ranges(store: Store, key: str, size: int, fd: int, block: int, pool: ThreadPoolExecutor) -> None:
+def _fetch_ranges(store: Store, key: str, size: int, staged: StagedFile, block: int, pool: ThreadPoolExecutor) -> None:
     """Read ``key``'s ``size`` bytes in ``block``-byte ranges on ``pool`` and write each at its offset
-    of ``fd``; the first failure cancels the ranges not begun and is raised."""
+    of ``staged``; the first failure cancels the ranges not begun and is raised."""
 
     def one(at: int) -> None:
-        data = memoryview(store.read_range(key, at, min(block, size - at)))
-        done = 0
-        while done < len(data):
-            done += os.pwrite(fd, data[done:], at + done)
+        staged.write_at(at, store.read_range(key, at, min(block, size - at)))
 
     run_all(pool, one, range(0, size, block))

@@ -23,8 +23,9 @@ import dataclasses
 import os
 import stat
 
-from dcp_datastates.errors import CheckpointNotFoundError
+from dcp_datastates.errors import CheckpointError, CheckpointNotFoundError
 from dcp_datastates.format.file_names import METADATA_FILE, is_save_file, step_of
+from dcp_datastates.storage.local import is_committed_directory
 from dcp_datastates.storage.url import is_store_url, split_parent
 from dcp_datastates.tools.common import one_line
 
@@ -113,8 +114,12 @@ def open_checkpoint(path: str, allow_pickle: bool = False):
     """
     from dcp_datastates.tools.checkpoint_view import FORMAT_OURS, CheckpointView
 
-    if not is_store_url(path) and not os.path.lexists(os.path.join(path, METADATA_FILE)):
-        return INCOMPLETE, None, f"{path} has no {METADATA_FILE}: the save never committed"
+    if not is_store_url(path):
+        try:
+            if not is_committed_directory(path):
+                return INCOMPLETE, None, f"{path} has no {METADATA_FILE}: the save never committed"
+        except CheckpointError as exc:  # a .metadata that is not a regular file
+            return CORRUPT, None, one_line(exc)
     try:
         view = CheckpointView(path, allow_pickle=allow_pickle)
     except Exception as exc:  # noqa: BLE001 - whatever makes it unreadable is reported, not raised
@@ -224,7 +229,7 @@ def checkpoints_named(location: str, latest: bool = False) -> list[str]:
             raise ValueError(f"{location} is not a run root (a directory of step directories), which --latest takes")
         return [location]
     if not latest:
-        return [path for _, path in found if os.path.isfile(os.path.join(path, METADATA_FILE))]
+        return [path for _, path in found if _committed_or_refused(path)]
     from dcp_datastates.manager.checkpoint_root import LATEST_FILE, read_pointer, step_dirs
 
     pointer = read_pointer(location)
@@ -237,9 +242,18 @@ def checkpoints_named(location: str, latest: bool = False) -> list[str]:
     if name is None:
         raise CheckpointNotFoundError(f"{where} names step {pointer.step}, which has no directory in {location}")
     path = os.path.join(location, name)
-    if not os.path.isfile(os.path.join(path, METADATA_FILE)):
+    if not _committed_or_refused(path):
         raise CheckpointNotFoundError(f"{where} names step {pointer.step}, whose checkpoint {path} is not committed")
     return [path]
+
+
+def _committed_or_refused(path: str) -> bool:
+    """Whether the directory holds a ``.metadata``: committed, or one the store refuses (a link),
+    which its check then reports as corrupt rather than passing over it."""
+    try:
+        return is_committed_directory(path)
+    except CheckpointError:
+        return True
 
 
 def _stored_checkpoints(url: str, latest: bool) -> list[str]:

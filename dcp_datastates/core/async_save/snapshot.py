@@ -111,10 +111,6 @@ class Snapshot:
         self.future_ref = lambda: None  # the StagingFuture, held weakly (see handoff.py)
 
     @property
-    def data_path(self) -> str:
-        return self.dest.where(self.data_file)
-
-    @property
     def staging_path(self) -> str:
         """The file the engine writes the snapshot's raw tensors to (a compressed save's, which
         is always a directory's)."""

@@ -152,7 +152,7 @@ def compress_staged(engine, snap, staged_segments, plan, finals: dict, n_objects
         raw = sorted({(o, n) for o, n, ordinal in finals.values() if ordinal < 0 and n > 0})
         regions = [HostRegion(address=head.data_ptr() + o, nbytes=n, file_offset=o) for o, n in raw]
         keep = [head]
-    job = engine.write(snap.data_path, regions, keep, direct_io=direct_io, preallocate=small_end)
+    job = snap.dest.start_write(engine, snap.data_file, regions, keep, direct_io=direct_io, preallocate=small_end)
     del regions, keep
     appender = BlockAppender(job, compression, align_up(small_end, PAGE), n_objects, ALIGNMENT, engine.window_bytes)
     # Two read buffers, reused: a buffer is refilled only once the blocks read into it
