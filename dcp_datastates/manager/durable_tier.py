@@ -38,8 +38,8 @@ from dcp_datastates.manager.retention import RetentionPolicy
 from dcp_datastates.tiers.commit_rules import AwaitCommit, CommitRule, CommitWhenAllConfirmed, LeaveCommit, Outcome
 from dcp_datastates.tiers.copy_queue import DELETED, DRAINING, DURABLE, FAILED, QUEUED, CopyQueue, DrainJob, DrainStatus, lower_priority
 from dcp_datastates.tiers.drain_pacing import DrainPacer
-from dcp_datastates.storage import StoreError, is_committed, open_store
-from dcp_datastates.storage.local import LocalStore
+from dcp_datastates.storage import StoreError, open_store
+from dcp_datastates.storage.local import LocalStore, is_committed_directory
 from dcp_datastates.tiers.drain import (
     DrainError,
     clear_incomplete_step,
@@ -438,6 +438,6 @@ class DurableTier(CopyQueue):
         total = 0
         for base in sorted(step_bases(self.store, step_dir) or ()):
             base_dir = os.path.join(os.path.dirname(local_dir), base)
-            if base not in seen and not is_committed(LocalStore(base_dir)):
+            if base not in seen and not is_committed_directory(base_dir):
                 total += self._fetch_with_bases(base, base_dir, seen)
         return total + fetch_step(self.store, step_dir, LocalStore(local_dir))

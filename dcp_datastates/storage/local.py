@@ -30,7 +30,7 @@ from dcp_datastates.errors import CheckpointError, CorruptCheckpointError
 from dcp_datastates.format.checkpoint_files import CheckpointFile, open_checkpoint_file
 from dcp_datastates.format.file_names import METADATA_FILE
 from dcp_datastates.native import engine as _native
-from dcp_datastates.storage.store import ObjectExistsError, Progress, RangeRead, ShortObjectError, Store, StoreError, check_key, is_committed
+from dcp_datastates.storage.store import ObjectExistsError, Progress, RangeRead, ShortObjectError, Store, StoreError, check_key, holds_bytes, is_committed
 
 _PART_MARK = ".part-"
 
@@ -69,7 +69,7 @@ class LocalStore(Store):
         return os.path.join(self.root, *check_key(key).split("/"))
 
     def _dir(self, prefix: str) -> str:
-        """The directory a key prefix (``""`` or ending in ``/``) names."""
+        """The directory a key prefix (``""``: the root; with or without its ``/``) names."""
         return os.path.join(self.root, *prefix.rstrip("/").split("/")) if prefix else self.root
 
     def _tmp(self, path: str) -> str:
@@ -104,12 +104,12 @@ class LocalStore(Store):
 
     def make_prefix(self, prefix: str) -> None:
         try:
-            self._make_dirs(self._dir(f"{prefix}/" if prefix else ""))
+            self._make_dirs(self._dir(prefix))
         except OSError as exc:
-            raise _failed(f"creating {self.where(prefix)}", exc, self._dir(f"{prefix}/" if prefix else "")) from exc
+            raise _failed(f"creating {self.where(prefix)}", exc, self._dir(prefix)) from exc
 
     def free_space(self, prefix: str) -> int | None:
-        st = os.statvfs(self._dir(f"{prefix}/" if prefix else ""))
+        st = os.statvfs(self._dir(prefix))
         return st.f_bavail * st.f_frsize
 
     def open_staged(self, key: str, staging_key: str | None = None) -> StagedFile:
@@ -289,16 +289,17 @@ class LocalStore(Store):
         return sorted(keys)
 
     def delete(self, keys: list[str]) -> None:
-        dirs = set()
+        dirs, removed_in = set(), set()
         for key in keys:
             path = self._path(key)
+            dirs.add(os.path.dirname(path))
             try:
                 os.unlink(path)
             except FileNotFoundError:
-                pass
+                continue
             except OSError as exc:
                 raise StoreError(f"deleting {self.where(key)}: {exc.strerror or exc}") from exc
-            dirs.add(os.path.dirname(path))
+            removed_in.add(os.path.dirname(path))
         for d in sorted(dirs, key=len, reverse=True):  # an emptied step directory goes too, never the root
             try:
                 if d != self.root:
@@ -307,6 +308,8 @@ class LocalStore(Store):
             except OSError as exc:
                 if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.EBUSY):
                     raise StoreError(f"removing {d}: {exc.strerror or exc}") from exc
+            if d not in removed_in:
+                continue  # nothing was removed there: no removal to make durable
             try:
                 fsync_files.fsync_dir(d)  # the removals are durable
             except FileNotFoundError:
@@ -375,7 +378,7 @@ class StagedFile:
             else:
                 fsync_files.rename_without_replacing(self.tmp, self.path, directory)
         except FileExistsError as exc:
-            if self.data is not None and self._holds_these_bytes():  # a retried commit, as StagedBytes tells one
+            if self.data is not None and self._holds_its_bytes():  # a retried commit, as StagedBytes tells one
                 self.abandon()
                 self._published = True
                 return
@@ -390,10 +393,9 @@ class StagedFile:
             raise _failed(f"publishing {self.store.where(self.key)}", exc, self.path) from exc
         self.tmp = None
 
-    def _holds_these_bytes(self) -> bool:
+    def _holds_its_bytes(self) -> bool:
         try:
-            return (self.store.size(self.key) == len(self.data)
-                    and bytes(self.store.read_range(self.key, 0, len(self.data))) == bytes(self.data))
+            return holds_bytes(self.store, self.key, self.data)
         except (StoreError, CorruptCheckpointError):
             return False
 

@@ -311,7 +311,16 @@ def commit_checkpoint(store: Store, checkpoint: str, blob: bytes, *, replace: bo
     durable; a save does the same in two steps (:meth:`Store.stage_bytes` while its data is
     written, ``publish`` at the end). Never over another commit unless ``replace``
     (:class:`ObjectExistsError`; these very bytes there already are this commit, retried)."""
-    store.stage_bytes(metadata_key(checkpoint), blob).publish(replace=replace)
+    staged = store.stage_bytes(metadata_key(checkpoint), blob)
+    try:
+        staged.publish(replace=replace)
+    finally:
+        staged.abandon()  # nothing, once published; a refused commit leaves no temporary behind
+
+
+def holds_bytes(store: Store, key: str, data: bytes) -> bool:
+    """Whether ``key`` holds exactly ``data`` (how a retried commit tells its own bytes)."""
+    return store.size(key) == len(data) and bytes(store.read_range(key, 0, len(data))) == bytes(data)
 
 
 class StagedBytes:
@@ -337,8 +346,7 @@ class StagedBytes:
         """Whether the key holds these very bytes (published); None when the store cannot tell,
         which a cleanup takes for yes: what the object names is kept (strays at worst)."""
         try:
-            size = self.store.size(self.key)
-            return size == len(self.data) and bytes(self.store.read_range(self.key, 0, size)) == self.data
+            return holds_bytes(self.store, self.key, self.data)
         except StoreError:
             return None
 

@@ -48,7 +48,6 @@ from dcp_datastates.format.metadata_envelope import (
 from dcp_datastates.native.engine import crc32c
 from dcp_datastates.storage.segments import SegmentChecker, rank_index_of
 from dcp_datastates.storage.local import LocalStore, StagedFile
-from dcp_datastates.storage.memory import MemoryStore
 from dcp_datastates.storage.store import ObjectExistsError, Store, StoreError, commit_checkpoint, is_committed, metadata_key, run_all
 
 BLOCK_BYTES = 8 << 20  # bytes a fetch or verify reads from the store at a time
@@ -226,15 +225,14 @@ def commit_durable(
     Every rank of the checkpoint's layout (of ``ranks`` only, when given: a partner copy
     holds one node's files) must have confirmed exactly the files the layout names for it,
     and the store must hold each at the confirmed size."""
-    from dcp_datastates.format.metadata_file import read_metadata_file  # torch: not for the tools that list steps
+    from dcp_datastates.format.metadata_file import decode_metadata  # torch: not for the tools that list steps
 
     meta_path = local.where(METADATA_FILE)
     try:
         blob = local.read(METADATA_FILE)
-        metadata, _ = read_metadata_file(MemoryStore({METADATA_FILE: blob}, local.url).open_file(METADATA_FILE),
-                                         allow_pickle=False)
     except OSError as exc:
         raise DrainError(f"{meta_path}: {exc}") from exc
+    metadata, _ = decode_metadata(blob, meta_path, allow_pickle=False)  # the very bytes committed there
     layout = metadata.storage_data
     meta_key = f"{step_dir}/{METADATA_FILE}"
     stamp = stamp_in_tail(blob[-TRAILER_BYTES:], len(blob), meta_path)
