@@ -269,7 +269,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="loop steps (default 20, --quick 10)")
     ap.add_argument("--every", type=int, default=5, help="an async save every this many steps")
     ap.add_argument("--compute-ms", type=float, default=300.0, help="compute per step, one thread, alone")
-    ap.add_argument("--s3-port", type=int, default=int(os.environ.get("DCP_DATASTATES_TEST_S3_PORT", "8461")))
+    ap.add_argument("--s3-port", type=int, default=None, help="the S3 server's port (default: a free one)")
     ap.add_argument("--skip", choices=["resume", "loop"], default=None, help="leave one part out")
     ap.add_argument("--json", default=None, help="write every figure to this JSON file")
     args = ap.parse_args()

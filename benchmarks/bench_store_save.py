@@ -135,7 +135,7 @@ def main() -> None:
 
     results: dict = {"state_mib": args.state_mib, "reps": args.reps, "host_cache_mib": args.host_cache_mib,
                      "machine": machine_info(args.local_dir), "variants": {}}
-    with running(WeedServer(bucket=args.bucket, port=8533, nice=args.s3_nice)) as server:
+    with running(WeedServer(bucket=args.bucket, nice=args.s3_nice)) as server:
         env = dict(os.environ)
         for variant in args.variants.split(","):
             runs = []

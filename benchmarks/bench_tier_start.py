@@ -40,7 +40,7 @@ def main() -> int:
     ap.add_argument("--local", type=int, default=3, help="steps kept locally (default 3)")
     ap.add_argument("--starts", type=int, default=7, help="manager starts timed (default 7)")
     ap.add_argument("--puts", type=int, default=30, help="pointer PUTs timed (default 30)")
-    ap.add_argument("--port", type=int, default=8339, help="the server's port (default 8339)")
+    ap.add_argument("--port", type=int, default=None, help="the server's port (default: a free one)")
     ap.add_argument("--tree", default=None, help="a source checkout to import dcp_datastates from")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

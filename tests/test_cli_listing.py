@@ -156,6 +156,18 @@ def test_ls_edge_cases(tmp_path, sharded_checkpoint):
     assert cells[:3] == ["-", "sharded", "committed"] and cells[5] == "2"  # SIZE is two cells: "296.0 KiB"
 
 
+def test_ls_shows_the_steps_of_a_torchtitan_run(tmp_path, sharded_checkpoint):
+    """torchtitan's checkpointer (ours included) names its folders step-N: ls shows N."""
+    run = tmp_path / "outputs" / "checkpoint"
+    for step in (10, 200):
+        shutil.copytree(sharded_checkpoint.path, run / f"step-{step}")
+    table = cli("ls", str(run))
+    assert table.returncode == 0, table.stderr
+    for step in (10, 200):
+        cells = row_of(table.stdout, f"step-{step}").split()
+        assert cells[:3] == [str(step), f"step-{step}", "committed"], cells
+
+
 # ---------------------------------------------------------------------------
 # inspect
 # ---------------------------------------------------------------------------

@@ -159,7 +159,7 @@ def test_latest_needs_a_root_with_a_pointer_to_a_committed_step(run_root, tmp_pa
     assert one.returncode == 1 and "is not a run root" in one.stdout
     empty = tmp_path / "empty"
     empty.mkdir()  # no checkpoint under it: verified as it is, and it is not one
-    assert cli("verify", "--quiet", str(empty)).stdout.startswith(f"NOT COMMITTED: {empty}")
+    assert cli("verify", "--quiet", str(empty)).stdout.startswith(f"NOT A CHECKPOINT: {empty}")
 
 
 def test_convert_json_is_its_summary(run_checkpoints, tmp_path):

@@ -29,7 +29,7 @@ def drained(tmp_path, durable_url):
             mgr.save(step, state_at(step))
         mgr.wait_durable()
     store = open_store(durable_url)
-    store.put_bytes("step_00000030/rank00000-x.data", b"a drain that never finished")
+    store.put_bytes("step_00000030/rank00000-0123456789ab.data", b"a drain that never finished")
     return root, durable_url, store
 
 

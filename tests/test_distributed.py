@@ -92,6 +92,17 @@ def _check_two_rank_layout(path):
     return layout
 
 
+def test_a_load_of_no_checkpoint_raises_the_same_typed_error_on_every_rank(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.txt").write_text("not a checkpoint")
+    dh.run_ranks("load_missing_checkpoint", 2, tmp_path / "logs", missing=str(tmp_path / "nope"),
+                 not_a_checkpoint=str(tmp_path / "notes"))
+    for rank in range(2):
+        log = (tmp_path / "logs" / f"load_missing_checkpoint-rank{rank}.log").read_text()
+        assert f"rank {rank}: every load raised CheckpointNotFoundError" in log, log
+        assert "Global metadata is not found" not in log and "Traceback" not in log, log
+
+
 def test_save_2ranks_load_1proc_without_process_group(dtensor_ckpts):
     path = dtensor_ckpts.default
     _check_two_rank_layout(path)

@@ -624,8 +624,8 @@ def test_writers_and_readers_get_a_fresh_engine_after_a_release(tmp_path, privat
 
     state = {"w": torch.randn(64, 64), "step": 3}
     writer = DataStatesWriter(tmp_path / "a", **private_settings)
-    reader = DataStatesReader(tmp_path / "a", io_threads=1, window_bytes=68 << 10)
     dcp.save(state, storage_writer=writer, no_dist=True)
+    reader = DataStatesReader(tmp_path / "a", io_threads=1, window_bytes=68 << 10)  # a reader needs its checkpoint
     out = {"w": torch.zeros(64, 64), "step": 0}
     dcp.load(out, storage_reader=reader, no_dist=True)
     old_writer_engine, old_reader_engine = writer._engine, reader.store.engine

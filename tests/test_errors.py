@@ -61,6 +61,35 @@ def test_directory_without_checkpoint(tmp_path):
     assert_metadata_error(tmp_path / "empty", CheckpointNotFoundError, "metadata is missing")
 
 
+@pytest.mark.parametrize("how", ["reader", "checkpoint_id"])
+@pytest.mark.parametrize("kind", ["missing", "empty", "other files", "incomplete"])
+def test_a_load_of_no_checkpoint_raises_one_typed_error_and_prints_nothing(tmp_path, capfd, kind, how, ckpt):
+    """Not DCP's CheckpointException (a BaseException a plain ``except Exception`` misses) and no
+    "Global metadata is not found" traceback of DCP's on stderr: our error, before dcp.load begins."""
+    path = {"missing": tmp_path / "nope", "empty": tmp_path / "empty", "other files": tmp_path / "notes",
+            "incomplete": ckpt}[kind]
+    if kind == "empty":
+        path.mkdir()
+    elif kind == "other files":
+        path.mkdir()
+        (path / "README.txt").write_text("not a checkpoint")
+    elif kind == "incomplete":
+        os.unlink(ckpt / ".metadata")
+    expected = IncompleteCheckpointError if kind == "incomplete" else CheckpointNotFoundError
+    capfd.readouterr()
+    try:
+        if how == "reader":
+            dcp.load(_target(), storage_reader=DataStatesReader(path), no_dist=True)
+        else:
+            dcp.load(_target(), storage_reader=DataStatesReader(), checkpoint_id=path, no_dist=True)
+    except Exception as exc:  # noqa: BLE001 - what a user's except catches
+        assert type(exc) is expected and str(path) in str(exc), f"{type(exc).__name__}: {exc}"
+    else:
+        raise AssertionError(f"dcp.load of {path} did not raise")
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", (out, err)
+
+
 def test_incomplete_checkpoint_without_metadata(ckpt):
     os.unlink(ckpt / ".metadata")
     assert_metadata_error(ckpt, IncompleteCheckpointError, "is incomplete")

@@ -132,7 +132,7 @@ def test_export_from_s3_and_from_stock_dcp(runs, s3_server, tmp_path):
 
 def test_export_refusals_name_the_key_and_leave_nothing(runs, tmp_path):
     out = tmp_path / "hf"
-    with pytest.raises(ModelMismatchError, match=r"'model\.embed_tokens\.weight'.*lacks"):
+    with pytest.raises(ModelMismatchError, match=r"'model\.embed_tokens\.weight' \(key 'model\.model\.embed_tokens\.weight' here\).*lacks"):
         export_to_huggingface(runs["gpt2"]["ckpt"], out, config_dir=runs["llama_untied"]["config"])
     with pytest.raises(ModelMismatchError, match="no tensor under the prefix 'net'.*model, optim"):
         export_to_huggingface(runs["gpt2"]["ckpt"], out, prefix="net")
@@ -157,8 +157,27 @@ def test_cli_export_and_import(runs, tmp_path):
     res = run_cli("convert", run["pretrained"], "--to", "datastates", tmp_path / "ours", "--quiet")
     assert res.returncode == 0, res.stderr
     assert "(huggingface)" in res.stdout
+    assert "Hugging Face" in run_cli("--help").stdout.split("\n    convert ", 1)[1].split("\n    export ", 1)[0]
     res = run_cli("convert", run["ckpt"], "--to", "torch", tmp_path / "x.pt", "--dtype", "bf16")
     assert res.returncode == 1 and "dtype apply to conversions to huggingface only" in res.stderr
+
+
+def test_readme_loop_layout_exports_with_the_prefix_its_error_names(runs, tmp_path):
+    """README's loop saves ``{"app": AppState, "step": n}``, so the model is under ``app.model``:
+    the export without a prefix says the one flag that works, and that flag exports it."""
+    run = runs["llama_untied"]
+    model, optim = run["model"], torch.optim.AdamW(run["model"].parameters())
+    ckpt = str(tmp_path / "run" / "step_00000060")
+    dcp.save({"app": {"model": model.state_dict(), "optim": optim.state_dict()}, "step": 60},
+             storage_writer=DataStatesWriter(ckpt), no_dist=True)
+    res = run_cli("convert", ckpt, "--to", "huggingface", tmp_path / "hf", "--config", run["config"], "--quiet")
+    assert res.returncode == 1
+    assert ("no tensor under the prefix 'model'; its top-level keys are app, step; the model's tensors are under "
+            "'app.model': pass --prefix app.model") in res.stderr, res.stderr
+    res = run_cli("convert", ckpt, "--to", "huggingface", tmp_path / "hf", "--config", run["config"],
+                  "--prefix", "app.model", "--quiet")
+    assert res.returncode == 0, res.stderr
+    assert torch.equal(_logits(_from_pretrained(tmp_path / "hf")), _logits(model))
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama_untied"])

@@ -1,4 +1,4 @@
-"""The durable tier under faults, against a real S3 server of the test's own (port 8334, so
+"""The durable tier under faults, against a real S3 server of the test's own (on a free port, so
 the session's server is untouched): the server killed mid-upload, a 503 storm, a slow link,
 and a full local tier. Nothing committed is lost; nothing is reported durable before it is."""
 
@@ -22,14 +22,11 @@ pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
 pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
 
-FAULT_PORT = 8334
-
-
 @pytest.fixture
 def server():
     from s3_server import WeedServer, running
 
-    with running(WeedServer(bucket="faults", port=FAULT_PORT)) as srv:
+    with running(WeedServer(bucket="faults")) as srv:
         yield srv
 
 

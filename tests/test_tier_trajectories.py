@@ -1,6 +1,6 @@
 """A durable tier never loses a committed step: rollbacks, interrupted drains, outages at start.
 
-Against a real S3 server of the tests' own (SeaweedFS on port 8335, killed and restarted on
+Against a real S3 server of the tests' own (SeaweedFS on a free port, killed and restarted on
 the same data) and a directory tier on a second file system, with the process SIGKILLed at
 several points of a drain and of a rollback. The new trajectory's step ``s`` holds
 ``state_at(TRAJECTORY + s)``, so every resume says which trajectory it found.
@@ -32,7 +32,6 @@ from manager_workers import TRAJECTORY, state_at
 pytestmark = [pytest.mark.s3, pytest.mark.subprocess, pytest.mark.slow]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PORT = 8335
 
 
 @pytest.fixture
@@ -40,7 +39,7 @@ def server():
     pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
     from s3_server import WeedServer, running
 
-    with running(WeedServer(bucket="trajectories", port=PORT)) as srv:
+    with running(WeedServer(bucket="trajectories")) as srv:
         yield srv
 
 

@@ -11,7 +11,8 @@ import pytest
 try:
     import torchtitan  # noqa: F401
 except ImportError as exc:  # a failure, not a skip: the suite's install line installs it
-    raise ImportError("tests/test_torchtitan.py needs torchtitan: pip install --no-deps torchtitan==0.3.0") from exc
+    raise ImportError("tests/test_torchtitan.py needs torchtitan: README's test command installs it "
+                      "(pip install --no-deps torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1)") from exc
 
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.checkpointer import dcp as titan_dcp
@@ -113,5 +114,22 @@ def test_module_names_the_install_line_without_torchtitan(monkeypatch):
     for loaded in [m for m in sys.modules if m == "torchtitan" or m.startswith("torchtitan.")]:
         monkeypatch.setitem(sys.modules, loaded, None)  # importing it now raises ImportError
     monkeypatch.delitem(sys.modules, name)
-    with pytest.raises(ImportError, match=r"pip install --no-deps torchtitan==0\.3\.0"):
+    with pytest.raises(ImportError, match=r"needs torchtitan .*pip install --no-deps torchtitan==0\.3\.0"):
         importlib.import_module(name)
+
+
+def test_module_names_the_missing_dependency_when_torchtitan_is_installed(monkeypatch):
+    """torchtitan installed --no-deps without its light dependencies: the message names the one
+    missing (tyro, which its config imports) and the extra that has it, not torchtitan."""
+    dependency = "tyro"
+    name = "dcp_datastates.integrations.torchtitan"
+    for loaded in [m for m in sys.modules if m.split(".")[0] in ("torchtitan", dependency)]:
+        monkeypatch.delitem(sys.modules, loaded)
+    monkeypatch.setitem(sys.modules, dependency, None)
+    monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ImportError) as info:
+        importlib.import_module(name)
+    text = str(info.value)
+    assert f"its dependency '{dependency}' is not" in text
+    assert 'pip install "dcp_datastates[torchtitan]"' in text
+    assert "needs torchtitan" not in text

@@ -128,6 +128,8 @@ class DataStatesReader(StorageReader):
         self.bytes_read = 0
         self.bytes_needed = 0
         self.bytes_received = 0  # a read-once load: bytes other ranks read for this one and sent it
+        if self.path is not None:
+            self.require_checkpoint()
 
     @property
     def layout(self) -> CheckpointLayout | None:
@@ -210,6 +212,7 @@ class DataStatesReader(StorageReader):
             if self._given_store is None:
                 check_location(checkpoint_id, type(self).__name__)
             self.path = os.fspath(checkpoint_id)
+            self.require_checkpoint()
         self._metadata = None
         self._layout = None
         self.stock = None
@@ -217,6 +220,14 @@ class DataStatesReader(StorageReader):
         self._indexes = {}
         self._chunks = {}
         self.commit_sequence = None
+
+    def require_checkpoint(self) -> None:
+        """Raise :class:`CheckpointNotFoundError` (or :class:`IncompleteCheckpointError`) now, where
+        the path is given, if it holds no committed checkpoint: inside ``dcp.load`` the error would
+        come after DCP's first collective, wrapped in its ``CheckpointException`` (a
+        ``BaseException``), with DCP's own traceback on stderr. Every rank checks the path itself."""
+        if self.store.identity(self.key(METADATA_FILE)) is None:
+            raise missing_checkpoint_error(self.store, self.prefix)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

@@ -39,7 +39,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from dcp_datastates.native import engine as _native
-from dcp_datastates.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from dcp_datastates.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from dcp_datastates.format.file_names import METADATA_FILE, is_metadata_temporary, layout_files, stray_files
 from dcp_datastates.format.checkpoint_layout import compressed_blocks
 from dcp_datastates.format.rank_index import RankIndex
@@ -58,6 +58,7 @@ class VerifyReport:
 
     path: str
     committed: bool = False
+    found: bool = True  # False: no checkpoint there at all (no .metadata, none of a save's files)
     problems: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     ranks: int = 0
@@ -72,10 +73,21 @@ class VerifyReport:
     def ok(self) -> bool:
         return self.committed and not self.problems
 
+    @property
+    def status(self) -> str:
+        """``OK``, ``NOT A CHECKPOINT``, ``NOT COMMITTED`` or ``CORRUPT``: the word its summary starts with."""
+        if self.ok:
+            return "OK"
+        if not self.found:
+            return "NOT A CHECKPOINT"
+        return "NOT COMMITTED" if not self.committed else "CORRUPT"
+
     def raise_if_bad(self) -> None:
         """Raise the error a load would raise (incomplete, or corrupt with every problem listed)."""
         if self.ok:
             return
+        if not self.found:
+            raise CheckpointNotFoundError(self.problems[0] if self.problems else f"no checkpoint at {self.path}")
         if not self.committed:
             raise IncompleteCheckpointError(self.problems[0] if self.problems else f"{self.path} is not committed")
         listed = "\n  ".join(self.problems[:20])
@@ -83,7 +95,7 @@ class VerifyReport:
         raise CorruptCheckpointError(f"{self.path} failed verification ({len(self.problems)} problems):\n  {listed}{more}")
 
     def summary(self) -> str:
-        head = "OK" if self.ok else ("NOT COMMITTED" if not self.committed else "CORRUPT")
+        head = "OK" if self.ok else self.status
         refers = f", bytes referred to in {', '.join(self.bases)}" if self.bases else ""
         hashed = f", {self.digests_checked} content digest(s) recomputed" if self.digests_checked else ""
         lines = [
@@ -122,20 +134,24 @@ def verify(
     """
     path = os.fspath(path)
     report = VerifyReport(path)
-    if reader is None:
-        reader = DataStatesReader(path, allow_pickle=allow_pickle, io_threads=io_threads)
-    elif reader.path != path:
+    if reader is not None and reader.path != path:
         raise ValueError(f"verify({path!r}) was given a reader of {reader.path!r}")
-    allow_pickle = reader.allow_pickle
     try:
+        if reader is None:  # a missing .metadata is found here, as by load_metadata()
+            reader = DataStatesReader(path, allow_pickle=allow_pickle, io_threads=io_threads)
+        allow_pickle = reader.allow_pickle
         metadata = reader.load_metadata()
     except IncompleteCheckpointError as exc:
+        report.problems.append(str(exc))
+        return report
+    except CheckpointNotFoundError as exc:
+        report.found = False
         report.problems.append(str(exc))
         return report
     except (CheckpointError, OSError, MemoryError) as exc:
         if isinstance(exc, StoreError) and exc.transient:
             raise
-        report.committed = _has_metadata(reader)
+        report.committed = reader is not None and _has_metadata(reader)
         report.problems.append(str(exc) if isinstance(exc, CheckpointError) else f"{path}: {type(exc).__name__}: {exc}")
         return report
     report.committed = True

@@ -117,6 +117,19 @@ def step_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+# torchtitan's CheckpointManager names its folders ``step-<N>`` (integrations/torchtitan.py keeps
+# its names): the tools show their steps; the manager never takes one for its own.
+TORCHTITAN_STEP_DIR_RE = re.compile(r"^step-(\d+)$")
+
+
+def listed_step_of(name: str) -> int | None:
+    """The step a listed directory holds: ours (``step_00000042``) or torchtitan's (``step-42``)."""
+    step = step_of(name)
+    if step is None and (m := TORCHTITAN_STEP_DIR_RE.match(name)):
+        step = int(m.group(1))
+    return step
+
+
 def steps_named(names: Iterable[str], where: str) -> dict[int, str]:
     """``{step: name}`` of the step directories among ``names`` (a directory's entries, or the
     first part of a store's keys). Two names for one step (``step_7`` and ``step_00000007``) are

@@ -34,15 +34,28 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+TORCHTITAN_INSTALL = ('pip install "dcp_datastates[torchtitan]" && '
+                      "pip install --no-deps torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1")
+
+
+def _missing_torchtitan_message(exc: ImportError) -> str:
+    """What to install: torchtitan itself, or the one dependency of its that is missing (with
+    torchtitan installed --no-deps, following a message that names torchtitan changes nothing)."""
+    missing = (exc.name or "").split(".")[0]
+    if missing == "torchtitan" or not missing:
+        return (f"dcp_datastates.integrations.torchtitan needs torchtitan (tested with 0.3.0): {TORCHTITAN_INSTALL}"
+                f" ({exc})")
+    return (f"dcp_datastates.integrations.torchtitan: torchtitan is installed but its dependency "
+            f"{missing!r} is not (No module named {exc.name!r}); the torchtitan extra has its light "
+            f"dependencies: {TORCHTITAN_INSTALL}")
+
+
 try:
     from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManager
     from torchtitan.tools import filesystem
     from torchtitan.tools.utils import GarbageCollection
-except ImportError as exc:  # pragma: no cover - exercised by a test that hides torchtitan
-    raise ImportError(
-        "dcp_datastates.integrations.torchtitan needs torchtitan (tested with 0.3.0): "
-        "pip install --no-deps torchtitan==0.3.0"
-    ) from exc
+except ImportError as exc:  # pragma: no cover - exercised by tests that hide torchtitan or a dependency
+    raise ImportError(_missing_torchtitan_message(exc)) from exc
 
 from dcp_datastates.core.async_save.fence import install_global_fence
 from dcp_datastates.core.reader import DataStatesReader

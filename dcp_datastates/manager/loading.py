@@ -184,9 +184,14 @@ class Loads:
         not own the root may do it too), and later saves are numbered after its commit sequence."""
         st = self.state
         allow_pickle = st.options.allow_pickle
-        reader = (st.tier.reader(step, allow_pickle, **self._read_options()) if durable
-                  else DataStatesReader(st.path_of(step), allow_pickle=allow_pickle, **self._read_options()))
-        verdict = st.ranks.agree(self._check(reader, full_verify))
+        try:  # a reader finds a missing .metadata when it is made: classified and agreed on, as the check's
+            reader = (st.tier.reader(step, allow_pickle, **self._read_options()) if durable
+                      else DataStatesReader(st.path_of(step), allow_pickle=allow_pickle, **self._read_options()))
+        except BaseException as exc:  # noqa: BLE001 - classified; unknown errors travel to every rank
+            reader, verdict = None, classify(exc)
+        else:
+            verdict = self._check(reader, full_verify)
+        verdict = st.ranks.agree(verdict)
         verdict = self._try_load(state, reader) if verdict is None else verdict
         if verdict is None and durable:
             st.saw_sequence(reader.commit_sequence)
@@ -265,8 +270,8 @@ class Loads:
         verdict = st.ranks.agree(verdict)  # also: every node's files are back before any rank reads
         if verdict is not None:
             return verdict
-        reader = level.reader(step, plan, reports, restored, memory, st.tier)
         try:
+            reader = level.reader(step, plan, reports, restored, memory, st.tier)
             reader.load_metadata()
             mine = level.check_assignment(plan, step, reports, restored, reader.require_layout())
         except BaseException as exc:  # noqa: BLE001 - classified, and agreed on below

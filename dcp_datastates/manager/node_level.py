@@ -253,7 +253,7 @@ class NodeLevel:
         for src, copy in plan.copies.get(step, []):
             for name, size in copy.files.items():
                 elsewhere.setdefault(f"{step_dir}/{name}", size)
-        store = RoutedStore(routes, os.path.join(self.root, step_dir), elsewhere)
+        store = RoutedStore(routes, self.root, elsewhere)  # its keys are step_<N>/<file>, under the root
         opts = self.options
         return DataStatesReader(step_dir, store=store, allow_pickle=opts.allow_pickle, exchange=self.loads,
                                 access=access_of(held, self.nodes, step), exchange_timeout_s=opts.exchange_timeout_s,

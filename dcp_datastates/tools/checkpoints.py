@@ -24,7 +24,7 @@ import os
 import stat
 
 from dcp_datastates.errors import CheckpointError, CheckpointNotFoundError
-from dcp_datastates.format.file_names import METADATA_FILE, is_save_file, step_of
+from dcp_datastates.format.file_names import METADATA_FILE, is_save_file, listed_step_of, step_of
 from dcp_datastates.storage.local import is_committed_directory
 from dcp_datastates.storage.url import is_store_url, split_parent
 from dcp_datastates.tools.common import one_line
@@ -81,14 +81,14 @@ def find_checkpoints(path: str) -> list[tuple[int | None, str]]:
 
     require_dir(path)
     if looks_like_checkpoint(path):
-        return [(step_of(os.path.basename(os.path.normpath(path))), path)]
+        return [(listed_step_of(os.path.basename(os.path.normpath(path))), path)]
     found = []
     for name in os.listdir(path):
         sub = os.path.join(path, name)
         # a symlinked checkpoint is listed too (du counts it once); a tool's partial output is not one
         if not os.path.isdir(sub) or partial_output_of(name) is not None:
             continue
-        step = step_of(name)
+        step = listed_step_of(name)
         if step is not None or looks_like_checkpoint(sub):
             found.append((step, sub))
     found.sort(key=lambda sp: (sp[0] is None, sp[0] or 0, os.path.basename(sp[1])))

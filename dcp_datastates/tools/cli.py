@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     p = add(
-        "convert", "convert a checkpoint to torch.save, sharded safetensors, stock DCP, or from stock DCP to ours",
+        "convert", "convert a checkpoint to torch.save, sharded safetensors, stock DCP or a Hugging Face model "
+        "directory; or from stock DCP or Hugging Face to ours",
         "Convert a checkpoint, streaming tensor by tensor (memory is bounded by the largest tensor, "
         "not the checkpoint). --to torch: one torch.save file; --to safetensors: HF-style shards "
         "plus model.safetensors.index.json; --to dcp: DCP's FileSystemWriter format; --to datastates: "

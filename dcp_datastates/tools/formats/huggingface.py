@@ -42,6 +42,20 @@ DTYPES = {
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
 
 
+def model_prefixes(keys) -> list[str]:
+    """The prefixes ending in a ``model`` part under which a checkpoint holds tensors, shortest
+    first: ``app.model`` for a state saved as ``{"app": AppState}`` whose state dict has a
+    ``model`` entry (README's loop). Where the default prefix finds nothing, they are the hint."""
+    found = set()
+    for key in keys:
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            if part == DEFAULT_PREFIX:
+                found.add(".".join(parts[: i + 1]))
+                break
+    return sorted(found, key=lambda p: (p.count("."), p))
+
+
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """``"bf16"`` (or ``torch.bfloat16``) -> ``torch.bfloat16``; None keeps the saved dtypes."""
     if dtype is None or isinstance(dtype, torch.dtype):
@@ -73,8 +87,15 @@ class HuggingFaceExport:
         skipped = [k for k in source.objects if k.startswith(lead)]
         if not names:
             tops = sorted({k.split(".", 1)[0] for k in source.keys()})
+            candidates = [p for p in model_prefixes(source.tensors) if p != prefix]
+            hint = ""
+            if len(candidates) == 1:
+                hint = f"; the model's tensors are under {candidates[0]!r}: pass --prefix {candidates[0]} " \
+                       f"(prefix={candidates[0]!r} from Python)"
+            elif candidates:
+                hint = f"; model tensors are under {', '.join(map(repr, candidates))}: pass one with --prefix"
             raise ModelMismatchError(
-                f"{source.path}: no tensor under the prefix {prefix!r}; its top-level keys are {', '.join(tops)}"
+                f"{source.path}: no tensor under the prefix {prefix!r}; its top-level keys are {', '.join(tops)}{hint}"
             )
         if config_dir is not None:
             config_dir = os.fspath(config_dir)
@@ -123,7 +144,7 @@ def _match_model(source, names: dict[str, str], model: ModelKeys, lead: str) -> 
         out[key] = src
     if missing:
         raise ModelMismatchError(
-            f"{source.path}: the model of {model.config_path} expects {missing[0]!r} (key {lead}{missing[0]!r} here), "
+            f"{source.path}: the model of {model.config_path} expects {missing[0]!r} (key {lead + missing[0]!r} here), "
             f"which the checkpoint lacks ({len(missing)} missing: {', '.join(missing[:6])}"
             f"{', ...' if len(missing) > 6 else ''}); check the prefix and the config"
         )
