@@ -38,7 +38,7 @@ results = {}
 for argv in (["--help"], ["--version"], ["ls", root], ["ls", root, "--json"], ["du", root], ["du", root, "--json"]):
     out = io.StringIO()
     rc = cli.run(argv, stdout=out, stderr=out)
-    results[" ".join(argv[:1] + argv[2:])] = [rc, "torch" in sys.modules, out.getvalue()]
+    results[" ".join(argv[:1] + argv[2:])] = [rc, "torch" in sys.modules, "numpy" in sys.modules, out.getvalue()]
 print(json.dumps(results))
 """
 
@@ -49,18 +49,19 @@ def test_listing_commands_start_without_torch(run_checkpoints):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     results = json.loads(r.stdout)
-    for command, (rc, torch_imported, output) in results.items():
+    for command, (rc, torch_imported, numpy_imported, output) in results.items():
         assert rc == 0, (command, output)
         assert not torch_imported, f"{command} imported torch"
+        assert not numpy_imported, f"{command} imported numpy (most of a listing's start-up time)"
     # The same answers as with torch at hand (ls of a root reads the metadata's record).
-    ls = json.loads(results["ls --json"][2])
+    ls = json.loads(results["ls --json"][3])
     assert [(c["name"], c["state"], c["ranks"], c["keys"]) for c in ls["checkpoints"]] == [
         (name, "committed", 1, len(CheckpointView(os.path.join(run_checkpoints.root, name)).keys())) for name in STEPS
     ]
-    du = json.loads(results["du --json"][2])
+    du = json.loads(results["du --json"][3])
     assert [u["state"] for u in du["checkpoints"]] == ["committed"] * 3
     assert all(u["checkpoint_bytes"] == u["apparent_bytes"] > 0 for u in du["checkpoints"])
-    assert "dcp-datastates" in results["--help"][2] and dcp_datastates.__version__ in results["--version"][2]
+    assert "dcp-datastates" in results["--help"][3] and dcp_datastates.__version__ in results["--version"][3]
 
 
 def test_public_names_import_on_first_use_with_the_torch_check(monkeypatch):

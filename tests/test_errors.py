@@ -241,6 +241,7 @@ def test_disk_full_names_file_and_keeps_other_checkpoints(tmp_path, small_tmpfs,
         err = unwrap(exc)
         assert isinstance(err, OSError) and err.errno == errno.ENOSPC, err
         assert "rank00000-" in str(err.filename)
+        assert "(the space of 'w')" in str(err), err  # the reservation names the key it was for
     for d in ("c", "c2"):
         assert not (small_tmpfs / d / ".metadata").exists()
         assert data_files(small_tmpfs / d) == []  # partial files removed, space returned

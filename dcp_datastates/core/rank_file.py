@@ -132,7 +132,7 @@ def start_planned(
             # (dcp.save waits for it), so the engine may write them without a staging copy.
             job = StripedWrite.start(
                 settings.engine, dest, placement.files().data_files(), bases, placement.tensor_bytes_end, placed,
-                finish_regions, direct_io=settings.direct_io, borrow=True,
+                finish_regions, keys=lambda: _tensor_keys(plan, placement), direct_io=settings.direct_io, borrow=True,
             )
             started.append(job)
             del placed
@@ -154,6 +154,12 @@ def start_planned(
         for job in started:
             _native.stop_write_job(job, "save failed")
         raise
+
+
+def _tensor_keys(plan: SavePlan, placement: RankPlacement) -> list[str]:
+    """The keys of the plan's raw tensor chunks, in file order (a failed reservation names them)."""
+    items = [item for item in plan.items if placement.locations[item.index].object_ordinal < 0]
+    return [item.index.fqn for item in sorted(items, key=lambda item: placement.locations[item.index].offset)]
 
 
 def _write_compressed(plan: SavePlan, planner: SavePlanner, placement: RankPlacement, job, results: list, settings: WriteSettings):
@@ -219,6 +225,7 @@ def _submit_in_batches(
             # Every stripe's job starts with the first batch (only stripe 0's sources in it).
             job = StripedWrite.start(
                 engine, dest, placement.files().data_files(), bases, placement.tensor_bytes_end, batch, finish_regions,
+                keys=lambda: [item.index.fqn for item in tensor_items],
                 direct_io=settings.direct_io, borrow=True,  # a borrowed window is staged once written
             )
             started.append(job)

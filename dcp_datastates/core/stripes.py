@@ -17,9 +17,22 @@ from typing import Any, Callable
 
 import numpy as np
 
+from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_layout import stripe_span
-from dcp_datastates.format.rank_index import SEGMENT_RECORD
+from dcp_datastates.format.rank_index import segment_record
 from dcp_datastates.native import engine as _native
+
+
+def with_reserved_keys(exc: OSError, keys: list[str]) -> OSError:
+    """A failed start of a rank file's write again, with the keys whose bytes it was to hold: a
+    file's space is reserved before any byte is written, so a full disk fails there, for the
+    whole file rather than at one key's offset. A store's own error names its object already."""
+    if isinstance(exc, CheckpointError) or not keys:
+        return exc
+    named = ", ".join(map(repr, keys[:3])) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    err = OSError(exc.errno, f"{exc.strerror or exc} (the space of {named})", exc.filename)
+    err.offset = getattr(exc, "offset", None)
+    return err
 
 
 class StripedWrite:
@@ -41,7 +54,7 @@ class StripedWrite:
     @classmethod
     def start(
         cls, engine, dest, names: list[str], bases: list[int], end: int, placed: list, finish: Callable,
-        **write_options: Any,
+        keys: Callable[[], list[str]] = list, **write_options: Any,
     ) -> StripedWrite:
         """Start one job per stripe file ``names[k]`` of the save's destination ``dest`` (a
         :mod:`destination`) with the ``placed`` sources that fall in it.
@@ -49,11 +62,15 @@ class StripedWrite:
         ``placed``: ``(source, data offset)`` pairs; ``finish`` turns a list
         of ``(source, file offset)`` into ``(regions, keep)``
         (:func:`providers.finish_regions`); ``end``: the end of the placed
-        tensors (each stripe is preallocated to its share). A failure to
-        start any job stops those already started.
+        tensors (each stripe is preallocated to its share); ``keys``: the
+        rank's tensor keys, which a failure to reserve the space names. A
+        failure to start any job stops those already started.
         """
         if len(names) > 1:  # each job reserves its own stripe only: together they must fit
-            dest.check_free_space(max(end, bases[-1]))
+            try:
+                dest.check_free_space(max(end, bases[-1]))
+            except OSError as exc:
+                raise with_reserved_keys(exc, keys()) from exc
         per_stripe: list[list] = [[] for _ in names]
         starts = tuple(bases[1:])
         for source, offset in placed:
@@ -67,9 +84,11 @@ class StripedWrite:
                 stripe.clear()
                 jobs.append(dest.start_write(engine, name, regions, keep, preallocate=stripe_end - base, **write_options))
                 del regions, keep
-        except BaseException:
+        except BaseException as exc:
             for job in jobs:
                 _native.stop_write_job(job, "starting another stripe of the rank failed")
+            if isinstance(exc, OSError):
+                raise with_reserved_keys(exc, keys()) from exc
             raise
         return cls(jobs, list(bases))
 
@@ -113,7 +132,7 @@ class StripedWrite:
 
     def wait(self) -> np.ndarray:
         """Wait for every stripe; its checksum segments at data offsets, sorted, as an array of
-        ``rank_index.SEGMENT_RECORD`` (small segments make too many for a tuple each).
+        ``rank_index.segment_record()`` (small segments make too many for a tuple each).
 
         A failed stripe's ``OSError`` is raised (its ``offset`` turned into a
         data offset) once the others are stopped: no job is left running.
@@ -129,7 +148,7 @@ class StripedWrite:
                 if offset is not None and offset >= 0:
                     exc.offset = offset + base
                 raise
-        segments = np.concatenate(parts) if parts else np.empty(0, SEGMENT_RECORD)
+        segments = np.concatenate(parts) if parts else np.empty(0, segment_record())
         return segments[np.argsort(segments["o"], kind="stable")]
 
 
@@ -138,8 +157,8 @@ def _records_of(job, base: int) -> np.ndarray:
     may give Segment objects only)."""
     wait_records = getattr(job, "wait_records", None)
     if wait_records is not None:
-        rows = np.frombuffer(wait_records(), dtype=SEGMENT_RECORD).copy()
+        rows = np.frombuffer(wait_records(), dtype=segment_record()).copy()
     else:
-        rows = np.array([(s.offset, s.nbytes, s.crc32c, 0) for s in job.wait()], dtype=SEGMENT_RECORD)
+        rows = np.array([(s.offset, s.nbytes, s.crc32c, 0) for s in job.wait()], dtype=segment_record())
     rows["o"] += np.uint64(base)
     return rows

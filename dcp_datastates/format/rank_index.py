@@ -24,11 +24,13 @@ their offsets are known only once they are serialized.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 from bisect import bisect_left, bisect_right
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 from dcp_datastates.errors import CorruptCheckpointError, UnsupportedFormatError
 from dcp_datastates.format.checkpoint_layout import FORMAT_VERSION, stripe_span
@@ -37,11 +39,20 @@ from dcp_datastates.native.engine import SegmentTable, crc32c
 INDEX_MAGIC = b"DCPDSIDX"
 _HEADER = struct.Struct("<8sII16sQQQ")
 _SEGMENT = struct.Struct("<QQII")
-# A segment record as numpy sees it (offset, nbytes, crc32c, reserved): what the engine's
-# WriteJob.wait_records() hands over and encode_index writes as it is.
-SEGMENT_RECORD = np.dtype([("o", "<u8"), ("n", "<u8"), ("c", "<u4"), ("r", "<u4")])
-_SEGMENT_DTYPE = SEGMENT_RECORD
-assert SEGMENT_RECORD.itemsize == _SEGMENT.size
+
+
+@functools.cache
+def segment_record() -> np.dtype:
+    """A segment record as numpy sees it (offset, nbytes, crc32c, reserved): what the engine's
+    WriteJob.wait_records() hands over and encode_index writes as it is. numpy is imported at
+    the first use, not with the format: the listing tools read no rank index."""
+    import numpy as np
+
+    dtype = np.dtype([("o", "<u8"), ("n", "<u8"), ("c", "<u4"), ("r", "<u4")])
+    assert dtype.itemsize == _SEGMENT.size
+    return dtype
+
+
 _OBJECT = struct.Struct("<QQ")
 _TRAILER = struct.Struct("<I")
 INDEX_HEADER, INDEX_TRAILER = _HEADER, _TRAILER
@@ -179,15 +190,17 @@ def encode_index(
     segments: Sequence[tuple[int, int, int]] | np.ndarray,
     objects: Sequence[tuple[int, int]],
 ) -> bytes:
-    """``segments``: ``(offset, nbytes, crc32c)`` tuples, or an array of ``SEGMENT_RECORD``."""
+    """``segments``: ``(offset, nbytes, crc32c)`` tuples (a list), or an array of :func:`segment_record`."""
     parts = [
         _HEADER.pack(
             INDEX_MAGIC, FORMAT_VERSION, rank, save_id.encode("ascii").ljust(16, b"\0"),
             data_size, len(segments), len(objects),
         )
     ]
-    if isinstance(segments, np.ndarray):
-        parts.append(np.ascontiguousarray(segments, dtype=SEGMENT_RECORD).tobytes())
+    if hasattr(segments, "dtype"):  # an array of segment_record()
+        import numpy as np
+
+        parts.append(np.ascontiguousarray(segments, dtype=segment_record()).tobytes())
     else:
         parts.extend(_SEGMENT.pack(o, n, c, 0) for o, n, c in segments)
     parts.extend(_OBJECT.pack(o, n) for o, n in objects)
@@ -269,7 +282,9 @@ def check_index_header(header: tuple, file_size: int, path: str, limits: IndexLi
 def _decode_segments(blob: bytes, pos: int, nseg: int, data_size: int, bad) -> tuple[list, list, list]:
     """The segment records at ``pos``, checked in one vectorized pass (small segments make
     hundreds of thousands per rank): non-empty, in order without overlap, inside the data."""
-    rows = np.frombuffer(blob, dtype=_SEGMENT_DTYPE, count=nseg, offset=pos)
+    import numpy as np
+
+    rows = np.frombuffer(blob, dtype=segment_record(), count=nseg, offset=pos)
     o, n = rows["o"], rows["n"]
     size = np.uint64(data_size)
     # o > size first: size - o would wrap there (a segment flagged anyway, so never the

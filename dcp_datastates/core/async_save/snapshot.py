@@ -58,6 +58,7 @@ from dcp_datastates.core.async_save.order import Ticket
 from dcp_datastates.core.async_save.runtime import runtime
 from dcp_datastates.core.placement import PAGE, SMALL_TENSOR_BYTES, align_up, new_save_id, place_tensors, tensor_item_nbytes
 from dcp_datastates.core.providers import TensorSource, finish_regions, tensor_source
+from dcp_datastates.core.stripes import with_reserved_keys
 from dcp_datastates.errors import CheckpointError, SnapshotMutatedError
 from dcp_datastates.format.file_names import data_file_name, index_file_name
 from dcp_datastates.format.checkpoint_layout import location_key
@@ -171,11 +172,14 @@ class Snapshot:
         self.placed = {k: (at[i], sources[i].nbytes) for k, i in index.items() if i in at}
         regions, keep = finish_regions([(sources[i], at[i]) for i in now])
         staging_only = self.compression is not None  # a scratch file, compressed into the data file and removed
-        self.job = self.dest.start_write(
-            engine, self.staging_file or self.data_file, regions, keep, preallocate=self.tensor_bytes_end,
-            # Buffered and never fsynced: read back at once (from the page cache) and removed.
-            direct_io="off" if staging_only else direct_io, durable=not staging_only,
-        )
+        try:
+            self.job = self.dest.start_write(
+                engine, self.staging_file or self.data_file, regions, keep, preallocate=self.tensor_bytes_end,
+                # Buffered and never fsynced: read back at once (from the page cache) and removed.
+                direct_io="off" if staging_only else direct_io, durable=not staging_only,
+            )
+        except OSError as exc:
+            raise with_reserved_keys(exc, list(dict.fromkeys(name for name, *_ in self._versions))) from exc
         if not to_hash:
             self.hashed.set()
             return
