@@ -22,7 +22,6 @@ Every engine error is re-raised naming the key stored at the failing offset.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import time
 from typing import Any, Callable
@@ -35,7 +34,7 @@ from dcp_datastates.core.compression.codec import Compression, descriptor_of
 from dcp_datastates.core.placement import PAGE, SMALL_ALIGN, RankPlacement, StagedRankData, align_up, staged_locations
 from dcp_datastates.core.providers import check_planned, finish_regions, provide_object, tensor_source
 from dcp_datastates.core.rank_reports import RankReport
-from dcp_datastates.core.stripes import StripedWrite
+from dcp_datastates.core.stripes import StripedWrite, with_key_context
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_layout import STREAM_CODEC, ItemLocation, location_key, stripe_span
 from dcp_datastates.format.rank_index import encode_index
@@ -408,18 +407,3 @@ def _append_objects(
 
     object_table += [(o, n) for o, n, _ in blocks]  # compressed frames: ordinals after the objects'
     return RankWrite(job, report, rank, data_size, object_table, results, spans, t0)
-
-
-def with_key_context(exc: OSError, spans: list[tuple[int, int, str]]) -> OSError:
-    """An engine error again, with the key stored at the failing offset in its message."""
-    offset = getattr(exc, "offset", -1)
-    key = None
-    if offset is not None and offset >= 0:
-        spans = sorted(spans)
-        i = bisect.bisect_right([s[0] for s in spans], offset) - 1
-        if i >= 0 and spans[i][0] <= offset < max(spans[i][1], spans[i][0] + 1):
-            key = spans[i][2]
-    what = f"writing {key!r}" if key else "writing checkpoint data"
-    err = OSError(exc.errno, f"{what} failed: {exc.strerror}", exc.filename)
-    err.offset = offset
-    return err

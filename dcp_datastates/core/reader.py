@@ -226,8 +226,15 @@ class DataStatesReader(StorageReader):
         the path is given, if it holds no committed checkpoint: inside ``dcp.load`` the error would
         come after DCP's first collective, wrapped in its ``CheckpointException`` (a
         ``BaseException``), with DCP's own traceback on stderr. Every rank checks the path itself."""
-        if self.store.identity(self.key(METADATA_FILE)) is None:
+        self._metadata_identity()
+
+    def _metadata_identity(self):
+        """The identity of the checkpoint's ``.metadata`` (:meth:`Store.identity`); a missing one
+        is the checkpoint's absence or incompleteness, raised as such."""
+        identity = self.store.identity(self.key(METADATA_FILE))
+        if identity is None:
             raise missing_checkpoint_error(self.store, self.prefix)
+        return identity
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -304,9 +311,7 @@ class DataStatesReader(StorageReader):
         remembered. A missing one is the checkpoint's absence or incompleteness."""
         key = self.key(METADATA_FILE)
         store = self.store
-        before = store.identity(key)
-        if before is None:
-            raise missing_checkpoint_error(store, self.prefix)
+        before = self._metadata_identity()
         cached = self._decoded
         if cached is not None and cached[0] == (before, self.allow_pickle):
             self.commit_sequence = cached[2]

@@ -8,11 +8,15 @@ offsets do not move) and writes each to its own file, while the engine keeps
 each I/O thread on a file no other thread is writing. The rank's data stays one range of offsets: entries,
 checksum segments and the object table all use it, and only the engine
 sees per-file offsets. :class:`StripedWrite` is the one place that
-translates; a rank of one file is a :class:`StripedWrite` of one job.
+translates; a rank of one file is a :class:`StripedWrite` of one job. The engine's errors
+come back through here too, with the keys they concern (:func:`with_key_context`,
+:func:`with_reserved_keys`).
 """
 
 from __future__ import annotations
 
+import bisect
+import errno
 from typing import Any, Callable
 
 import numpy as np
@@ -23,6 +27,26 @@ from dcp_datastates.format.rank_index import segment_record
 from dcp_datastates.native import engine as _native
 
 
+def _again(exc: OSError, message: str, offset: int | None) -> OSError:
+    """``exc`` again with ``message``: its errno and file name, and the (data) ``offset``."""
+    err = OSError(exc.errno, message, exc.filename)
+    err.offset = offset
+    return err
+
+
+def with_key_context(exc: OSError, spans: list[tuple[int, int, str]]) -> OSError:
+    """An engine error again, with the key stored at the failing offset in its message."""
+    offset = getattr(exc, "offset", -1)
+    key = None
+    if offset is not None and offset >= 0:
+        spans = sorted(spans)
+        i = bisect.bisect_right([s[0] for s in spans], offset) - 1
+        if i >= 0 and spans[i][0] <= offset < max(spans[i][1], spans[i][0] + 1):
+            key = spans[i][2]
+    what = f"writing {key!r}" if key else "writing checkpoint data"
+    return _again(exc, f"{what} failed: {exc.strerror}", offset)
+
+
 def with_reserved_keys(exc: OSError, keys: list[str]) -> OSError:
     """A failed start of a rank file's write again, with the keys whose bytes it was to hold: a
     file's space is reserved before any byte is written, so a full disk fails there, for the
@@ -30,9 +54,8 @@ def with_reserved_keys(exc: OSError, keys: list[str]) -> OSError:
     if isinstance(exc, CheckpointError) or not keys:
         return exc
     named = ", ".join(map(repr, keys[:3])) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-    err = OSError(exc.errno, f"{exc.strerror or exc} (the space of {named})", exc.filename)
-    err.offset = getattr(exc, "offset", None)
-    return err
+    what = "the space" if exc.errno == errno.ENOSPC else "the file"
+    return _again(exc, f"{exc.strerror or exc} ({what} of {named})", getattr(exc, "offset", None))
 
 
 class StripedWrite:

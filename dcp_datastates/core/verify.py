@@ -95,7 +95,7 @@ class VerifyReport:
         raise CorruptCheckpointError(f"{self.path} failed verification ({len(self.problems)} problems):\n  {listed}{more}")
 
     def summary(self) -> str:
-        head = "OK" if self.ok else self.status
+        head = self.status
         refers = f", bytes referred to in {', '.join(self.bases)}" if self.bases else ""
         hashed = f", {self.digests_checked} content digest(s) recomputed" if self.digests_checked else ""
         lines = [

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,8 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 import torch  # noqa: E402  (after the warnings filter)
 from torch import nn  # noqa: E402
+
+from ports import free_port  # noqa: E402,F401  (the tests import it from here too)
 
 
 # ---------------------------------------------------------------------------
@@ -543,12 +544,6 @@ def _worker_main(argv, cases: dict | None = None) -> int:
 # ---------------------------------------------------------------------------
 # launcher (pytest process)
 # ---------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class WorkersFailed(AssertionError):

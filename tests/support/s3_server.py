@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 
+from ports import free_ports
+
 BUCKET = "dcp-datastates-test"
 READY_TIMEOUT_S = 60.0
 
@@ -45,21 +47,6 @@ def weed_binary() -> str | None:
 # server can register with the other's master (500s from either gateway).
 INTERNAL_PORT_FLAGS = ("s3.port.grpc", "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
                        "filer.port", "filer.port.grpc", "admin.port", "admin.port.grpc")
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports nobody listens on now (the kernel's picks, held until all
-    are chosen so none repeats)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _port_open(port: int) -> bool:
