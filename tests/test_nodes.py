@@ -161,7 +161,20 @@ def steps_in(root: str) -> list[str]:
 @pytest.mark.subprocess
 def test_a_wiped_node_resumes_from_its_partner(node_roots, nproc=2):
     settings = {"partner": True, "keep_last": 2, "partner_keep_last": 2}
-    run_nodes(node_roots, "save", "10,20,30", settings, nproc=nproc)
+    outs = run_nodes(node_roots, "save", "10,20,30", settings, nproc=nproc)
+    # the copies and their retention are logged in the partner level's words, never the durable tier's
+    lines = [line for out in outs for line in out.splitlines() if line.startswith("LOG ")]
+    for node, root in enumerate(node_roots):
+        partner = (node + 1) % 2
+        for step in (10, 20, 30):
+            said = logged(outs, f"step {step}: node {node}'s files copied to node {partner}'s .partner folder (")
+            assert len(said) == nproc, said  # each of its ranks
+            said = logged(outs, f"step {step}: the partner copy of node {node}'s files is committed in ")
+            where = os.path.join(node_roots[partner], ".partner", f"step_{step:08d}")
+            assert [line.rsplit(" ", 1)[1] for line in said] == [where], said
+        assert f"LOG dcp_datastates.manager.partner_tier partner retention: deleted step 10 from " \
+               f"{os.path.join(root, '.partner')}" in lines
+    assert all(line.split()[1] != "dcp_datastates.manager.durable_tier" and "durable" not in line for line in lines)
     # every node committed every kept step; each holds the other's files as a partner copy
     for root in node_roots:
         assert steps_in(root) == ["step_00000020", "step_00000030"]

@@ -46,7 +46,7 @@ from dcp_datastates.tiers.copy_queue import DRAINING, DURABLE, FAILED, CopyQueue
 from dcp_datastates.tiers.drain import DrainError
 from dcp_datastates.storage import commit_checkpoint, is_committed
 
-_log = logging.getLogger("dcp_datastates.manager.durable_tier")
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -66,7 +66,9 @@ class PartnerTier(CopyQueue):
         self.level = node_level
         self.nodes = node_level.nodes
         partner = self.nodes.partner(self.nodes.node)
-        self.url = f"node {partner}'s {os.path.join(node_level.root, PARTNER_DIR)}"
+        # The sender names the partner, not a path: the partner's root is its own to say (its commit
+        # is logged there with the folder).
+        self.url = f"node {partner}'s {PARTNER_DIR} folder"
         self.retention = RetentionPolicy(options.partner_keep_last)
         self.channel = make_channel(ranks, options, "partner copies", self.nodes)
         self._warn, self._on_copied = warn, on_copied
@@ -176,7 +178,7 @@ class PartnerTier(CopyQueue):
             if leader != me:
                 continue
             bad = [f"{c.name}: {o.error}" for c, o in zip(copies, out) if nodes.node_of(c.src) == n and not o.ok]
-            verdict = self._commit(job.step, bad, next(o.data for c, o in zip(copies, out)
+            verdict = self._commit(job.step, n, bad, next(o.data for c, o in zip(copies, out)
                                                        if c.hold and nodes.node_of(c.src) == n and o.ok) if not bad else None)
         verdicts = self.channel.gather(verdict)
         if nodes.node not in senders:
@@ -203,9 +205,10 @@ class PartnerTier(CopyQueue):
         meta = os.path.getsize(os.path.join(job.path, METADATA_FILE)) if self.nodes.is_leader else None
         return Share(self.nodes.node, files, meta)
 
-    def _commit(self, step: int, bad: list[str], blob: bytes | None) -> str | None:
-        """The partner's leader: commit the copy whose files all arrived (``.metadata`` last),
-        apply ``keep_last``; else clear it. Returns why it is not committed (None: it is)."""
+    def _commit(self, step: int, origin: int, bad: list[str], blob: bytes | None) -> str | None:
+        """The partner's leader: commit the copy of node ``origin``'s files if all arrived
+        (``.metadata`` last), apply ``keep_last``; else clear it. Returns why it is not committed
+        (None: it is)."""
         store = self.level.store(PARTNER)
         step_dir = step_dir_name(step)
         if bad:
@@ -214,6 +217,8 @@ class PartnerTier(CopyQueue):
         try:
             commit_checkpoint(store, step_dir, blob)
             root = os.path.join(self.level.root, PARTNER_DIR)
+            _log.info("step %d: the partner copy of node %d's files is committed in %s", step, origin,
+                      os.path.join(root, step_dir))
             present = sorted(s for s, n in step_dirs(root).items() if is_committed(store, n))
             for s in self.retention.victims(step, present, lambda _s: set()):
                 store.delete_checkpoint(step_dir_name(s))
