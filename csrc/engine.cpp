@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/magic.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/statvfs.h>
@@ -18,6 +19,18 @@
 #include "cuda_runtime.hpp"
 
 namespace dcpds {
+
+namespace {
+
+// Names the calling thread, so that per-thread CPU time (/proc/self/task/*/comm) tells the
+// engine's staging copies from its checksums and writes and from the Python threads. A name
+// is a label only: a refusal (a name too long, a platform without it) changes nothing else.
+void name_this_thread(const char* name) {
+  int rc = ::pthread_setname_np(::pthread_self(), name);
+  (void)rc;
+}
+
+}  // namespace
 
 // ---------------------------------------------------------------- StridedLayout
 
@@ -260,6 +273,10 @@ void WriteJob::write_window(const Window& w) {
   std::call_once(reserved_, [this] { reserve_space(); });  // an error fails the job, like a write's
   const std::vector<iovec> iov = window_buffers(w);
   if (!direct_.load()) {
+    // Buffered writes to one file serialize on its inode lock, where the kernel spins a
+    // waiting writer on the CPU; a second I/O thread (done checksumming its window) sleeps
+    // here instead until the first one's write is done.
+    std::lock_guard<std::mutex> turn(buffered_write_mu_);
     (buffered_fd_.valid() ? buffered_fd_ : fd_).pwritev_all(iov, w.start);
     return;
   }
@@ -273,7 +290,10 @@ void WriteJob::write_window(const Window& w) {
     if (!buffered_fd_.valid()) buffered_fd_ = Fd::open(path_, O_WRONLY);
     direct_ = false;
   }
-  if (!direct_.load()) buffered_fd_.pwritev_all(iov, w.start);
+  if (!direct_.load()) {
+    std::lock_guard<std::mutex> turn(buffered_write_mu_);
+    buffered_fd_.pwritev_all(iov, w.start);
+  }
 }
 
 void WriteJob::on_staged(Window& w) {
@@ -412,8 +432,15 @@ Engine::Engine(unsigned io_threads, uint64_t pool_bytes, uint64_t window_bytes, 
     throw std::invalid_argument("checksum_bytes must be 0 or a power of two of at most window_bytes (" +
                                 std::to_string(window_bytes) + "), got " + std::to_string(checksum_bytes));
   (void)zero_block();  // made here, where a failure reaches the caller, not in an I/O thread
-  stager_ = std::thread([this] { stager_loop(); });
-  for (unsigned i = 0; i < io_threads; ++i) io_.emplace_back([this] { io_loop(); });
+  stager_ = std::thread([this] {
+    name_this_thread("dcpds-stage");
+    stager_loop();
+  });
+  for (unsigned i = 0; i < io_threads; ++i)
+    io_.emplace_back([this] {
+      name_this_thread("dcpds-io");
+      io_loop();
+    });
 }
 
 Engine::~Engine() {

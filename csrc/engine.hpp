@@ -185,6 +185,7 @@ class WriteJob {
   Fd buffered_fd_;  // opened when O_DIRECT writes are refused in auto mode
   std::atomic<bool> direct_{false};
   std::atomic<bool> failed_{false};
+  std::mutex buffered_write_mu_;  // one buffered pwrite of this file at a time (write_window)
 
   std::mutex mu_;
   std::condition_variable cv_;
