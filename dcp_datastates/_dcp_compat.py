@@ -248,26 +248,6 @@ def runs_one_save(thread) -> bool:
     return thread.name.startswith(DCP_ASYNC_SAVE_THREAD_PREFIX)
 
 
-DCP_PACKAGE = "torch.distributed.checkpoint"
-
-
-def dcp_call_frame(frame):
-    """The outermost frame of DCP's code on the stack that ``frame`` is part of (the frame of
-    ``dcp.save`` / ``dcp.load`` / ``async_save``'s save, or of DCP's logging wrapper around
-    it), or None when no DCP code is calling.
-
-    Relies on DCP's functions being defined in modules under
-    ``torch.distributed.checkpoint`` (their ``__name__``); where that changes, no DCP call is
-    found and nothing is paused for one (see ``core/planning_pause.py``).
-    """
-    outer = None
-    while frame is not None:
-        if frame.f_globals.get("__name__", "").startswith(DCP_PACKAGE):
-            outer = frame
-        frame = frame.f_back
-    return outer
-
-
 def dcp_load_reports_read_metadata_errors() -> bool:
     """Whether ``dcp.load`` passes on what ``StorageReader.read_metadata`` raised.
 

@@ -390,3 +390,26 @@ def test_the_global_step_pauses_the_gc_only_in_the_main_thread(monkeypatch):
     worker.start()
     worker.join()
     assert seen == [] and len(results[0][1].state_dict_metadata["w"].chunks) == 4  # another thread's save: untouched
+
+
+def test_our_planner_plans_with_the_collector_paused_and_restores_it(tmp_path):
+    """Its planning steps make objects per item that form no cycles: no collection walks the heap
+    meanwhile; the collector is on again after, and left off where the application switched it off."""
+    import gc
+
+    seen = []
+
+    class Probe(DataStatesSavePlanner):
+        def _local_plan(self):
+            seen.append(gc.isenabled())
+            return super()._local_plan()
+
+    state = {f"t{i}": torch.full((8,), float(i)) for i in range(4)}
+    dcp.save(state, storage_writer=DataStatesWriter(str(tmp_path / "a")), planner=Probe(), no_dist=True)
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        dcp.save(state, storage_writer=DataStatesWriter(str(tmp_path / "b")), planner=Probe(), no_dist=True)
+        assert seen == [False, False] and not gc.isenabled()
+    finally:
+        gc.enable()

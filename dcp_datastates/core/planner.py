@@ -111,10 +111,20 @@ def _is_terminal_list(values: list) -> bool:
     return True
 
 
+def _caller_gc_paused():
+    """The cyclic GC paused for a planning step (objects per item, no cycles) on the main thread
+    only: the save's caller waits for it; another thread's save must not pause the caller's GC."""
+    return _native.gc_paused() if threading.current_thread() is threading.main_thread() else contextlib.nullcontext()
+
+
 class DataStatesSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` with one-pass local and global planning (see the module docstring)."""
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        with _caller_gc_paused():
+            self._set_up(state_dict, storage_meta, is_coordinator)
+
+    def _set_up(self, state_dict, storage_meta, is_coordinator: bool) -> None:
         flat = None
         if (
             self.flatten_state_dict and self.flatten_sharded_tensors and isinstance(state_dict, dict)
@@ -129,6 +139,10 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
+        with _caller_gc_paused():
+            return self._local_plan()
+
+    def _local_plan(self) -> SavePlan:
         if not getattr(self, "_flat", False):
             return super().create_local_plan()
         # A subclass that calls this and then edits items' properties in place (DCP's FP16Planner
@@ -160,8 +174,7 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         """DCP's global planning step (deduplication, metadata with index hints, planner data,
         validation) with one pass over the items. DCP's ``create_global_plan`` calls it, with or
         without plan caching, under the private name ``_dcp_compat.GLOBAL_PLAN_STEP``."""
-        paused = _native.gc_paused() if threading.current_thread() is threading.main_thread() else contextlib.nullcontext()
-        with paused:  # the save's caller waits; another thread's save must not pause the caller's GC
+        with _caller_gc_paused():
             return self._global_step(all_plans)
 
     def _global_step(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:

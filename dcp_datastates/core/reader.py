@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_datastates import _dcp_compat
-from dcp_datastates.core import planning_pause, stock_dcp
+from dcp_datastates.core import stock_dcp
 from dcp_datastates.core.compression import transforms
 from dcp_datastates.core.compression.codec import frame_undoer
 from dcp_datastates.core import read_once
@@ -255,7 +255,6 @@ class DataStatesReader(StorageReader):
         """
         # The catch-all is deliberately not named ``kwargs``: DCP 2.13 probes for
         # that name and would retry with per-rank metadata, which we never write.
-        planning_pause.begin()  # DCP's first call of a load: paused until read_data ends
         try:
             return self.load_metadata()
         except Exception as exc:
@@ -382,7 +381,6 @@ class DataStatesReader(StorageReader):
             raise
         finally:
             self._session = None
-            planning_pause.end()
         self.bytes_read += read_bytes
         if _log.isEnabledFor(logging.INFO):
             seconds = time.perf_counter() - t0

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_datastates import _dcp_compat
-from dcp_datastates.core import incremental, planning_pause, rank_file, save_metadata
+from dcp_datastates.core import incremental, rank_file, save_metadata
 from dcp_datastates.core.coordinator_layout import layout_from_reports
 from dcp_datastates.core.destination import destination_of
 from dcp_datastates.core.compression.codec import descriptor_of, resolve_compression
@@ -318,10 +318,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def storage_meta(self) -> StorageMeta | None:
         # DCP's first call of every save: the save begins here.
-        save = self._begin_save()
-        target = save.target
-        if self._pauses_gc(save):  # until this rank's part of the save ends (_end)
-            planning_pause.begin()
+        target = self._begin_save().target
         return StorageMeta(checkpoint_id=target.path, save_id=target.dcp_save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -492,21 +489,17 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             raise
 
     @staticmethod
-    def _pauses_gc(save: RankSave) -> bool:
-        """Whether the cyclic GC is paused for this save (tens of thousands of small objects, no
-        cycles): only in the caller's thread, since a background save must not switch it off for
-        the training loop meanwhile."""
-        return not (save.target.asynchronous or _dcp_compat.runs_one_save(save.target.thread))
-
-    @classmethod
-    def _gc_paused(cls, save: RankSave):
-        return _native.gc_paused() if cls._pauses_gc(save) else contextlib.nullcontext()
+    def _gc_paused(save: RankSave):
+        """Pause the cyclic GC (tens of thousands of small objects, no cycles) only in the caller's
+        thread: a background save must not switch it off for the training loop meanwhile."""
+        if save.target.asynchronous or _dcp_compat.runs_one_save(save.target.thread):
+            return contextlib.nullcontext()
+        return _native.gc_paused()
 
     def _end(self, save: RankSave) -> None:
         """The writer's part of the save is over (committed, or this rank's data written)."""
         save.ended = True
         save.job = None
-        planning_pause.end()
         if save.target.snapshot is not None:
             save.target.snapshot.end()
         runtime().order.end_unless_bound(save.target.ticket)
