@@ -83,7 +83,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.storage import WriteResult  # noqa: E402
 
 from bench_common import fmt, machine_info, write_json  # noqa: E402
-from dcp_datastates.native.engine import gc_paused  # noqa: E402
+from dcp_datastates.native.gc_pause import gc_paused  # noqa: E402
 
 MiB = 1 << 20
 

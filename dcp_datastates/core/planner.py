@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from dcp_datastates import _dcp_compat
-from dcp_datastates.native import engine as _native
+from dcp_datastates.native.gc_pause import gc_paused
 
 
 def _flatten_plain(state_dict) -> tuple[dict, dict] | None:
@@ -114,7 +114,7 @@ def _is_terminal_list(values: list) -> bool:
 def _caller_gc_paused():
     """The cyclic GC paused for a planning step (objects per item, no cycles) on the main thread
     only: the save's caller waits for it; another thread's save must not pause the caller's GC."""
-    return _native.gc_paused() if threading.current_thread() is threading.main_thread() else contextlib.nullcontext()
+    return gc_paused() if threading.current_thread() is threading.main_thread() else contextlib.nullcontext()
 
 
 class DataStatesSavePlanner(DefaultSavePlanner):

@@ -13,6 +13,7 @@ in flight together). Everything above the store is the same code for both.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import posixpath
@@ -36,6 +37,7 @@ from dcp_datastates.exchange.channel import DEFAULT_TIMEOUT_S, Channel, check_se
 from dcp_datastates.exchange.plan import Access
 from dcp_datastates.exchange.reads import ReadSession
 from dcp_datastates.native import engine as _native
+from dcp_datastates.native.gc_pause import CallPause, gc_paused
 from dcp_datastates.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -92,6 +94,7 @@ class DataStatesReader(StorageReader):
         self._exchange_settings = (exchange_timeout_s, exchange_backend)
         self._exchange, self._access = exchange, access  # a manager's channel, and who can read which file
         self._session: ReadSession | None = None  # this load's read-once rounds (read_data)
+        self._gc_pause: CallPause | None = None  # a load's, from set_up_storage_reader to read_data
         self.allow_pickle = allow_pickle
         self.concurrency = concurrency
         self._given_store = store
@@ -207,6 +210,7 @@ class DataStatesReader(StorageReader):
     # -- StorageReader protocol -------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._end_gc_pause()  # a load DCP abandoned between our calls (the next one begins here)
         self.load_id = str(uuid.uuid4())
         if checkpoint_id is not None:
             if self._given_store is None:
@@ -338,6 +342,15 @@ class DataStatesReader(StorageReader):
         return sizes
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # DCP plans the load next, on the caller's thread: paused until read_data is done.
+        self._end_gc_pause()
+        self._gc_pause = CallPause.begin()
+        with self._ending_gc_pause_on_error():
+            self.use_metadata(metadata)
+
+    def use_metadata(self, metadata: Metadata) -> None:
+        """Read by ``metadata`` (this checkpoint's, checked) from now on: what a load's set-up does,
+        for reads without a DCP load (tools.checkpoint_view)."""
         if metadata is not self._metadata:
             if isinstance(metadata.storage_data, CheckpointLayout):
                 metadata.storage_data.validate(self.where(METADATA_FILE))
@@ -347,19 +360,40 @@ class DataStatesReader(StorageReader):
         self.bytes_read = self.bytes_needed = self.bytes_received = 0
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return read_once.tag_local_plan(plan, self.read_once)
+        with self._ending_gc_pause_on_error():
+            return read_once.tag_local_plan(plan, self.read_once)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return read_once.tag_global_plans(plans)
+        with self._ending_gc_pause_on_error():
+            return read_once.tag_global_plans(plans)
+
+    def _end_gc_pause(self) -> None:
+        pause, self._gc_pause = self._gc_pause, None
+        if pause is not None:
+            pause.end()
+
+    @contextlib.contextmanager
+    def _ending_gc_pause_on_error(self):
+        try:
+            yield
+        except BaseException:
+            self._end_gc_pause()
+            raise
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        try:
+            return self._read_data(plan, planner)
+        finally:
+            self._end_gc_pause()  # the load's last call: DCP's planning is over
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         t0, read_bytes = time.perf_counter(), 0
         self._session = session = read_once.session_for(plan, self._exchange, self._access, *self._exchange_settings)
         try:
             if session is not None and session.access is not None:
                 self._fetch_indexes(plan, session)
             context = self.read_context()
-            with _native.gc_paused():
+            with gc_paused():
                 batch = ReadBatch(context)
                 for item in plan.items:
                     batch.add(item, planner)

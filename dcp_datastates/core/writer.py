@@ -74,6 +74,7 @@ from dcp_datastates.format.file_names import MAX_STRIPES, METADATA_FILE, layout_
 from dcp_datastates.storage.url import check_save_target, is_store_url
 from dcp_datastates.format.checkpoint_layout import RankFiles
 from dcp_datastates.native import engine as _native
+from dcp_datastates.native.gc_pause import CallPause, gc_paused
 
 __all__ = ["DataStatesWriter", "SaveStats"]
 
@@ -331,6 +332,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 )
             save.is_coordinator = self.is_coordinator = is_coordinator
             save.rank = int(kwargs.get("rank", _global_rank()))
+            if not self._background(save):  # DCP plans this save next, on the caller's thread
+                save.gc_pause = CallPause.begin()
             save.target.dest.prepare()
             # Checked again here (stage() did too): an earlier save may have committed since.
             if not self.overwrite:
@@ -489,17 +492,23 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             raise
 
     @staticmethod
-    def _gc_paused(save: RankSave):
+    def _background(save: RankSave) -> bool:
+        """Whether the save runs beside the training loop (DCP's asynchronous save): then the
+        cyclic GC is never paused for it, or it would be off for the loop meanwhile."""
+        return save.target.asynchronous or _dcp_compat.runs_one_save(save.target.thread)
+
+    @classmethod
+    def _gc_paused(cls, save: RankSave):
         """Pause the cyclic GC (tens of thousands of small objects, no cycles) only in the caller's
-        thread: a background save must not switch it off for the training loop meanwhile."""
-        if save.target.asynchronous or _dcp_compat.runs_one_save(save.target.thread):
-            return contextlib.nullcontext()
-        return _native.gc_paused()
+        thread (see _background)."""
+        return contextlib.nullcontext() if cls._background(save) else gc_paused()
 
     def _end(self, save: RankSave) -> None:
         """The writer's part of the save is over (committed, or this rank's data written)."""
         save.ended = True
         save.job = None
+        if save.gc_pause is not None:
+            save.gc_pause.end()
         if save.target.snapshot is not None:
             save.target.snapshot.end()
         runtime().order.end_unless_bound(save.target.ticket)

@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_datastates._dcp_compat import legacy_tensor_properties_class, storage_info_class
-from dcp_datastates.native.engine import gc_paused
+from dcp_datastates.native.gc_pause import gc_paused
 from dcp_datastates.format.checkpoint_files import opened
 from dcp_datastates.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout, show

@@ -248,30 +248,6 @@ def stop_write_job(job, why: str) -> None:
         pass
 
 
-class gc_paused:
-    """Pause Python's cyclic garbage collector for a block, restoring its state after.
-
-    Saving or loading tens of thousands of tensors allocates hundreds of
-    thousands of small objects (plans, results, views) that form no cycles;
-    the collections they trigger cost about a second per 20,000 tensors
-    (measured in benchmarks/bench_save_load.py) and free nothing.
-    """
-
-    def __enter__(self):
-        import gc
-
-        self._was_enabled = gc.isenabled()
-        gc.disable()
-        return self
-
-    def __exit__(self, *exc):
-        import gc
-
-        if self._was_enabled:
-            gc.enable()
-        return False
-
-
 def _loaded_cuda_runtimes() -> list[str]:
     """Paths of CUDA runtime libraries mapped into this process (torch's)."""
     found = []

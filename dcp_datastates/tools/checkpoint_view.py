@@ -86,7 +86,7 @@ class CheckpointView:
         self.reader = DataStatesReader(self.path, allow_pickle=allow_pickle, _extension_registry=extension_registry)
         self.metadata = self.reader.load_metadata()  # bounded by its structure, not its size; checked
         self.format = FORMAT_OURS if self.reader.layout is not None else FORMAT_DCP
-        self.reader.set_up_storage_reader(self.metadata, True)
+        self.reader.use_metadata(self.metadata)
         self.tensors: dict[str, TensorStorageMetadata] = {}
         self.objects: list[str] = []
         for fqn, md in self.metadata.state_dict_metadata.items():

@@ -40,7 +40,7 @@ from concurrent.futures import Future
 from dcp_datastates.core.async_save.runtime import runtime
 from dcp_datastates.core.async_save.snapshot import Snapshot
 from dcp_datastates.errors import CheckpointError
-from dcp_datastates.native.engine import gc_paused
+from dcp_datastates.native.gc_pause import gc_paused
 
 _in_callback = threading.local()
 
