@@ -404,6 +404,7 @@ PYBIND11_MODULE(_engine, m) {
       },
       "The library the CUDA entry points came from, or None before load_cuda_runtime() succeeded.");
   m.attr("ALIGNMENT") = kAlign;
+  m.attr("FUSED_BLOCK_BYTES") = kFusedBlockBytes;
 
   py::module_ faults = m.def_submodule("faults");
   bind_faults(faults);

@@ -1,6 +1,8 @@
 #include "crc32c.hpp"
 
+#include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstring>
 #include <stdexcept>
 
@@ -155,10 +157,9 @@ __attribute__((target("sse4.2"))) uint32_t crc_hw(uint32_t crc, const uint8_t* p
 // Folding with carry-less multiplication (PCLMULQDQ): four 16-byte
 // accumulators, each multiplied forward by x^512 (mod P) and XORed with the
 // next 64 bytes, then folded into one by x^128, whose 16 bytes are finished
-// with crc32q. It runs on another unit than crc32q and was 1.5x faster than
-// the three crc32q chains on the machine of docs/benchmarks.md (8.68 against
-// 5.91 GB/s over 1 GiB, 11.3 against 7.0 GB/s in cache:
-// benchmarks/bench_engine_files.py). The constants are
+// with crc32q. It runs on another unit than crc32q: faster than the three
+// crc32q chains on some CPUs, half as fast on others (docs/benchmarks.md), so
+// pick() times both. The constants are
 // x^(D+32) and x^(D-32) mod P for a fold over D bits, bit-reflected and
 // shifted left by one (the reflected product carries one factor x too many);
 // tests/test_engine.py checks the kernel against the byte-wise CRC.
@@ -203,7 +204,6 @@ __attribute__((target("sse4.2,pclmul"))) uint32_t crc_fold(uint32_t crc, const u
 }
 bool hw_available() { return __builtin_cpu_supports("sse4.2"); }
 bool fold_available() { return hw_available() && __builtin_cpu_supports("pclmul"); }
-const char* hw_name() { return fold_available() ? "sse4.2+pclmul" : "sse4.2"; }
 #elif defined(DCPDS_ARM64) && defined(HWCAP_CRC32)
 __attribute__((target("+crc"))) uint32_t crc_hw(uint32_t crc, const uint8_t* p, size_t n) {
   uint32_t c = ~crc;
@@ -227,11 +227,49 @@ const char* hw_name() { return "table"; }
 
 using CrcFn = uint32_t (*)(uint32_t, const uint8_t*, size_t);
 
+struct Kernel {
+  CrcFn fn;
+  const char* name;
+};
+
 #if defined(DCPDS_X86)
-CrcFn pick() { return fold_available() ? &crc_fold : hw_available() ? &crc_hw : &crc_table; }
+// Best of a few timed passes over a buffer in cache (about a millisecond in all).
+double best_seconds(CrcFn fn, const uint8_t* buf, size_t n) {
+  double best = 1e9;
+  volatile uint32_t sink = 0;
+  for (int run = 0; run < 5; ++run) {
+    const auto t0 = std::chrono::steady_clock::now();
+    uint32_t c = 0;
+    for (int pass = 0; pass < 4; ++pass) c = fn(c, buf, n);
+    sink = sink ^ c;
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
+}
+
+// Which of the two hardware kernels is faster differs by CPU: the folding one
+// runs on the carry-less multiplier, whose throughput some cores halve (then the
+// three crc32q chains are twice as fast). Both give the same CRC, so the faster
+// one, timed here once per process, is the engine's.
+Kernel pick() {
+  if (!hw_available()) return {&crc_table, "table"};
+  if (!fold_available()) return {&crc_hw, "sse4.2"};
+  std::vector<uint8_t> buf(64 << 10);
+  for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<uint8_t>(i * 131 + 7);
+  (void)crc_hw(0, buf.data(), buf.size());  // warm both up: caches, frequency
+  (void)crc_fold(0, buf.data(), buf.size());
+  const double chains = best_seconds(&crc_hw, buf.data(), buf.size());
+  const double fold = best_seconds(&crc_fold, buf.data(), buf.size());
+  return fold < chains ? Kernel{&crc_fold, "sse4.2+pclmul"} : Kernel{&crc_hw, "sse4.2"};
+}
 #else
-CrcFn pick() { return hw_available() ? &crc_hw : &crc_table; }
+Kernel pick() { return hw_available() ? Kernel{&crc_hw, hw_name()} : Kernel{&crc_table, "table"}; }
 #endif
+
+const Kernel& picked() {
+  static const Kernel k = pick();
+  return k;
+}
 
 // Polynomials over GF(2) modulo the Castagnoli polynomial, in the reflected bit order of the
 // CRC (bit 31 is x^0). The CRC of A|B is crc(A) times x^(8 len(B)), plus crc(B): the standard
@@ -269,11 +307,11 @@ uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
 }
 
 uint32_t crc32c_extend(uint32_t crc, const void* data, size_t len) {
-  static const CrcFn fn = pick();
+  static const CrcFn fn = picked().fn;
   return fn(crc, static_cast<const uint8_t*>(data), len);
 }
 
-const char* crc32c_backend() { return hw_available() ? hw_name() : "table"; }
+const char* crc32c_backend() { return picked().name; }
 
 std::vector<std::string> crc32c_kernels() {
   std::vector<std::string> out{"table"};

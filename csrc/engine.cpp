@@ -255,7 +255,70 @@ std::vector<iovec> window_buffers(const WriteJob::Window& w) {
   return iov;
 }
 
+// Appends the buffers of window bytes [from, to) (a block of the window) to `iov`:
+// the slot's, or the pieces' and the zeros between them. `piece` is the first
+// piece that may overlap the block; it is advanced past those that end in it.
+void block_buffers(const WriteJob::Window& w, uint64_t from, uint64_t to, size_t& piece,
+                   std::vector<iovec>& iov) {
+  if (!w.from_source) {
+    iov.push_back({w.slot + from, to - from});
+    return;
+  }
+  uint64_t cursor = from;
+  for (size_t i = piece; i < w.pieces.size() && w.pieces[i].rel < to; ++i) {
+    const auto& p = w.pieces[i];
+    const uint64_t a = std::max(cursor, p.rel), b = std::min(to, p.rel + p.len);
+    if (b <= a) continue;  // ends before the block (or is empty)
+    if (a > cursor) push_zeros(iov, a - cursor);
+    iov.push_back({const_cast<uint8_t*>(p.src) + (a - p.rel), b - a});
+    cursor = b;
+  }
+  if (to > cursor) push_zeros(iov, to - cursor);
+  while (piece < w.pieces.size() && w.pieces[piece].rel + w.pieces[piece].len <= to) ++piece;
+}
+
 }  // namespace
+
+// The checksum segments of consecutive pieces, fed in order a part at a time:
+// the same segments Engine::checksum() makes of each whole piece.
+class SegmentCursor {
+ public:
+  SegmentCursor(std::vector<Segment>& segs, uint64_t cut) : segs_(segs), cut_(cut) {}
+  // Bytes at file offset `offset` that continue the current piece.
+  void add(uint64_t offset, const uint8_t* bytes, uint64_t len) {
+    while (len > 0) {
+      if (!open_) {
+        open_ = true;
+        seg_ = {offset, 0, 0};
+      }
+      uint64_t take = len;
+      if (cut_ != 0) take = std::min(len, (offset / cut_ + 1) * cut_ - offset);
+      seg_.crc = crc32c_extend(seg_.crc, bytes, take);
+      seg_.len += take;
+      offset += take;
+      bytes += take;
+      len -= take;
+      if (cut_ != 0 && offset % cut_ == 0) close();
+    }
+  }
+  // The piece that started at `offset` (of `src`) is complete.
+  void end_piece(uint64_t offset, const uint8_t* src) {
+    if (open_)
+      close();
+    else if (cut_ == 0)
+      segs_.push_back({offset, 0, crc32c_extend(0, src, 0)});  // an empty piece, as checksum() has it
+  }
+
+ private:
+  void close() {
+    segs_.push_back(seg_);
+    open_ = false;
+  }
+  std::vector<Segment>& segs_;
+  uint64_t cut_;
+  bool open_ = false;
+  Segment seg_{0, 0, 0};
+};
 
 bool WriteJob::writable_from_source(const Window& w) const {
   if (!borrow_ || stream_) return false;  // a streamed window is handed out from its slot
@@ -293,6 +356,33 @@ void WriteJob::write_window(const Window& w) {
   if (!direct_.load()) {
     std::lock_guard<std::mutex> turn(buffered_write_mu_);
     buffered_fd_.pwritev_all(iov, w.start);
+  }
+}
+
+void WriteJob::write_checksummed(const Window& w, std::vector<Segment>& segs, uint64_t cut) {
+  std::call_once(reserved_, [this] { reserve_space(); });
+  SegmentCursor crc(segs, cut);
+  std::vector<iovec> iov;
+  size_t next_piece = 0;  // the first piece not yet checksummed to its end
+  size_t buffers_from = 0;  // the first piece that may overlap the next block
+  for (uint64_t from = 0, end = w.padded(); from < end;) {
+    const uint64_t to = std::min(end, from + kFusedBlockBytes);
+    for (; next_piece < w.pieces.size() && w.pieces[next_piece].rel < to; ++next_piece) {
+      const auto& p = w.pieces[next_piece];
+      const uint8_t* src = w.from_source ? p.src : w.slot + p.rel;
+      const uint64_t a = std::max(from, p.rel), b = std::min(to, p.rel + p.len);
+      if (b > a) crc.add(w.start + a, src + (a - p.rel), b - a);
+      if (p.rel + p.len > to) break;  // goes on in the next block
+      crc.end_piece(w.start + p.rel, src);
+    }
+    iov.clear();
+    block_buffers(w, from, to, buffers_from, iov);
+    {
+      // See write_window: a second thread on this file sleeps here rather than spinning in the kernel.
+      std::lock_guard<std::mutex> turn(buffered_write_mu_);
+      (buffered_fd_.valid() ? buffered_fd_ : fd_).pwritev_all(iov, w.start + from);
+    }
+    from = to;
   }
 }
 
@@ -389,31 +479,46 @@ void ReadJob::run_pieces(const Piece* first, const Piece* last) {
     add_failure({first->request, "io", err == kNotRegular ? EINVAL : err, path, -1, open_failure(err)});
     return;
   }
-  try {
-    uint64_t got = fds_[r.file].pread_some(r.dst + rel, len, static_cast<uint64_t>(off));
-    if (got < len) {
-      add_failure({first->request, "truncated", EIO, path, off + static_cast<int64_t>(got),
-                   "file ends at offset " + std::to_string(off + static_cast<int64_t>(got)) +
-                       " but " + std::to_string(len) + " bytes were expected from offset " +
-                       std::to_string(off)});
-      return;
+  // Read a block at a time, each verified while it is still in the core's cache: the
+  // bytes cross the memory bus once, in the read.
+  const Piece* p = first;  // the first piece not yet verified to its end
+  uint32_t crc = 0;        // of p's bytes read so far
+  auto verify = [&](const Piece& q) {
+    if (crc == q.crc) return;
+    const int64_t at = static_cast<int64_t>(r.offset + q.rel);
+    char buf[160];
+    std::snprintf(buf, sizeof buf,
+                  "checksum mismatch for %llu bytes at offset %lld: stored crc32c %08x, "
+                  "data has %08x",
+                  static_cast<unsigned long long>(q.len), static_cast<long long>(at), q.crc, crc);
+    add_failure({q.request, "checksum", EIO, path, at, buf});
+  };
+  for (uint64_t done = 0; done < len || p != last;) {
+    const uint64_t want = std::min(len - done, kFusedBlockBytes);
+    if (want > 0) {
+      try {
+        const uint64_t got = fds_[r.file].pread_some(r.dst + rel + done, want, static_cast<uint64_t>(off) + done);
+        if (got < want) {
+          const int64_t at = off + static_cast<int64_t>(done + got);
+          add_failure({first->request, "truncated", EIO, path, at,
+                       "file ends at offset " + std::to_string(at) + " but " + std::to_string(len) +
+                           " bytes were expected from offset " + std::to_string(off)});
+          return;
+        }
+      } catch (const IoError& e) {
+        add_failure({first->request, "io", e.err(), path, e.offset(), e.what()});
+        return;
+      }
     }
-  } catch (const IoError& e) {
-    add_failure({first->request, "io", e.err(), path, e.offset(), e.what()});
-    return;
-  }
-  for (const Piece* p = first; p != last; ++p) {
-    if (!p->checked) continue;
-    uint32_t got = crc32c_extend(0, r.dst + p->rel, p->len);
-    if (got != p->crc) {
-      const int64_t at = static_cast<int64_t>(r.offset + p->rel);
-      char buf[160];
-      std::snprintf(buf, sizeof buf,
-                    "checksum mismatch for %llu bytes at offset %lld: stored crc32c %08x, "
-                    "data has %08x",
-                    static_cast<unsigned long long>(p->len), static_cast<long long>(at), p->crc, got);
-      add_failure({p->request, "checksum", EIO, path, at, buf});
+    const uint64_t to = rel + done + want;  // request offset the bytes read reach
+    for (; p != last; ++p) {
+      const uint64_t a = std::max(rel + done, p->rel), b = std::min(to, p->rel + p->len);
+      if (p->checked && b > a) crc = crc32c_extend(crc, r.dst + a, b - a);
+      if (p->rel + p->len > to) break;  // goes on in the next block
+      if (p->checked) verify(*p);
+      crc = 0;
     }
+    done += want;
   }
 }
 
@@ -772,11 +877,16 @@ void Engine::flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w) {
   }
   std::vector<Segment> segs;
   if ((w->slot != nullptr || w->from_source) && !job->failed()) {
-    for (const auto& p : w->pieces) {
-      checksum(segs, w->start + p.rel, w->from_source ? p.src : w->slot + p.rel, p.len);
-    }
     try {
-      job->write_window(*w);
+      if (job->direct()) {
+        // O_DIRECT: the device reads the memory itself, so there is no cached copy for a
+        // checksum to share; one pass, then one large write per window.
+        for (const auto& p : w->pieces)
+          checksum(segs, w->start + p.rel, w->from_source ? p.src : w->slot + p.rel, p.len);
+        job->write_window(*w);
+      } else {
+        job->write_checksummed(*w, segs, checksum_bytes_);  // each block checksummed while cached
+      }
       if (w->from_source) job->from_source_.fetch_add(1);
     } catch (const IoError& e) {
       job->fail(e);

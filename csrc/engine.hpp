@@ -6,9 +6,13 @@
 //          `window_bytes` of consecutive regions, zero-filled gaps) into a
 //          slot of the bounded HostPool, blocking while the pool is full;
 //   flush  I/O threads checksum the slot (CRC32C per region piece, cut at
-//          multiples of `checksum_bytes` in the file when that is set, while
-//          the bytes are hot) and pwrite it at its aligned file offset,
-//          O_DIRECT when the filesystem accepts it, then free the slot.
+//          multiples of `checksum_bytes` in the file when that is set) and
+//          pwrite it at its aligned file offset, O_DIRECT when the filesystem
+//          accepts it, then free the slot. A buffered window is checksummed
+//          and written a block (kFusedBlockBytes) at a time, so each byte is
+//          read from memory once, by the checksum, and copied into the page
+//          cache from the core's cache; an O_DIRECT window (the device reads
+//          memory itself) is checksummed, then written in one call.
 // A job that borrows its sources (the caller keeps them unchanged and alive
 // until the job is done, as a synchronous save does) skips the copy where the
 // destination can take the caller's memory as it is: a window of contiguous
@@ -25,7 +29,9 @@
 // Reads split each request into pieces (at checksum-segment boundaries) and
 // pread them in parallel straight into the caller's memory, verifying every
 // checksum segment they fully cover; adjacent pieces of one task are read
-// with one pread, so small segments do not mean small reads.
+// a block (kFusedBlockBytes) at a time whatever their sizes, each block
+// verified while it is still in the core's cache, so small segments do not
+// mean small reads and large ones are not read from memory twice.
 //
 // Sources may be contiguous host memory, strided host memory (a view such as
 // a transpose: gathered into the window run by run, so no contiguous copy is
@@ -97,6 +103,10 @@ struct Segment {
   uint32_t crc;
 };
 
+// Buffered writes and all reads move a window's bytes this many at a time, each
+// block checksummed (or verified) while it is still in the core's cache.
+constexpr uint64_t kFusedBlockBytes = 256 << 10;
+
 class Engine;
 
 // An engine used in a process forked from the one that created it: its
@@ -164,6 +174,10 @@ class WriteJob {
   void fail(const IoError& e);
   void reserve_space();
   void write_window(const Window& w);
+  // Buffered: writes the window a block at a time, each block checksummed first
+  // (segments cut at multiples of `cut` in the file, 0: one per piece), so the
+  // bytes are read from memory once, by the checksum, and written from cache.
+  void write_checksummed(const Window& w, std::vector<Segment>& segs, uint64_t cut);
   // Whether `w` can be written from its pieces' memory as it is (borrowed job).
   bool writable_from_source(const Window& w) const;
   void on_staged(Window& w);

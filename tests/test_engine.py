@@ -65,6 +65,10 @@ def test_crc32c_known_values():
     data = os.urandom(10_000)
     assert _engine.crc32c(data[5000:], _engine.crc32c(data[:5000])) == _engine.crc32c(data)
     assert _engine.crc32c_backend() in ("sse4.2+pclmul", "sse4.2", "armv8-crc", "table")
+    # The engine's kernel is one this CPU runs (of two hardware kernels, the faster, timed once).
+    assert _engine.crc32c_backend() in _probes.crc32c_kernels()
+    kernels = _probes.crc32c_kernels()
+    assert _engine.crc32c_backend() != "table" or kernels == ["table"]
 
 
 @pytest.mark.parametrize("kernel", _probes.crc32c_kernels())
@@ -779,3 +783,70 @@ def test_crc32c_combine_joins_checksums_of_consecutive_blocks(n):
         a, b = data[:cut], data[cut:]
         assert _engine.crc32c_combine(_engine.crc32c(a), _engine.crc32c(b), len(b)) == _engine.crc32c(data)
     assert _engine.crc32c_combine(_engine.crc32c(data), 0, 0) == _engine.crc32c(data)
+
+
+def _segments_of(pieces, cut):
+    """The segments Engine::checksum() makes of whole pieces ``(file offset, nbytes)``: one per piece,
+    or cut at multiples of ``cut`` in the file."""
+    out = []
+    for start, n in pieces:
+        if not cut:
+            out.append((start, n))
+            continue
+        at = start
+        while at < start + n:
+            nxt = min(start + n, (at // cut + 1) * cut)
+            out.append((at, nxt - at))
+            at = nxt
+    return out
+
+
+@pytest.mark.parametrize("cut", [None, 4096, 64 << 10])
+@pytest.mark.parametrize("borrow", [False, True])
+def test_buffered_windows_written_a_block_at_a_time_keep_every_segment(tmp_path, cut, borrow):
+    """Windows larger than the engine's fused block (checksummed and written a block at a time while
+    cached, then read back and verified the same way): pieces across block and window edges,
+    gaps of zeros, many small pieces in one block; the segments and the bytes are as a one-pass
+    checksum and one write would have them, and a flipped byte in a later block of a piece is
+    found in its own segment."""
+    window = 1 << 20
+    eng = get_engine(host_cache_bytes=4 * window, io_threads=2, window_bytes=window, checksum_bytes=cut)
+    block = _engine.FUSED_BLOCK_BYTES
+    assert window > 2 * block
+    sizes = [block + 4096 + 37, 100, 3 * block - 11, 64] + [300 + i for i in range(40)] + [2 * window + 5]
+    tensors, regions, pieces, at = [], [], [], 512
+    for i, n in enumerate(sizes):
+        t = _bytes(n, i)
+        tensors.append(t)
+        regions.append(host(t, at))
+        pieces.append((at, n))
+        at += n + (64 if i % 3 else 4096 + 8)
+    path = tmp_path / "f"
+    job = eng.write(str(path), regions, tensors, direct_io="off", borrow=borrow)
+    job.seal()
+    segments = job.wait()
+    assert not borrow or job.windows_from_source > 0
+    blob = path.read_bytes()
+    for (start, n), t in zip(pieces, tensors):
+        assert blob[start : start + n] == bytes(t.tolist())
+    # Window edges cut pieces too (a piece is a region's part in one window).
+    edges = []
+    for start, n in pieces:
+        at = start
+        while at < start + n:
+            nxt = min(start + n, (at // window + 1) * window)
+            edges.append((at, nxt - at))
+            at = nxt
+    assert [(s.offset, s.nbytes) for s in segments] == _segments_of(edges, cut)
+    for s in segments:
+        assert _engine.crc32c(blob[s.offset : s.offset + s.nbytes]) == s.crc32c
+    out = torch.empty(len(blob), dtype=torch.uint8)
+    assert eng.read([str(path)], [request(out, 0, len(blob), as_checks(segments))], [out]).wait() == []
+    assert bytes(out.tolist()) == blob
+    flipped = pieces[2][0] + 2 * block + 5  # inside the third piece's third block
+    raw = bytearray(blob)
+    raw[flipped] ^= 0x40
+    path.write_bytes(bytes(raw))
+    failures = eng.read([str(path)], [request(out, 0, len(blob), as_checks(segments))], [out]).wait()
+    hit = [s for s in segments if s.offset <= flipped < s.offset + s.nbytes]
+    assert [(f.kind, f.offset) for f in failures] == [("checksum", hit[0].offset)]

@@ -13,6 +13,8 @@ from . import faults as faults
 
 ALIGNMENT: int
 """O_DIRECT alignment (4096) of buffers, offsets and lengths."""
+FUSED_BLOCK_BYTES: int
+"""Bytes a buffered write or a read moves at a time, each block checksummed while cached."""
 
 class ForkedEngineError(RuntimeError):
     """An engine (or one of its jobs) used in a process forked from the one that made it."""
@@ -258,7 +260,8 @@ def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
 def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """CRC-32C of A followed by B from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)``."""
 
-def crc32c_backend() -> Literal["sse4.2", "armv8-crc", "table"]: ...
+def crc32c_backend() -> Literal["sse4.2+pclmul", "sse4.2", "armv8-crc", "table"]:
+    """The CRC-32C kernel the engine uses (of two hardware kernels, the faster on this CPU, timed once)."""
 def load_cuda_runtime(path: str = "") -> str:
     """dlopen the CUDA runtime (``''``: one already loaded); returns ``''`` or why not. First success wins."""
 

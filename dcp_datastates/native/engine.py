@@ -45,7 +45,7 @@ DEFAULT_WINDOW_BYTES = 8 * MiB
 DEFAULT_CHECKSUM_BYTES: int | None = None
 MIN_CHECKSUM_BYTES = 4096
 DEFAULT_IO_THREADS = 2
-# Reads never use the host pool and verify each piece right after its pread,
+# Reads never use the host pool and verify each block right after its pread,
 # so more threads keep more reads in flight while others checksum.
 DEFAULT_READ_THREADS = 4
 DEFAULT_HOST_CACHE_BYTES = 256 * MiB
