@@ -28,12 +28,12 @@ def _collector_on():
     """Every case starts and ends with the collector on and no pause left over."""
     gc.enable()
     yield
-    current = gc_pause._current
-    if current is not None:
-        current.end()
-    on = gc.isenabled()
+    for pause in list(gc_pause._current.values()):
+        pause.end()
+    on, threshold = gc.isenabled(), gc.get_threshold()
     gc.enable()
     assert on, "a case left the collector off"
+    assert threshold[2] < gc_pause.DEFERRED_THRESHOLD, "a case left full collections deferred"
 
 
 def _state(n=6):
@@ -78,7 +78,7 @@ def test_dcp_plans_a_save_and_a_load_without_collections_and_the_collector_is_on
     probe = SavingProbe()
     dcp.save(state, storage_writer=DataStatesWriter(str(tmp_path / "c")), planner=probe, no_dist=True)
     assert probe.seen == [("local", False), ("global", False)] and gc.isenabled()
-    assert gc_pause._current is None
+    assert not gc_pause._current
     back = {k: torch.zeros_like(v) for k, v in state.items()}
     loading = LoadingProbe()
     dcp.load(back, storage_reader=DataStatesReader(str(tmp_path / "c")), planner=loading, no_dist=True)
@@ -95,7 +95,7 @@ def test_a_save_dcp_abandons_between_our_calls_ends_the_pause_by_the_deadline(tm
     deadline = time.monotonic() + 10
     while not gc.isenabled() and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert gc.isenabled() and gc_pause._current is None
+    assert gc.isenabled() and not gc_pause._current
 
 
 def test_the_next_call_takes_an_abandoned_pause_over_and_ends_it(tmp_path):
@@ -106,7 +106,7 @@ def test_the_next_call_takes_an_abandoned_pause_over_and_ends_it(tmp_path):
     probe = SavingProbe()
     dcp.save(_state(), storage_writer=writer, planner=probe, no_dist=True)
     assert probe.seen == [("local", False), ("global", False)]
-    assert gc.isenabled() and gc_pause._current is None  # on again at once, not at the deadline
+    assert gc.isenabled() and not gc_pause._current  # on again at once, not at the deadline
 
 
 def test_a_load_that_dcp_abandons_is_ended_by_the_next_load_of_the_reader(tmp_path):
@@ -129,7 +129,7 @@ def test_an_error_in_our_own_call_ends_the_pause_at_once(tmp_path):
     data.write_bytes(bytes(blob))
     with pytest.raises(CheckpointException, match="checksum mismatch"):
         dcp.load({k: torch.zeros_like(v) for k, v in _state().items()}, storage_reader=DataStatesReader(str(path)), no_dist=True)
-    assert gc.isenabled() and gc_pause._current is None
+    assert gc.isenabled() and not gc_pause._current
 
 
 def test_the_collector_the_application_switched_off_stays_off(tmp_path):
@@ -146,12 +146,27 @@ def test_the_collector_the_application_switched_off_stays_off(tmp_path):
         gc.enable()
 
 
-def test_a_call_on_another_thread_leaves_the_collector_alone(tmp_path):
+class DeferralProbe(DefaultSavePlanner):
+    """Records, while DCP plans, whether the collector runs and whether full collections do."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def create_local_plan(self):
+        self.seen.append((gc.isenabled(), gc.get_threshold()[2] >= gc_pause.DEFERRED_THRESHOLD))
+        return super().create_local_plan()
+
+
+def test_a_call_on_another_thread_only_defers_full_collections(tmp_path):
+    """Beside the caller's loop the collector stays on (young collections free its short-lived
+    cycles); only the heap walks are deferred, and given back after."""
+    before = gc.get_threshold()
     probes, errors = [], []
 
     def save():
         try:
-            probes.append(SavingProbe())
+            probes.append(DeferralProbe())
             dcp.save(_state(), storage_writer=DataStatesWriter(str(tmp_path / "c")), planner=probes[0], no_dist=True)
         except BaseException as exc:  # reported below
             errors.append(exc)
@@ -159,13 +174,47 @@ def test_a_call_on_another_thread_leaves_the_collector_alone(tmp_path):
     worker = threading.Thread(target=save)
     worker.start()
     worker.join()
-    assert not errors and probes[0].seen == [("local", True), ("global", True)]
+    assert not errors and probes[0].seen == [(True, True)]
+    assert gc.get_threshold() == before and not gc_pause._current
+
+
+def test_an_async_save_defers_full_collections_in_its_background_thread_only(tmp_path):
+    before = gc.get_threshold()
+    probe = DeferralProbe()
+    state = _state()
+    resp = dcp.async_save(state, storage_writer=DataStatesWriter(str(tmp_path / "c")), planner=probe, no_dist=True)
+    (resp.upload_completion if hasattr(resp, "upload_completion") else resp).result()
+    assert probe.seen == [(True, True)]
+    assert gc.get_threshold() == before and gc.isenabled() and not gc_pause._current
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(back, storage_reader=DataStatesReader(str(tmp_path / "c")), no_dist=True)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_a_deferral_leaves_thresholds_the_application_set_meanwhile():
+    before = gc.get_threshold()
+    results = []
+
+    def call():
+        pause = CallPause.begin()
+        results.append((pause.kind, gc.get_threshold()[2]))
+        gc.set_threshold(before[0], before[1], 25)  # the application's own, during the call
+        pause.end()
+        results.append(gc.get_threshold()[2])
+
+    try:
+        worker = threading.Thread(target=call)
+        worker.start()
+        worker.join()
+        assert results == [("full", gc_pause.DEFERRED_THRESHOLD), 25]
+    finally:
+        gc.set_threshold(*before)
 
 
 def test_reads_without_a_dcp_load_do_not_pause_the_collector(tmp_path):
     dcp.save(_state(), storage_writer=DataStatesWriter(str(tmp_path / "c")), no_dist=True)
     view = CheckpointView(str(tmp_path / "c"))
-    assert gc.isenabled() and gc_pause._current is None
+    assert gc.isenabled() and not gc_pause._current
     assert torch.equal(view.read_tensor("t2"), _state()["t2"])
     assert gc.isenabled()
 

@@ -342,7 +342,7 @@ class DataStatesReader(StorageReader):
         return sizes
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        # DCP plans the load next, on the caller's thread: paused until read_data is done.
+        # DCP plans the load next: collections held back until read_data is done (native/gc_pause.py).
         self._end_gc_pause()
         self._gc_pause = CallPause.begin()
         with self._ending_gc_pause_on_error():

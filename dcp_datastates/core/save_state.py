@@ -100,7 +100,7 @@ class RankSave:
     job: Any = None  # the engine job writing this rank's data files
     written_files: list = dataclasses.field(default_factory=list)  # synchronous: this rank's file names
     staged: StagedMetadata | None = None
-    gc_pause: Any = None  # a synchronous save on the main thread: native.gc_pause.CallPause, to its end
+    gc_pause: Any = None  # native.gc_pause.CallPause, from set_up_storage_writer to the save's end
     ended: bool = False
 
 

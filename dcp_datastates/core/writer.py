@@ -332,8 +332,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 )
             save.is_coordinator = self.is_coordinator = is_coordinator
             save.rank = int(kwargs.get("rank", _global_rank()))
-            if not self._background(save):  # DCP plans this save next, on the caller's thread
-                save.gc_pause = CallPause.begin()
+            save.gc_pause = CallPause.begin()  # DCP plans the save next (see native/gc_pause.py)
             save.target.dest.prepare()
             # Checked again here (stage() did too): an earlier save may have committed since.
             if not self.overwrite:

@@ -1,19 +1,23 @@
-"""Python's cyclic garbage collector paused where a save or a load makes hundreds of thousands
-of small objects that form no cycles (plans, items, results, metadata records): each full
-collection then walks the whole heap and frees nothing.
+"""Python's cyclic garbage collector held back where a save or a load makes hundreds of
+thousands of small objects that form no cycles (plans, items, results, metadata records): each
+full collection then walks the whole heap, holding the GIL, and frees nothing.
 
-Two shapes, one rule (the collector is switched back on only by whoever switched it off, and
-left off where the application had switched it off), and one way to switch it back on
-(:func:`_switch_on`): what was made during the pause joins the oldest generation at once, so
-no young collection right after walks every object the pause made, and then again one
-generation up, before the next full collection finds them.
+One rule for every shape: what is held back is given back only by whoever held it back, and
+left alone where the application had switched it off itself.
 
-- :class:`gc_paused`, a block of our own code;
-- :class:`CallPause`, one DCP call on the caller's thread, from the storage layer's first
-  planning hook to its last, so that DCP's own planning between our hooks runs without
-  collections too. DCP can abandon the call between two hooks (its planner raises): nothing of
-  ours runs then, so the pause also ends by itself after ``limit_s`` seconds, and the next
-  call's pause takes it over.
+- :class:`gc_paused`, the collector off for a block of our own code;
+- :class:`CallPause`, one DCP call, from the storage layer's first planning hook to its last,
+  so that DCP's own planning between our hooks is covered too. On the caller's main thread (a
+  synchronous save, a load) the collector is off; in an asynchronous save's background thread,
+  beside the training loop, only full collections are deferred (young ones go on, so the
+  loop's short-lived cycles are still freed; the heap walks that would stall the loop's thread
+  on the GIL are not made). DCP can abandon the call between two hooks (its planner raises):
+  nothing of ours runs then, so a call's pause also ends by itself after ``limit_s`` seconds,
+  and the next call's pause of the same kind takes it over.
+
+Switching the collector back on (:func:`_switch_on`) moves what was made while it was off to
+the oldest generation at once, so that no young collection right after walks every object the
+pause made, and then again one generation up, before the next full collection finds them.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ import threading
 
 # How long a call's pause may last at most: far beyond the planning of a million items between
 # two of our hooks (a pause that ends early only costs speed), short enough that a call DCP
-# abandoned leaves the collector off only briefly.
+# abandoned leaves the collector held back only briefly.
 CALL_PAUSE_LIMIT_S = 20.0
+# The oldest generation's threshold while full collections are deferred (a count of young
+# collections no call reaches).
+DEFERRED_THRESHOLD = 1 << 30
 
 
 def _switch_on() -> None:
@@ -51,35 +58,66 @@ class gc_paused:
         return False
 
 
+# The two ways a call holds collections back: (hold, give back). ``hold`` returns what
+# ``give back`` needs, or None where there is nothing to hold back.
+
+
+def _hold_all():
+    if not gc.isenabled():
+        return None
+    gc.disable()
+    return True
+
+
+def _give_all(_token) -> None:
+    _switch_on()
+
+
+def _hold_full():
+    t0, t1, t2 = gc.get_threshold()
+    if not gc.isenabled() or t2 >= DEFERRED_THRESHOLD:
+        return None
+    gc.set_threshold(t0, t1, DEFERRED_THRESHOLD)
+    return t2
+
+
+def _give_full(t2: int) -> None:
+    t0, t1, now = gc.get_threshold()
+    if now == DEFERRED_THRESHOLD:  # else the application set its own since
+        gc.set_threshold(t0, t1, t2)
+
+
+_KINDS = {"all": (_hold_all, _give_all), "full": (_hold_full, _give_full)}
 _lock = threading.Lock()
-_current: CallPause | None = None  # the pause that owns the collector's switch, if any
+_current: dict[str, CallPause] = {}  # of each kind, the pause that holds it, if any
 
 
 class CallPause:
-    """The collector paused from :meth:`begin` (on the main thread only: a call on another thread
-    must not switch it off for the caller's loop) until :meth:`end`, the deadline, or the next
-    call's pause, whichever comes first. Ending twice is harmless."""
+    """Collections held back from :meth:`begin` until :meth:`end`, the deadline, or the next
+    call's pause of the same kind, whichever comes first. Ending twice is harmless."""
 
-    def __init__(self) -> None:
-        self._owns = False  # this pause switched the collector off and has not switched it on
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._token = None  # what giving back needs; None: this pause holds nothing
         self._timer: threading.Timer | None = None
 
     @classmethod
     def begin(cls, limit_s: float | None = None) -> CallPause:
-        global _current
+        """For a call on the current thread: the collector off on the main thread, full
+        collections deferred on any other (a call beside the caller's loop)."""
+        kind = "all" if threading.current_thread() is threading.main_thread() else "full"
         limit_s = CALL_PAUSE_LIMIT_S if limit_s is None else limit_s
-        pause = cls()
-        if threading.current_thread() is not threading.main_thread():
-            return pause
+        pause = cls(kind)
+        hold, _give = _KINDS[kind]
         with _lock:
-            previous, _current = _current, pause
-            if previous is not None:  # an abandoned call's pause: this one takes its switch over
-                pause._owns, previous._owns = previous._owns, False
+            previous = _current.get(kind)
+            _current[kind] = pause
+            if previous is not None:  # an abandoned call's pause: this one takes its hold over
+                pause._token, previous._token = previous._token, None
                 previous._cancel_timer()
-            elif gc.isenabled():
-                gc.disable()
-                pause._owns = True
-            if pause._owns:
+            else:
+                pause._token = hold()
+            if pause._token is not None:
                 pause._timer = threading.Timer(limit_s, pause.end)
                 pause._timer.daemon = True
                 pause._timer.name = "dcpds-gc-pause"
@@ -88,16 +126,15 @@ class CallPause:
 
     @property
     def active(self) -> bool:
-        return self._owns
+        return self._token is not None
 
     def end(self) -> None:
-        global _current
         with _lock:
-            if _current is self:
-                _current = None
-            owned, self._owns = self._owns, False
-            if owned:
-                _switch_on()
+            if _current.get(self.kind) is self:
+                del _current[self.kind]
+            token, self._token = self._token, None
+            if token is not None:
+                _KINDS[self.kind][1](token)
         self._cancel_timer()
 
     def _cancel_timer(self) -> None:
