@@ -405,6 +405,9 @@ PYBIND11_MODULE(_engine, m) {
       "The library the CUDA entry points came from, or None before load_cuda_runtime() succeeded.");
   m.attr("ALIGNMENT") = kAlign;
   m.attr("FUSED_BLOCK_BYTES") = kFusedBlockBytes;
+  // The CRC kernel is timed and picked here, at import, not on an I/O thread's first use
+  // (a fork while another thread is inside that first use would leave the child waiting).
+  (void)crc32c_backend();
 
   py::module_ faults = m.def_submodule("faults");
   bind_faults(faults);

@@ -483,6 +483,9 @@ void ReadJob::run_pieces(const Piece* first, const Piece* last) {
   // bytes cross the memory bus once, in the read.
   const Piece* p = first;  // the first piece not yet verified to its end
   uint32_t crc = 0;        // of p's bytes read so far
+  // Mismatches are reported once the whole run is read: a run that ends early is
+  // reported as truncated (or as its read error) alone, as one read of it was.
+  std::vector<ReadFailure> mismatches;
   auto verify = [&](const Piece& q) {
     if (crc == q.crc) return;
     const int64_t at = static_cast<int64_t>(r.offset + q.rel);
@@ -491,7 +494,7 @@ void ReadJob::run_pieces(const Piece* first, const Piece* last) {
                   "checksum mismatch for %llu bytes at offset %lld: stored crc32c %08x, "
                   "data has %08x",
                   static_cast<unsigned long long>(q.len), static_cast<long long>(at), q.crc, crc);
-    add_failure({q.request, "checksum", EIO, path, at, buf});
+    mismatches.push_back({q.request, "checksum", EIO, path, at, buf});
   };
   for (uint64_t done = 0; done < len || p != last;) {
     const uint64_t want = std::min(len - done, kFusedBlockBytes);
@@ -520,6 +523,7 @@ void ReadJob::run_pieces(const Piece* first, const Piece* last) {
     }
     done += want;
   }
+  for (auto& f : mismatches) add_failure(std::move(f));
 }
 
 // ---------------------------------------------------------------- Engine

@@ -261,3 +261,54 @@ def test_the_objects_the_application_froze_stay_frozen():
         assert gc.isenabled() and gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("on_main", [True, False])
+def test_a_forked_child_gets_back_what_its_parent_held(on_main):
+    """A data loader's worker forked during a pause: no deadline runs in the child, so the fork
+    gives the collector back there at once (off, or full collections deferred)."""
+    import os
+
+    before = gc.get_threshold()
+    held = []
+
+    def begin():
+        held.append(CallPause.begin())
+
+    if on_main:
+        begin()
+    else:
+        worker = threading.Thread(target=begin)
+        worker.start()
+        worker.join()
+    try:
+        assert held[0].active
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report and leave at once
+            os.close(read)
+            ok = gc.isenabled() and gc.get_threshold() == before and not gc_pause._current
+            os.write(write, b"1" if ok else b"0")
+            os._exit(0)
+        os.close(write)
+        got = os.read(read, 1)
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert got == b"1"
+        assert held[0].active  # the parent's pause goes on
+    finally:
+        held[0].end()
+    assert gc.isenabled() and gc.get_threshold() == before
+
+
+def test_a_pause_that_holds_nothing_does_not_stand_in_the_next_ones_way():
+    gc.disable()  # the application's own switch: this call's pause holds nothing
+    try:
+        abandoned = CallPause.begin()
+        assert not abandoned.active and not gc_pause._current
+    finally:
+        gc.enable()
+    nxt = CallPause.begin()  # the next call holds the collector itself
+    assert nxt.active and not gc.isenabled()
+    nxt.end()
+    assert gc.isenabled()

@@ -40,11 +40,9 @@ its items itself (with its stripes and compression, :mod:`placement`)::
 from __future__ import annotations
 
 import bisect
-import contextlib
 import dataclasses
 import math
 import sys
-import threading
 from collections import ChainMap
 from collections.abc import Mapping
 
@@ -61,7 +59,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from dcp_datastates import _dcp_compat
-from dcp_datastates.native.gc_pause import gc_paused
+from dcp_datastates.native.gc_pause import main_thread_gc_paused
 
 
 def _flatten_plain(state_dict) -> tuple[dict, dict] | None:
@@ -111,17 +109,11 @@ def _is_terminal_list(values: list) -> bool:
     return True
 
 
-def _caller_gc_paused():
-    """The cyclic GC paused for a planning step (objects per item, no cycles) on the main thread
-    only: the save's caller waits for it; another thread's save must not pause the caller's GC."""
-    return gc_paused() if threading.current_thread() is threading.main_thread() else contextlib.nullcontext()
-
-
 class DataStatesSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` with one-pass local and global planning (see the module docstring)."""
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        with _caller_gc_paused():
+        with main_thread_gc_paused():
             self._set_up(state_dict, storage_meta, is_coordinator)
 
     def _set_up(self, state_dict, storage_meta, is_coordinator: bool) -> None:
@@ -139,7 +131,7 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
-        with _caller_gc_paused():
+        with main_thread_gc_paused():
             return self._local_plan()
 
     def _local_plan(self) -> SavePlan:
@@ -174,7 +166,7 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         """DCP's global planning step (deduplication, metadata with index hints, planner data,
         validation) with one pass over the items. DCP's ``create_global_plan`` calls it, with or
         without plan caching, under the private name ``_dcp_compat.GLOBAL_PLAN_STEP``."""
-        with _caller_gc_paused():
+        with main_thread_gc_paused():
             return self._global_step(all_plans)
 
     def _global_step(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:

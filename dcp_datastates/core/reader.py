@@ -37,7 +37,7 @@ from dcp_datastates.exchange.channel import DEFAULT_TIMEOUT_S, Channel, check_se
 from dcp_datastates.exchange.plan import Access
 from dcp_datastates.exchange.reads import ReadSession
 from dcp_datastates.native import engine as _native
-from dcp_datastates.native.gc_pause import CallPause, gc_paused
+from dcp_datastates.native.gc_pause import CallPause, main_thread_gc_paused
 from dcp_datastates.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -393,7 +393,7 @@ class DataStatesReader(StorageReader):
             if session is not None and session.access is not None:
                 self._fetch_indexes(plan, session)
             context = self.read_context()
-            with gc_paused():
+            with main_thread_gc_paused():
                 batch = ReadBatch(context)
                 for item in plan.items:
                     batch.add(item, planner)

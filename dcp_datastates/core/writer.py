@@ -74,7 +74,7 @@ from dcp_datastates.format.file_names import MAX_STRIPES, METADATA_FILE, layout_
 from dcp_datastates.storage.url import check_save_target, is_store_url
 from dcp_datastates.format.checkpoint_layout import RankFiles
 from dcp_datastates.native import engine as _native
-from dcp_datastates.native.gc_pause import CallPause, gc_paused
+from dcp_datastates.native.gc_pause import CallPause, main_thread_gc_paused
 
 __all__ = ["DataStatesWriter", "SaveStats"]
 
@@ -499,8 +499,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     @classmethod
     def _gc_paused(cls, save: RankSave):
         """Pause the cyclic GC (tens of thousands of small objects, no cycles) only in the caller's
-        thread (see _background)."""
-        return contextlib.nullcontext() if cls._background(save) else gc_paused()
+        main thread (see _background, and gc_pause.main_thread_gc_paused)."""
+        return contextlib.nullcontext() if cls._background(save) else main_thread_gc_paused()
 
     def _end(self, save: RankSave) -> None:
         """The writer's part of the save is over (committed, or this rank's data written)."""

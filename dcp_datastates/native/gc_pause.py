@@ -3,7 +3,8 @@ thousands of small objects that form no cycles (plans, items, results, metadata 
 full collection then walks the whole heap, holding the GIL, and frees nothing.
 
 One rule for every shape: what is held back is given back only by whoever held it back, and
-left alone where the application had switched it off itself.
+left alone where the application had switched it off itself before (a switch the application
+makes during a pause cannot be told from ours: the collector is on again after it).
 
 - :class:`gc_paused`, the collector off for a block of our own code;
 - :class:`CallPause`, one DCP call, from the storage layer's first planning hook to its last,
@@ -17,12 +18,16 @@ left alone where the application had switched it off itself.
 
 Switching the collector back on (:func:`_switch_on`) moves what was made while it was off to
 the oldest generation at once, so that no young collection right after walks every object the
-pause made, and then again one generation up, before the next full collection finds them.
+pause made, and then again one generation up, before the next full collection finds them (the
+deadline's thread only switches it on). A forked child (a data loader's worker) gets back
+whatever its parent held at the fork: no deadline runs there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import threading
 
 # How long a call's pause may last at most: far beyond the planning of a million items between
@@ -58,6 +63,13 @@ class gc_paused:
         return False
 
 
+def main_thread_gc_paused():
+    """:class:`gc_paused` on the main thread, nothing elsewhere: a save or load on another thread
+    runs beside the caller's loop and must not switch the collector off for it (its
+    :class:`CallPause` defers full collections there)."""
+    return gc_paused() if threading.current_thread() is threading.main_thread() else contextlib.nullcontext()
+
+
 # The two ways a call holds collections back: (hold, give back). ``hold`` returns what
 # ``give back`` needs, or None where there is nothing to hold back.
 
@@ -69,8 +81,11 @@ def _hold_all():
     return True
 
 
-def _give_all(_token) -> None:
-    _switch_on()
+def _give_all(_token, from_timer: bool = False) -> None:
+    if from_timer:
+        gc.enable()  # the moving of young objects is left to calls of ours, not a timer's thread
+    else:
+        _switch_on()
 
 
 def _hold_full():
@@ -81,7 +96,7 @@ def _hold_full():
     return t2
 
 
-def _give_full(t2: int) -> None:
+def _give_full(t2: int, from_timer: bool = False) -> None:
     t0, t1, now = gc.get_threshold()
     if now == DEFERRED_THRESHOLD:  # else the application set its own since
         gc.set_threshold(t0, t1, t2)
@@ -110,15 +125,15 @@ class CallPause:
         pause = cls(kind)
         hold, _give = _KINDS[kind]
         with _lock:
-            previous = _current.get(kind)
-            _current[kind] = pause
+            previous = _current.pop(kind, None)
             if previous is not None:  # an abandoned call's pause: this one takes its hold over
                 pause._token, previous._token = previous._token, None
                 previous._cancel_timer()
             else:
                 pause._token = hold()
-            if pause._token is not None:
-                pause._timer = threading.Timer(limit_s, pause.end)
+            if pause._token is not None:  # only a pause that holds something is the holder
+                _current[kind] = pause
+                pause._timer = threading.Timer(limit_s, pause._expire)
                 pause._timer.daemon = True
                 pause._timer.name = "dcpds-gc-pause"
                 pause._timer.start()
@@ -129,15 +144,37 @@ class CallPause:
         return self._token is not None
 
     def end(self) -> None:
+        self._give_back(from_timer=False)
+        self._cancel_timer()
+
+    def _expire(self) -> None:
+        self._give_back(from_timer=True)
+
+    def _give_back(self, from_timer: bool) -> None:
         with _lock:
             if _current.get(self.kind) is self:
                 del _current[self.kind]
             token, self._token = self._token, None
             if token is not None:
-                _KINDS[self.kind][1](token)
-        self._cancel_timer()
+                _KINDS[self.kind][1](token, from_timer)
 
     def _cancel_timer(self) -> None:
         timer, self._timer = self._timer, None
         if timer is not None:
             timer.cancel()
+
+
+def _after_fork_in_child() -> None:
+    """The child of a fork has no deadline thread: what the parent held is given back now."""
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    held = list(_current.values())
+    _current.clear()
+    for pause in held:
+        token, pause._token = pause._token, None
+        pause._timer = None
+        if token is not None:
+            _KINDS[pause.kind][1](token, True)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
