@@ -237,24 +237,6 @@ void push_zeros(std::vector<iovec>& iov, uint64_t n) {
   }
 }
 
-// The window's bytes as buffers: its slot, or its pieces and the zeros between them.
-std::vector<iovec> window_buffers(const WriteJob::Window& w) {
-  std::vector<iovec> iov;
-  if (!w.from_source) {
-    iov.push_back({w.slot, w.padded()});
-    return iov;
-  }
-  iov.reserve(2 * w.pieces.size() + 1);
-  uint64_t cursor = 0;
-  for (const auto& p : w.pieces) {
-    if (p.rel > cursor) push_zeros(iov, p.rel - cursor);
-    iov.push_back({const_cast<uint8_t*>(p.src), p.len});
-    cursor = p.rel + p.len;
-  }
-  push_zeros(iov, w.padded() - cursor);
-  return iov;
-}
-
 // Appends the buffers of window bytes [from, to) (a block of the window) to `iov`:
 // the slot's, or the pieces' and the zeros between them. `piece` is the first
 // piece that may overlap the block; it is advanced past those that end in it.
@@ -275,6 +257,15 @@ void block_buffers(const WriteJob::Window& w, uint64_t from, uint64_t to, size_t
   }
   if (to > cursor) push_zeros(iov, to - cursor);
   while (piece < w.pieces.size() && w.pieces[piece].rel + w.pieces[piece].len <= to) ++piece;
+}
+
+// The window's bytes as buffers: its slot, or its pieces and the zeros between them.
+std::vector<iovec> window_buffers(const WriteJob::Window& w) {
+  std::vector<iovec> iov;
+  iov.reserve(w.from_source ? 2 * w.pieces.size() + 1 : 1);
+  size_t piece = 0;
+  block_buffers(w, 0, w.padded(), piece, iov);
+  return iov;
 }
 
 }  // namespace
@@ -336,11 +327,7 @@ void WriteJob::write_window(const Window& w) {
   std::call_once(reserved_, [this] { reserve_space(); });  // an error fails the job, like a write's
   const std::vector<iovec> iov = window_buffers(w);
   if (!direct_.load()) {
-    // Buffered writes to one file serialize on its inode lock, where the kernel spins a
-    // waiting writer on the CPU; a second I/O thread (done checksumming its window) sleeps
-    // here instead until the first one's write is done.
-    std::lock_guard<std::mutex> turn(buffered_write_mu_);
-    (buffered_fd_.valid() ? buffered_fd_ : fd_).pwritev_all(iov, w.start);
+    write_buffered(iov, w.start);
     return;
   }
   try {
@@ -353,10 +340,15 @@ void WriteJob::write_window(const Window& w) {
     if (!buffered_fd_.valid()) buffered_fd_ = Fd::open(path_, O_WRONLY);
     direct_ = false;
   }
-  if (!direct_.load()) {
-    std::lock_guard<std::mutex> turn(buffered_write_mu_);
-    buffered_fd_.pwritev_all(iov, w.start);
-  }
+  if (!direct_.load()) write_buffered(iov, w.start);
+}
+
+void WriteJob::write_buffered(const std::vector<iovec>& iov, uint64_t offset) {
+  // Buffered writes to one file serialize on its inode lock, where the kernel spins a
+  // waiting writer on the CPU; a second I/O thread (done checksumming its block) sleeps
+  // here instead until the first one's write is done.
+  std::lock_guard<std::mutex> turn(buffered_write_mu_);
+  (buffered_fd_.valid() ? buffered_fd_ : fd_).pwritev_all(iov, offset);
 }
 
 void WriteJob::write_checksummed(const Window& w, std::vector<Segment>& segs, uint64_t cut) {
@@ -377,11 +369,7 @@ void WriteJob::write_checksummed(const Window& w, std::vector<Segment>& segs, ui
     }
     iov.clear();
     block_buffers(w, from, to, buffers_from, iov);
-    {
-      // See write_window: a second thread on this file sleeps here rather than spinning in the kernel.
-      std::lock_guard<std::mutex> turn(buffered_write_mu_);
-      (buffered_fd_.valid() ? buffered_fd_ : fd_).pwritev_all(iov, w.start + from);
-    }
+    write_buffered(iov, w.start + from);
     from = to;
   }
 }
@@ -850,17 +838,9 @@ void Engine::finish_device_copies(WriteJob& job, WriteJob::Window& w) {
 // One pass over the bytes, a CRC per segment: cut at multiples of
 // checksum_bytes_ in the file, so segments do not depend on where windows fall.
 void Engine::checksum(std::vector<Segment>& segs, uint64_t offset, const uint8_t* bytes, uint64_t len) const {
-  if (checksum_bytes_ == 0) {
-    segs.push_back({offset, len, crc32c_extend(0, bytes, len)});
-    return;
-  }
-  const uint64_t end = offset + len;
-  while (offset < end) {
-    uint64_t next = std::min(end, (offset / checksum_bytes_ + 1) * checksum_bytes_);
-    segs.push_back({offset, next - offset, crc32c_extend(0, bytes, next - offset)});
-    bytes += next - offset;
-    offset = next;
-  }
+  SegmentCursor crc(segs, checksum_bytes_);
+  crc.add(offset, bytes, len);
+  crc.end_piece(offset, bytes);
 }
 
 void Engine::flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w) {

@@ -178,6 +178,8 @@ class WriteJob {
   // (segments cut at multiples of `cut` in the file, 0: one per piece), so the
   // bytes are read from memory once, by the checksum, and written from cache.
   void write_checksummed(const Window& w, std::vector<Segment>& segs, uint64_t cut);
+  // One buffered pwritev of this file at a time (see buffered_write_mu_).
+  void write_buffered(const std::vector<iovec>& iov, uint64_t offset);
   // Whether `w` can be written from its pieces' memory as it is (borrowed job).
   bool writable_from_source(const Window& w) const;
   void on_staged(Window& w);
@@ -199,7 +201,7 @@ class WriteJob {
   Fd buffered_fd_;  // opened when O_DIRECT writes are refused in auto mode
   std::atomic<bool> direct_{false};
   std::atomic<bool> failed_{false};
-  std::mutex buffered_write_mu_;  // one buffered pwrite of this file at a time (write_window)
+  std::mutex buffered_write_mu_;  // one buffered pwrite of this file at a time (write_buffered)
 
   std::mutex mu_;
   std::condition_variable cv_;

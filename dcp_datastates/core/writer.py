@@ -491,16 +491,13 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             raise
 
     @staticmethod
-    def _background(save: RankSave) -> bool:
-        """Whether the save runs beside the training loop (DCP's asynchronous save): then the
-        cyclic GC is never paused for it, or it would be off for the loop meanwhile."""
-        return save.target.asynchronous or _dcp_compat.runs_one_save(save.target.thread)
-
-    @classmethod
-    def _gc_paused(cls, save: RankSave):
+    def _gc_paused(save: RankSave):
         """Pause the cyclic GC (tens of thousands of small objects, no cycles) only in the caller's
-        main thread (see _background, and gc_pause.main_thread_gc_paused)."""
-        return contextlib.nullcontext() if cls._background(save) else main_thread_gc_paused()
+        main thread (gc_pause.main_thread_gc_paused), never for a save beside the training loop
+        (DCP's asynchronous save), or it would be off for the loop meanwhile."""
+        if save.target.asynchronous or _dcp_compat.runs_one_save(save.target.thread):
+            return contextlib.nullcontext()
+        return main_thread_gc_paused()
 
     def _end(self, save: RankSave) -> None:
         """The writer's part of the save is over (committed, or this rank's data written)."""
