@@ -244,17 +244,16 @@ class OursCoordinator:
         return final, metadata
 
     def rank_results(self, final: list[SavePlan]) -> list[list[WriteResult]]:
-        """What each rank's DataStatesWriter.write_data returns: a result per item, its report."""
+        """What each rank's DataStatesWriter.write_data returns: its report, with every item's entry."""
         from dcp_datastates.core.placement import place_rank
-        from dcp_datastates.core.rank_reports import RankReport, with_report
+        from dcp_datastates.core.rank_reports import RankReport, item_entry, rank_results
 
         out = []
         for rank, plan in enumerate(final):
             placement = place_rank(plan.items, rank, self.rule)
-            results = [WriteResult(index=item.index, size_in_bytes=placement.locations[item.index].length,
-                                   storage_data=placement.locations[item.index]) for item in plan.items]
+            entries = [item_entry(item.index, placement.locations[item.index]) for item in plan.items]
             files = placement.files()
-            out.append(with_report(results, RankReport(files.data_file, files.index_file, files.save_id, None, files.stripes)))
+            out.append(rank_results(RankReport(files.data_file, files.index_file, files.save_id, None, files.stripes), entries))
         return out
 
     def encode_early(self, final: list[SavePlan], metadata) -> bytes:

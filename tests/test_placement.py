@@ -4,6 +4,7 @@ layout from the plans and keeps it only where the ranks' reports confirm it."""
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dcp_datastates import DataStatesSavePlanner
 from dcp_datastates.core.coordinator_layout import LayoutPrediction, layout_from_reports, predict_layout
 from dcp_datastates.core.placement import PAGE, SMALL_ALIGN, PlacementRule, place_rank, rule_to_place
-from dcp_datastates.core.rank_reports import REPORT_INDEX, RankReport, split_reports, with_report
+from dcp_datastates.core.rank_reports import REPORT_INDEX, RankReport, item_entry, rank_results, split_reports
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_layout import ItemLocation
 
@@ -73,8 +74,10 @@ def test_a_rule_is_placed_by_once_then_a_rank_uses_its_own():
         rule_to_place(None, own)
 
 
-def _written(prediction: LayoutPrediction, rank: int) -> list[WriteResult]:
-    return [WriteResult(index=i, size_in_bytes=max(loc.length, 0), storage_data=loc) for i, loc in prediction.locations[rank].items()]
+def _written(prediction: LayoutPrediction, rank: int) -> list[tuple]:
+    """The item entries of rank ``rank`` had it written every item where the prediction says."""
+    files = prediction.layout.ranks[rank]
+    return [(fqn, off, files.data_file, *where) for (fqn, off), where in prediction.expected[rank].items()]
 
 
 def _report(files, **kw) -> RankReport:
@@ -86,7 +89,10 @@ def test_the_prediction_holds_only_where_the_reports_confirm_it():
     plans = [items_of(0), items_of(1)]
     own = place_rank(plans[0].items, 0, rule)
     prediction = predict_layout(plans, rule, own)
-    assert prediction.locations[0] is own.locations  # the coordinator's own placement, used as it is
+    assert prediction.expected[0] == {
+        (index.fqn, tuple(index.offset) if index.offset is not None else None): (loc.offset, loc.length, loc.object_ordinal)
+        for index, loc in own.locations.items()
+    }
     assert [r.save_id for r in prediction.layout.ranks] == ["", ""] and prediction.layout.save_id == rule.save_id
     results = [_written(prediction, 0), _written(prediction, 1)]
     reports = [_report(files) for files in prediction.layout.ranks]
@@ -94,10 +100,13 @@ def test_the_prediction_holds_only_where_the_reports_confirm_it():
     assert not prediction.holds(results, [reports[0], None])
     assert not prediction.holds(results, [reports[0], dataclasses.replace(reports[1], data_file="rank00001-ffffffffffff.data")])
     assert not prediction.holds(results, [reports[0], dataclasses.replace(reports[1], digests=(("big1", (0,), "0" * 32),))])
-    moved = [WriteResult(index=wr.index, size_in_bytes=wr.size_in_bytes, storage_data=wr.storage_data._replace(offset=8 * MB))
-             if wr.index.fqn == "big1" else wr for wr in results[1]]
+    moved = [(*e[:3], 8 * MB, *e[4:]) if e[0] == "big1" else e for e in results[1]]
     assert not prediction.holds([results[0], moved], reports)
     assert not prediction.holds([results[0], results[1][1:]], reports)  # an item not written
+    twice = [results[1][0], *results[1][:-1]]  # as many entries, one of them twice and one missing
+    assert not prediction.holds([results[0], twice], reports)
+    elsewhere = [(e[0], e[1], "rank00001-ffffffffffff.data", *e[3:]) for e in results[1]]
+    assert not prediction.holds([results[0], elsewhere], reports)
 
 
 def test_the_layout_from_reports_names_each_ranks_files_and_checks_them():
@@ -112,6 +121,9 @@ def test_the_layout_from_reports_names_each_ranks_files_and_checks_them():
     layout = layout_from_reports(results, reports, rule.save_id, md, "here")
     assert [r.save_id for r in layout.ranks] == [rule.save_id] * 2  # explicit, as reported
     assert sorted(layout.entries) == sorted(prediction.layout.entries)
+    stray = [results[0], [(e[0], e[1], "rank00007-0123456789ab.data", *e[3:]) for e in results[1]]]
+    with pytest.raises(CheckpointError, match="rank 1's write result for '.*' names 'rank00007-0123456789ab.data'"):
+        layout_from_reports(stray, reports, rule.save_id, md, "here")
     with pytest.raises(CheckpointError, match="rank 1 did not report its files"):
         layout_from_reports(results, [reports[0], None], rule.save_id, md, "here")
     with pytest.raises(CheckpointError, match="different compression"):
@@ -119,9 +131,13 @@ def test_the_layout_from_reports_names_each_ranks_files_and_checks_them():
                             rule.save_id, md, "here")
 
 
-def test_a_ranks_report_travels_as_one_extra_write_result():
-    item = WriteResult(index=MetadataIndex("x"), size_in_bytes=4, storage_data=ItemLocation("f", 0, 4, -1))
+def test_a_rank_reports_its_items_in_one_write_result():
+    loc = ItemLocation("rank00000-0123456789ab.data", 0, 4, -1)
+    entries = [item_entry(MetadataIndex("x", [0]), loc), item_entry(MetadataIndex("o"), ItemLocation(loc.relative_path, -1, -1, 0))]
+    assert entries == [("x", (0,), loc.relative_path, 0, 4, -1), ("o", None, loc.relative_path, -1, -1, 0)]
     report = RankReport("rank00000-0123456789ab.data", "rank00000-0123456789ab.index", "0123456789ab")
-    sent = with_report([item], report)
-    assert sent[-1].index == REPORT_INDEX
-    assert split_reports([sent, [item]]) == ([[item], [item]], [report, None])
+    sent = rank_results(report, entries)
+    assert len(sent) == 1 and sent[0].index == REPORT_INDEX
+    assert pickle.loads(pickle.dumps(sent)) == sent  # what DCP gathers to the coordinator
+    foreign = [WriteResult(index=MetadataIndex("x"), size_in_bytes=4, storage_data=loc)]  # another writer's results
+    assert split_reports([sent, foreign]) == ([tuple(entries), ()], [dataclasses.replace(report, items=tuple(entries)), None])

@@ -20,12 +20,11 @@ import dataclasses
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
-from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_datastates.core.placement import PlacementRule, RankPlacement, StagedRankData, place_rank, staged_locations
 from dcp_datastates.core.rank_reports import RankReport
 from dcp_datastates.errors import CheckpointError
-from dcp_datastates.format.checkpoint_layout import FORMAT_NAME, FORMAT_VERSION, CheckpointLayout, ItemLocation, RankFiles, location_key
+from dcp_datastates.format.checkpoint_layout import FORMAT_NAME, FORMAT_VERSION, CheckpointLayout, RankFiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,35 +32,37 @@ class LayoutPrediction:
     """The layout the coordinator expects the ranks to report."""
 
     layout: CheckpointLayout
-    # Per rank, {MetadataIndex: ItemLocation} as placed (cheaper than the layout's lookup table);
-    # None: look items up in ``layout``.
-    locations: tuple | None = None
+    # Per rank, {(fqn, chunk offsets): (offset, length, object ordinal)} of every item placed.
+    expected: tuple
 
-    def holds(self, results: list[list[WriteResult]], reports: list[RankReport | None]) -> bool:
+    def holds(self, items: list[tuple], reports: list[RankReport | None]) -> bool:
         """Whether every rank reported the files the prediction names for it, without references
-        or digests, and wrote every item where it says."""
+        or digests, and wrote every item where it says (``items``: each rank's entries)."""
         ranks = self.layout.ranks
-        if len(results) != len(ranks):
+        if len(items) != len(ranks) or len(reports) != len(ranks):
             return False
-        for rank, (rank_results, report, files) in enumerate(zip(results, reports, ranks)):
+        for entries, report, files, expected in zip(items, reports, ranks, self.expected):
             if report is None or report.bases or report.digests:
                 return False
             if (files.data_file, files.index_file, files.stripes) != (report.data_file, report.index_file, report.stripes):
                 return False
-            planned = self.locations[rank] if self.locations is not None else None
-            if planned is not None and len(planned) != len(rank_results):
+            if len(entries) != len(expected):
                 return False
-            for wr in rank_results:
-                loc = planned.get(wr.index) if planned is not None else self.layout.location(wr.index)
-                if loc != wr.storage_data:
+            data_file = files.data_file
+            written = {}
+            for fqn, off, path, offset, length, ordinal in entries:
+                if path != data_file:
                     return False
+                written[(fqn, off)] = (offset, length, ordinal)
+            if written != expected:
+                return False
         return True
 
 
 def predict_layout(plans: list[SavePlan], rule: PlacementRule, own: RankPlacement | None = None) -> LayoutPrediction:
     """Every rank's final synchronous plan placed by ``rule`` (``own``: the coordinator's own
     placement by it, used as it is)."""
-    ranks, entries, locations = [], [], []
+    ranks, entries, expected = [], [], []
     # One string object per key, the first plan's (the metadata's key): the pickle of
     # ``.metadata`` then refers back to it instead of repeating the key in every rank's entry.
     keys: dict = {}
@@ -70,14 +71,15 @@ def predict_layout(plans: list[SavePlan], rule: PlacementRule, own: RankPlacemen
         if placement is None:
             placement = place_rank(plan.items, rank, rule)
         ranks.append(placement.files())
+        placed = {}
         for index, loc in placement.locations.items():
             fqn, off = index.fqn, index.offset
-            entries.append((
-                keys.setdefault(fqn, fqn), None if off is None else tuple(off), rank, loc.offset, loc.length, loc.object_ordinal,
-            ))
-        locations.append(placement.locations)
+            key = (keys.setdefault(fqn, fqn), None if off is None else tuple(off))
+            where = placed[key] = (loc.offset, loc.length, loc.object_ordinal)
+            entries.append((*key, rank, *where))
+        expected.append(placed)
     layout = CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, rule.save_id, ranks, entries, rule.compression)
-    return LayoutPrediction(layout, tuple(locations))
+    return LayoutPrediction(layout, tuple(expected))
 
 
 def predict_staged_layout(plans: list[SavePlan], save_id: str) -> LayoutPrediction | None:
@@ -89,44 +91,46 @@ def predict_staged_layout(plans: list[SavePlan], save_id: str) -> LayoutPredicti
     if any(s.references or s.digests for s in staged):
         return None
     compression = _one_compression({s.compression for s in staged}, "staged")
-    ranks, entries = [], []
+    ranks, entries, expected = [], [], []
     for rank, (plan, s) in enumerate(zip(plans, staged)):
         ranks.append(RankFiles(rank, s.data_file, s.index_file, s.save_id))
-        for key, (offset, length, ordinal) in staged_locations(plan.items, s.tensors, compression, rank).items():
+        placed = staged_locations(plan.items, s.tensors, compression, rank)
+        for key, (offset, length, ordinal) in placed.items():
             entries.append((*key, rank, offset, length, ordinal))
-    return LayoutPrediction(CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, save_id, ranks, entries, compression))
+        expected.append(placed)
+    layout = CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, save_id, ranks, entries, compression)
+    return LayoutPrediction(layout, tuple(expected))
 
 
 def layout_from_reports(
-    results: list[list[WriteResult]], reports: list[RankReport | None], save_id: str, metadata: Metadata, where: str
+    items: list[tuple], reports: list[RankReport | None], save_id: str, metadata: Metadata, where: str
 ) -> CheckpointLayout:
     """The checkpoint's layout from what the ranks wrote: their files and every item's location
-    (with references to base ranks, slots after the own ranks, for an incremental save)."""
+    (``items``: each rank's entries; with references to base ranks, slots after the own ranks,
+    for an incremental save)."""
     ranks, entries, compressions, digests = [], [], set(), {}
     base_slots: dict = {}  # a base rank's data path -> its slot
     bases: list = []
     for report in reports:
         for files in report.bases if report is not None else ():
             if files.data_path not in base_slots:
-                base_slots[files.data_path] = len(results) + len(bases)
+                base_slots[files.data_path] = len(items) + len(bases)
                 bases.append(files)
-    for rank, (rank_results, report) in enumerate(zip(results, reports)):
+    for rank, (rank_items, report) in enumerate(zip(items, reports)):
         if report is None:
             raise CheckpointError(f"rank {rank} did not report its files (is every rank's writer a DataStatesWriter?)")
         ranks.append(RankFiles(rank, report.data_file, report.index_file, report.save_id, report.stripes))
         compressions.add(report.compression)
         for fqn, off, digest in report.digests:
             digests[(fqn, off)] = digest
-        for wr in rank_results:
-            loc = wr.storage_data
-            path = getattr(loc, "relative_path", loc)
+        for fqn, off, path, offset, length, ordinal in rank_items:
             slot = rank if path == report.data_file else base_slots.get(path)
-            if not isinstance(loc, ItemLocation) or slot is None:
+            if slot is None:
                 raise CheckpointError(
-                    f"rank {rank}'s write result for {wr.index.fqn!r} names {path!r}, "
+                    f"rank {rank}'s write result for {fqn!r} names {path!r}, "
                     f"not the data file it reported ({report.data_file}) nor a base it refers to"
                 )
-            entries.append((*location_key(wr.index.fqn, wr.index.offset), slot, loc.offset, loc.length, loc.object_ordinal))
+            entries.append((fqn, off, slot, offset, length, ordinal))
     ranks += bases
     compression = _one_compression(compressions, "wrote")
     layout = CheckpointLayout(FORMAT_NAME, FORMAT_VERSION, save_id, ranks, entries, compression, digests)

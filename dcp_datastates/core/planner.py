@@ -15,7 +15,8 @@ plain values, in one pass each:
   ShardedTensor, parameters, other Mappings) goes through DCP's code;
 - a plain tensor's write item is built directly, with one
   ``TensorProperties`` object shared by every tensor of the same dtype,
-  ``requires_grad`` and pinning;
+  ``requires_grad`` and pinning, and equal sizes one object (as the writer
+  shares them before DCP pickles the plan);
 - the global plan and metadata are built in one loop (index hints included)
   and checked as DCP's validation checks them, in time that grows with the
   number of chunks times its logarithm (DCP's sweeps every tensor along
@@ -59,6 +60,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from dcp_datastates import _dcp_compat
+from dcp_datastates.core.shared_values import SharedValues
 from dcp_datastates.native.gc_pause import main_thread_gc_paused
 
 
@@ -308,25 +310,23 @@ def _chunks_overlap(chunks: list, dims: int) -> bool:
 
 def _plain_write_items(state_dict: dict, share_properties: bool = True) -> list[WriteItem]:
     """DCP's write items of a flattened state dict of plain tensors and other values (see
-    ``_flatten_plain``);
-    with ``share_properties``, one ``TensorProperties`` object per kind of tensor."""
+    ``_flatten_plain``); with ``share_properties``, one ``TensorProperties`` object per kind of
+    tensor (DCP makes one per tensor), and the sizes shared as the writer shares them
+    (:mod:`shared_values`: its pass then keeps these items as they are)."""
     items = []
-    properties: dict = {}  # one TensorProperties per kind of tensor (DCP makes one per tensor)
+    values = SharedValues()
     tensor_item, bytes_item, contiguous = WriteItemType.TENSOR, WriteItemType.BYTE_IO, torch.contiguous_format
     for fqn, value in state_dict.items():
         if type(value) is not torch.Tensor:
             items.append(WriteItem(index=MetadataIndex(fqn), type=bytes_item))
             continue
-        size = value.size()
-        offsets = torch.Size([0] * len(size))
-        pinned = value.is_pinned()
-        key = (value.dtype, value.layout, value.requires_grad, pinned)
-        props = properties.get(key) if share_properties else None
-        if props is None:
-            props = properties[key] = TensorProperties(
-                dtype=value.dtype, layout=value.layout, requires_grad=value.requires_grad,
-                memory_format=contiguous, pin_memory=pinned,
-            )
+        size = values.size(value.size())
+        offsets = values.zeros(len(size))
+        dtype, layout, requires_grad, pinned = value.dtype, value.layout, value.requires_grad, value.is_pinned()
+        if share_properties:
+            props = values.properties_for(dtype, layout, requires_grad, contiguous, pinned)
+        else:
+            props = TensorProperties(dtype=dtype, layout=layout, requires_grad=requires_grad, memory_format=contiguous, pin_memory=pinned)
         items.append(WriteItem(  # index hint 0 already: the global plan keeps the item as it is
             index=MetadataIndex(fqn, offsets, 0), type=tensor_item,
             tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=size), properties=props, size=size),

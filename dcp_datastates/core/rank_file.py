@@ -27,13 +27,12 @@ import time
 from typing import Any, Callable
 
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_datastates.core import incremental
 from dcp_datastates.core.compression.codec import Compression, descriptor_of
 from dcp_datastates.core.placement import PAGE, SMALL_ALIGN, RankPlacement, StagedRankData, align_up, staged_locations
 from dcp_datastates.core.providers import check_planned, finish_regions, provide_object, tensor_source
-from dcp_datastates.core.rank_reports import RankReport
+from dcp_datastates.core.rank_reports import RankReport, item_entry
 from dcp_datastates.core.stripes import StripedWrite, with_key_context
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.checkpoint_layout import STREAM_CODEC, ItemLocation, location_key, stripe_span
@@ -75,12 +74,12 @@ class RankWrite:
     rank: int
     data_size: int
     object_table: list  # (offset, length) of each object, then of each compressed frame
-    results: list  # the rank's WriteResults
+    entries: list  # where the rank put each item (rank_reports.item_entry)
     spans: Callable[[], list]  # (offset, end, fqn) of every item, built only for an error message
     t0: float  # when the rank's data began to be submitted
 
-    def complete(self, dest, stats, snapshot=None) -> list[WriteResult]:
-        """Wait for the data, write the index; the rank's write results."""
+    def complete(self, dest, stats, snapshot=None) -> list:
+        """Wait for the data, write the index; the rank's item entries."""
         stats.metadata_done_before_data = stats.metadata_serialize_s > 0 and not self.job.done
         if snapshot is not None and snapshot.staging_error is not None:
             raise snapshot.staging_error
@@ -100,7 +99,7 @@ class RankWrite:
         stats.bytes_written = self.data_size
         if snapshot is not None and snapshot.staging_file is not None:
             dest.remove([snapshot.staging_file])  # compressed into the data file, which is durable now
-        return self.results
+        return self.entries
 
 
 # -- synchronous saves: the plan's tensors, placed by the rank ------------------------------
@@ -116,9 +115,9 @@ def start_planned(
     started: list = []
     try:
         if getattr(planner, "resolve_creates_tensors", False):
-            job, results = _submit_in_batches(dest, plan, planner, placement, bases, settings, started)
+            job, entries = _submit_in_batches(dest, plan, planner, placement, bases, settings, started)
         else:
-            placed, results = [], []
+            placed, entries = [], []
             for item in plan.items:
                 loc = placement.locations[item.index]
                 if loc.object_ordinal >= 0:  # objects, and compressed chunks (below)
@@ -126,7 +125,7 @@ def start_planned(
                 source = tensor_source(planner.resolve_data(item), item.index.fqn)
                 check_planned(item, source, loc.length)
                 placed.append((source, loc.offset))
-                results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
+                entries.append(item_entry(item.index, loc))
             # borrow: the caller's tensors stay as they are until write_data's future completes
             # (dcp.save waits for it), so the engine may write them without a staging copy.
             job = StripedWrite.start(
@@ -137,7 +136,7 @@ def start_planned(
             del placed
         blocks, objects_base = [], placement.objects_base
         if placement.compression is not None:
-            blocks, objects_base = _write_compressed(plan, planner, placement, job.tail, results, settings)
+            blocks, objects_base = _write_compressed(plan, planner, placement, job.tail, entries, settings)
         stats.submit_s = time.perf_counter() - t0
         locations = placement.locations
         report = RankReport(
@@ -145,7 +144,7 @@ def start_planned(
         )
         codec = settings.compression_for(placement.compression) if placement.compression is not None else None
         return _append_objects(
-            job, report, plan, planner, placement.rank, objects_base, placement.tensor_bytes_end, blocks, results, t0, stats,
+            job, report, plan, planner, placement.rank, objects_base, placement.tensor_bytes_end, blocks, entries, t0, stats,
             lambda: [(loc.offset, loc.offset + loc.length, idx.fqn) for idx, loc in locations.items() if loc.object_ordinal < 0],
             codec,
         )
@@ -161,7 +160,7 @@ def _tensor_keys(plan: SavePlan, placement: RankPlacement) -> list[str]:
     return [item.index.fqn for item in sorted(items, key=lambda item: placement.locations[item.index].offset)]
 
 
-def _write_compressed(plan: SavePlan, planner: SavePlanner, placement: RankPlacement, job, results: list, settings: WriteSettings):
+def _write_compressed(plan: SavePlan, planner: SavePlanner, placement: RankPlacement, job, entries: list, settings: WriteSettings):
     """Compress the plan's compressed chunks into frames appended to ``job`` after the raw tensors.
 
     Returns ``(frames, end)``: ``(offset, length, fqn)`` per frame in ordinal
@@ -182,7 +181,7 @@ def _write_compressed(plan: SavePlan, planner: SavePlanner, placement: RankPlace
             appender.check_ordinal(item.index.fqn, loc.object_ordinal)
             source = tensor_source(planner.resolve_data(item), item.index.fqn)
             check_planned(item, source, loc.length)
-            results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
+            entries.append(item_entry(item.index, loc))
             submit_tensor(appender, item.index.fqn, source.tensor, loc.length)
             del source
         return appender.finish()
@@ -215,7 +214,7 @@ def _submit_in_batches(
     limit = min(engine.pool_bytes, BATCH_BYTES_MAX)
     tensor_items = [item for item in plan.items if placement.locations[item.index].object_ordinal < 0]  # raw chunks
     tensor_items.sort(key=lambda item: placement.locations[item.index].offset)
-    job, results, batch, batch_bytes, batch_end = None, [], [], 0, 0
+    job, entries, batch, batch_bytes, batch_end = None, [], [], 0, 0
     stripe = 0
 
     def submit() -> bool:
@@ -250,12 +249,12 @@ def _submit_in_batches(
         del source
         batch_bytes += loc.length
         batch_end = loc.offset + loc.length
-        results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
+        entries.append(item_entry(item.index, loc))
     else:
         if batch or job is None:
             submit()
     batch.clear()
-    return job, results
+    return job, entries
 
 
 # -- asynchronous saves: the tensors a snapshot placed and is writing ------------------------
@@ -293,7 +292,7 @@ def start_snapshot(
     t0 = time.perf_counter()
     if snap.compression is not None:
         return _start_snapshot_compressed(snap, staged, report, plan, planner, settings, t0, stats)
-    results = []
+    entries = []
     for item in plan.items:
         if item.type == WriteItemType.BYTE_IO:
             continue
@@ -301,16 +300,16 @@ def start_snapshot(
         placed = staged.tensors.get(key)
         chunk = staged.references.get(key)
         if placed is None and chunk is not None:  # incremental: the base's identical chunk
-            results.append(WriteResult(index=item.index, size_in_bytes=chunk.length, storage_data=chunk.location()))
+            entries.append(item_entry(item.index, chunk.location()))
             continue
         if placed is None:
             raise CheckpointError(f"{item.index.fqn!r} is in the final plan but was not in the local plan")
         loc = ItemLocation(snap.data_file, placed[0], placed[1], -1)
-        results.append(WriteResult(index=item.index, size_in_bytes=placed[1], storage_data=loc))
+        entries.append(item_entry(item.index, loc))
     tensors = staged.tensors
     return _append_objects(
         StripedWrite.of_job(snap.job), report, plan, planner, snap.rank, snap.objects_base, snap.tensor_bytes_end, [],
-        results, t0, stats,
+        entries, t0, stats,
         lambda: [(off, off + n, fqn) for (fqn, _), (off, n) in tensors.items()],
     )
 
@@ -329,13 +328,13 @@ def _start_snapshot_compressed(
     from dcp_datastates.core.compression.write import compress_staged
 
     finals = staged_locations(plan.items, staged.tensors, snap.compression.descriptor, snap.rank)
-    results = []
+    entries = []
     for item in plan.items:
         if item.type == WriteItemType.BYTE_IO:
             continue
         offset, length, ordinal = finals[location_key(item.index.fqn, item.index.offset)]
         loc = ItemLocation(snap.data_file, offset, length, ordinal)
-        results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=loc))
+        entries.append(item_entry(item.index, loc))
     snap.job.seal()
     tensors = staged.tensors
     try:
@@ -350,7 +349,7 @@ def _start_snapshot_compressed(
     )
     try:
         return _append_objects(
-            StripedWrite.of_job(job), report, plan, planner, snap.rank, end, small_end, blocks, results, t0, stats,
+            StripedWrite.of_job(job), report, plan, planner, snap.rank, end, small_end, blocks, entries, t0, stats,
             lambda: [(off, off + n, fqn) for (fqn, _), (off, n, o) in finals.items() if o < 0 and n >= 0],
             snap.compression,
         )
@@ -364,7 +363,7 @@ def _start_snapshot_compressed(
 
 def _append_objects(
     job: StripedWrite, report: RankReport, plan: SavePlan, planner: SavePlanner, rank: int, objects_base: int,
-    tensor_end: int, blocks: list, results: list, t0: float, stats, tensor_spans: Callable,
+    tensor_end: int, blocks: list, entries: list, t0: float, stats, tensor_spans: Callable,
     codec: Compression | None = None,
 ) -> RankWrite:
     """Serialize the plan's objects and append them after the tensors (``blocks``: the
@@ -380,12 +379,7 @@ def _append_objects(
         if codec is not None and codec.transforms_objects:
             blob = codec.frame(blob, blob)
         offset = align_up(offset, SMALL_ALIGN)
-        results.append(
-            WriteResult(
-                index=item.index, size_in_bytes=len(blob),
-                storage_data=ItemLocation(report.data_file, -1, -1, len(object_table)),
-            )
-        )
+        entries.append(item_entry(item.index, ItemLocation(report.data_file, -1, -1, len(object_table))))
         object_table.append((offset, len(blob)))
         object_keys.append(item.index.fqn)
         objects.append(blob)
@@ -406,4 +400,4 @@ def _append_objects(
                 + [(o, o + n, k) for o, n, k in blocks])
 
     object_table += [(o, n) for o, n, _ in blocks]  # compressed frames: ordinals after the objects'
-    return RankWrite(job, report, rank, data_size, object_table, results, spans, t0)
+    return RankWrite(job, report, rank, data_size, object_table, entries, spans, t0)

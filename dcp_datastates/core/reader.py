@@ -33,6 +33,7 @@ from dcp_datastates.core.compression import transforms
 from dcp_datastates.core.compression.codec import frame_undoer
 from dcp_datastates.core import read_once
 from dcp_datastates.core.read_batch import ReadBatch, ReadContext
+from dcp_datastates.core.shared_values import shared_load_plan
 from dcp_datastates.exchange.channel import DEFAULT_TIMEOUT_S, Channel, check_settings
 from dcp_datastates.exchange.plan import Access
 from dcp_datastates.exchange.reads import ReadSession
@@ -361,7 +362,8 @@ class DataStatesReader(StorageReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         with self._ending_gc_pause_on_error():
-            return read_once.tag_local_plan(plan, self.read_once)
+            # DCP pickles it: equal values as one object each
+            return read_once.tag_local_plan(shared_load_plan(plan), self.read_once)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         with self._ending_gc_pause_on_error():

@@ -64,11 +64,12 @@ from dcp_datastates.core.placement import (
     place_rank,
     rule_to_place,
 )
-from dcp_datastates.core.rank_reports import split_reports, with_report
+from dcp_datastates.core.rank_reports import item_entry, rank_results, split_reports
 from dcp_datastates.core.async_save.handoff import StagingFuture, WriterSnapshots
 from dcp_datastates.core.async_save.runtime import new_writer_serial, runtime
 from dcp_datastates.core.async_save.snapshot import Snapshot
 from dcp_datastates.core.save_state import RankSave, SaveStats, SaveTarget, log_rank_written
+from dcp_datastates.core.shared_values import shared_save_plan
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.file_names import MAX_STRIPES, METADATA_FILE, layout_files
 from dcp_datastates.storage.url import check_save_target, is_store_url
@@ -343,9 +344,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if not plan.usable:  # DCP's plan cache: the plan is the one an earlier save wrote
             save.stats.plan_from_cache = True
             return plan
-        if not save.target.asynchronous:
-            return plan
         with self._failing(save):
+            plan = shared_save_plan(plan)  # DCP pickles it: equal values as one object each
+            if not save.target.asynchronous:
+                return plan
             # The snapshot placed the rank's tensors: the coordinator predicts the layout from them.
             staged = rank_file.staged_placement(save.target.snapshot, plan.items)
             return dataclasses.replace(plan, storage_data=staged)
@@ -375,16 +377,13 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             save.job = write.job
             if save.is_coordinator and increment is None:
                 save_metadata.stage_predicted(save, planner, self._rule(save), placement, self.sequence)
-            results = write.complete(target.dest, save.stats, target.snapshot)
+            entries = write.complete(target.dest, save.stats, target.snapshot)
             report = write.report
             if increment is not None:
-                results += [
-                    WriteResult(index=index, size_in_bytes=chunk.length, storage_data=chunk.location())
-                    for index, chunk in increment.references.items()
-                ]
+                entries += [item_entry(index, chunk.location()) for index, chunk in increment.references.items()]
                 report = incremental.report_increments(report, increment.references.values(), increment.digests)
             save.stats.rank_files = RankFiles(save.rank, report.data_file, report.index_file, report.save_id, report.stripes)
-            with_report(results, report)
+            results = rank_results(report, entries)
         self.last_save_stats = save.stats
         log_rank_written(save.rank, target.path, save.stats)
         if not save.is_coordinator:
@@ -398,12 +397,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         target = save.target
         t0 = time.perf_counter()
         with self._failing(save), self._gc_paused(save):
-            results, reports = split_reports(results)
+            items, reports = split_reports(results)
             prediction = save.prediction
-            if prediction is not None and prediction.holds(results, reports):
+            if prediction is not None and prediction.holds(items, reports):
                 layout = prediction.layout
             else:
-                layout = layout_from_reports(results, reports, target.save_id, metadata, target.dest.where(METADATA_FILE))
+                layout = layout_from_reports(items, reports, target.save_id, metadata, target.dest.where(METADATA_FILE))
             staged = save.staged
             if staged is None or staged.metadata is not metadata or staged.layout is not layout:
                 save_metadata.discard(save)
