@@ -100,6 +100,7 @@ def test_the_prediction_holds_only_where_the_reports_confirm_it():
     assert not prediction.holds(results, [reports[0], None])
     assert not prediction.holds(results, [reports[0], dataclasses.replace(reports[1], data_file="rank00001-ffffffffffff.data")])
     assert not prediction.holds(results, [reports[0], dataclasses.replace(reports[1], digests=(("big1", (0,), "0" * 32),))])
+    assert not prediction.holds(results, [reports[0], dataclasses.replace(reports[1], compression=("zstd", 4 * MB))])
     moved = [(*e[:3], 8 * MB, *e[4:]) if e[0] == "big1" else e for e in results[1]]
     assert not prediction.holds([results[0], moved], reports)
     assert not prediction.holds([results[0], results[1][1:]], reports)  # an item not written

@@ -120,3 +120,37 @@ def test_a_save_with_dcps_planner_round_trips_and_each_rank_sends_one_write_resu
         if isinstance(v, torch.Tensor):
             assert torch.equal(out[k], v) and out[k].dtype == v.dtype, k
     assert out["step"] == 7
+
+
+def test_a_planners_own_item_classes_are_kept():
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class TaggedItem(WriteItem):
+        tag: str = ""
+
+    @dataclasses.dataclass(frozen=True)
+    class TaggedRead(ReadItem):
+        tag: str = ""
+
+    size = torch.Size([4])
+    props = TensorProperties(dtype=torch.float32)
+    items = [
+        TaggedItem(
+            index=MetadataIndex(f"t{i}", torch.Size([0])), type=WriteItemType.TENSOR, tag=f"x{i}",
+            tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size([0]), torch.Size([4])), props, size),
+        )
+        for i in range(2)
+    ]
+    shared = shared_save_plan(SavePlan(items))
+    assert [type(i) for i in shared.items] == [TaggedItem] * 2 and [i.tag for i in shared.items] == ["x0", "x1"]
+    assert shared.items == items and shared.items[0].tensor_data.properties is shared.items[1].tensor_data.properties
+    reads = [
+        TaggedRead(
+            type=torch.distributed.checkpoint.planner.LoadItemType.TENSOR, dest_index=MetadataIndex("t", [0]),
+            dest_offsets=torch.Size([0]), storage_index=MetadataIndex("t", [0]), storage_offsets=torch.Size([0]),
+            lengths=torch.Size([4]), tag="r",
+        )
+    ]
+    back = shared_load_plan(LoadPlan(reads))
+    assert type(back.items[0]) is TaggedRead and back.items[0].tag == "r" and back.items == reads

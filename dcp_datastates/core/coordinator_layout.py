@@ -36,8 +36,9 @@ class LayoutPrediction:
     expected: tuple
 
     def holds(self, items: list[tuple], reports: list[RankReport | None]) -> bool:
-        """Whether every rank reported the files the prediction names for it, without references
-        or digests, and wrote every item where it says (``items``: each rank's entries)."""
+        """Whether every rank reported the files and compression the prediction names for it,
+        without references or digests, and wrote every item where it says (``items``: each
+        rank's entries)."""
         ranks = self.layout.ranks
         if len(items) != len(ranks) or len(reports) != len(ranks):
             return False
@@ -45,6 +46,8 @@ class LayoutPrediction:
             if report is None or report.bases or report.digests:
                 return False
             if (files.data_file, files.index_file, files.stripes) != (report.data_file, report.index_file, report.stripes):
+                return False
+            if report.compression != self.layout.compression:
                 return False
             if len(entries) != len(expected):
                 return False

@@ -89,8 +89,12 @@ def shared_save_plan(plan: SavePlan) -> SavePlan:
             if offsets is not chunk.offsets or sizes is not chunk.sizes:
                 chunk = ChunkStorageMetadata(offsets=offsets, sizes=sizes)
             if chunk is not data.chunk or properties is not data.properties or size is not data.size:
-                data = TensorWriteData(chunk=chunk, properties=properties, size=size)
-                item = WriteItem(index=item.index, type=item.type, bytes_io_data=item.bytes_io_data, tensor_data=data)
+                if type(data) is TensorWriteData and type(item) is WriteItem:  # the cheap constructors
+                    data = TensorWriteData(chunk=chunk, properties=properties, size=size)
+                    item = WriteItem(index=item.index, type=item.type, bytes_io_data=item.bytes_io_data, tensor_data=data)
+                else:  # a planner's own subclasses keep their class and fields
+                    data = dataclasses.replace(data, chunk=chunk, properties=properties, size=size)
+                    item = dataclasses.replace(item, tensor_data=data)
         items.append(item)
     return dataclasses.replace(plan, items=items)
 
@@ -109,9 +113,10 @@ def shared_load_plan(plan: LoadPlan) -> LoadPlan:
         )
         if (storage is not item.storage_index or dest_offsets is not item.dest_offsets
                 or storage_offsets is not item.storage_offsets or lengths is not item.lengths):
-            item = ReadItem(
-                type=item.type, dest_index=dest, dest_offsets=dest_offsets,
-                storage_index=storage, storage_offsets=storage_offsets, lengths=lengths,
+            fields = dict(
+                dest_index=dest, dest_offsets=dest_offsets, storage_index=storage, storage_offsets=storage_offsets, lengths=lengths,
             )
+            # The cheap constructor; a planner's own subclass keeps its class and fields.
+            item = ReadItem(type=item.type, **fields) if type(item) is ReadItem else dataclasses.replace(item, **fields)
         items.append(item)
     return dataclasses.replace(plan, items=items)
