@@ -18,7 +18,6 @@ ours raw, ours zstd level 1 and 3, DCP FileSystemWriter raw and with
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
