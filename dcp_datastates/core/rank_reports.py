@@ -21,7 +21,7 @@ import dataclasses
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcp_datastates.format.checkpoint_layout import ItemLocation
+from dcp_datastates.format.checkpoint_layout import ItemLocation, location_key
 
 # The key of a rank's report among its write results: no state-dict key starts with NUL.
 REPORT_INDEX = MetadataIndex("\x00dcp_datastates.rank_files")
@@ -47,8 +47,7 @@ class RankReport:
 def item_entry(index: MetadataIndex, location: ItemLocation) -> tuple:
     """``(fqn, chunk offsets as a tuple or None, relative path, offset, length, object ordinal)``:
     where a rank put the item ``index`` (the path is a base's data file for a reference)."""
-    offset = index.offset
-    return (index.fqn, None if offset is None else tuple(offset), *location)
+    return (*location_key(index.fqn, index.offset), *location)
 
 
 def rank_results(report: RankReport, items: list) -> list[WriteResult]:

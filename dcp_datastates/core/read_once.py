@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 
 from dcp_datastates.exchange.channel import Channel
 from dcp_datastates.exchange.reads import ReadSession
+from dcp_datastates.format.checkpoint_layout import location_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +59,7 @@ def _shared(plans: list[LoadPlan]) -> bool:
     for rank, plan in enumerate(plans):
         for item in plan.items:
             index = item.storage_index
-            key = (index.fqn, tuple(index.offset) if index.offset is not None else None)
-            if first.setdefault(key, rank) != rank:
+            if first.setdefault(location_key(index.fqn, index.offset), rank) != rank:
                 return True
     return False
 
