@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from dcp_datastates import _dcp_compat
-from dcp_datastates.core.shared_values import SharedValues
+from dcp_datastates.core.plan_rows import SharedValues
 from dcp_datastates.native.gc_pause import main_thread_gc_paused
 
 
@@ -311,8 +311,8 @@ def _chunks_overlap(chunks: list, dims: int) -> bool:
 def _plain_write_items(state_dict: dict, share_properties: bool = True) -> list[WriteItem]:
     """DCP's write items of a flattened state dict of plain tensors and other values (see
     ``_flatten_plain``); with ``share_properties``, one ``TensorProperties`` object per kind of
-    tensor (DCP makes one per tensor), and the sizes shared as the writer shares them
-    (:mod:`shared_values`: its pass then keeps these items as they are)."""
+    tensor (DCP makes one per tensor), and the sizes shared (fewer objects made; the rows
+    :mod:`plan_rows` pickles share them too)."""
     items = []
     values = SharedValues()
     tensor_item, bytes_item, contiguous = WriteItemType.TENSOR, WriteItemType.BYTE_IO, torch.contiguous_format

@@ -33,7 +33,7 @@ from dcp_datastates.core.compression import transforms
 from dcp_datastates.core.compression.codec import frame_undoer
 from dcp_datastates.core import read_once
 from dcp_datastates.core.read_batch import ReadBatch, ReadContext
-from dcp_datastates.core.shared_values import shared_load_plan
+from dcp_datastates.core.plan_rows import row_plan
 from dcp_datastates.exchange.channel import DEFAULT_TIMEOUT_S, Channel, check_settings
 from dcp_datastates.exchange.plan import Access
 from dcp_datastates.exchange.reads import ReadSession
@@ -362,12 +362,12 @@ class DataStatesReader(StorageReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         with self._ending_gc_pause_on_error():
-            # DCP pickles it: equal values as one object each
-            return read_once.tag_local_plan(shared_load_plan(plan), self.read_once)
+            # DCP gathers it: pickled as rows
+            return read_once.tag_local_plan(row_plan(plan), self.read_once)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         with self._ending_gc_pause_on_error():
-            return read_once.tag_global_plans(plans)
+            return [row_plan(p) for p in read_once.tag_global_plans(plans)]  # scattered: rows
 
     def _end_gc_pause(self) -> None:
         pause, self._gc_pause = self._gc_pause, None

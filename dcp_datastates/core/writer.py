@@ -69,7 +69,7 @@ from dcp_datastates.core.async_save.handoff import StagingFuture, WriterSnapshot
 from dcp_datastates.core.async_save.runtime import new_writer_serial, runtime
 from dcp_datastates.core.async_save.snapshot import Snapshot
 from dcp_datastates.core.save_state import RankSave, SaveStats, SaveTarget, log_rank_written
-from dcp_datastates.core.shared_values import shared_save_plan
+from dcp_datastates.core.plan_rows import row_plan
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.file_names import MAX_STRIPES, METADATA_FILE, layout_files
 from dcp_datastates.storage.url import check_save_target, is_store_url
@@ -345,7 +345,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             save.stats.plan_from_cache = True
             return plan
         with self._failing(save):
-            plan = shared_save_plan(plan)  # DCP pickles it: equal values as one object each
+            plan = row_plan(plan)  # DCP gathers it: pickled as rows
             if not save.target.asynchronous:
                 return plan
             # The snapshot placed the rank's tensors: the coordinator predicts the layout from them.
@@ -360,10 +360,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 if any(staged) and not all(staged):
                     raise CheckpointError("some ranks saved asynchronously and others not; every rank must use the same call")
                 save.plans = tuple(plans)
-            if save.target.asynchronous:  # each rank's snapshot placed its tensors
-                return plans
-            rule = self._rule(save)
-            return [dataclasses.replace(p, storage_data=rule) if p.usable else p for p in plans]
+            if not save.target.asynchronous:  # else each rank's snapshot placed its tensors
+                rule = self._rule(save)
+                plans = [dataclasses.replace(p, storage_data=rule) if p.usable else p for p in plans]
+            return [row_plan(p) for p in plans]  # DCP scatters them: pickled as rows
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         save = self._current()
