@@ -32,6 +32,7 @@ from dcp_datastates.core import stock_dcp
 from dcp_datastates.core.compression import transforms
 from dcp_datastates.core.compression.codec import frame_undoer
 from dcp_datastates.core import read_once
+from dcp_datastates.core.read_once import READ_ONCE_MIN_BYTES
 from dcp_datastates.core.read_batch import ReadBatch, ReadContext
 from dcp_datastates.core.plan_rows import row_plan
 from dcp_datastates.exchange.channel import DEFAULT_TIMEOUT_S, Channel, check_settings
@@ -77,6 +78,7 @@ class DataStatesReader(StorageReader):
         window_bytes: int = _native.DEFAULT_WINDOW_BYTES,
         concurrency: int | None = None,
         read_once: bool = True,
+        read_once_min_bytes: int = READ_ONCE_MIN_BYTES,
         exchange_timeout_s: float = DEFAULT_TIMEOUT_S,
         exchange_backend: str = "gloo",
         exchange: Channel | None = None,
@@ -91,7 +93,9 @@ class DataStatesReader(StorageReader):
         check_settings(exchange_backend, exchange_timeout_s)
         self.path = os.fspath(path) if path is not None else None
         self.verify = verify
-        self.read_once = read_once
+        if read_once_min_bytes < 0:
+            raise ValueError(f"read_once_min_bytes must be 0 or more, got {read_once_min_bytes}")
+        self.read_once, self.read_once_min_bytes = read_once, read_once_min_bytes
         self._exchange_settings = (exchange_timeout_s, exchange_backend)
         self._exchange, self._access = exchange, access  # a manager's channel, and who can read which file
         self._session: ReadSession | None = None  # this load's read-once rounds (read_data)
@@ -367,7 +371,8 @@ class DataStatesReader(StorageReader):
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         with self._ending_gc_pause_on_error():
-            return [row_plan(p) for p in read_once.tag_global_plans(plans)]  # scattered: rows
+            tagged = read_once.tag_global_plans(plans, self._metadata, self.read_once_min_bytes)
+            return [row_plan(p) for p in tagged]  # scattered: rows
 
     def _end_gc_pause(self) -> None:
         pause, self._gc_pause = self._gc_pause, None

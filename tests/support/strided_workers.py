@@ -55,7 +55,7 @@ def load_shard1(rank, world_size, path):
     cols = SHAPE[1] // world_size
     for read_once in (False, True):
         state = _state(dh._mesh(world_size), Shard(1), zeros=True)
-        reader = DataStatesReader(path, read_once=read_once)
+        reader = DataStatesReader(path, read_once=read_once, read_once_min_bytes=0)  # small: shared anyway
         dcp.load(state, storage_reader=reader)
         for k, v in _full().items():
             local = state[k].to_local()
