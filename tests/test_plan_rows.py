@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import (
     BytesIOWriteData,
     LoadItemType,
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import (
 
 from dcp_datastates import DataStatesReader, DataStatesSavePlanner, DataStatesWriter
 from dcp_datastates.core import plan_rows
-from dcp_datastates.core.plan_rows import RowLoadPlan, RowSavePlan, row_plan
+from dcp_datastates.core.plan_rows import RowLoadPlan, RowMetadata, RowSavePlan, row_plan
 from dcp_datastates.errors import CheckpointError
 
 
@@ -218,3 +218,18 @@ def test_a_planners_own_item_classes_are_kept():
     ]
     back = _pickled(row_plan(LoadPlan(reads)))
     assert type(back.items[0]) is TaggedRead and back.items[0].tag == "r" and back.items == reads
+
+
+def test_the_planners_metadata_is_broadcast_as_rows_and_written_as_dcps(tmp_path):
+    state = _state()
+    metadata = dcp.save(state, storage_writer=DataStatesWriter(tmp_path / "ckpt"), planner=DataStatesSavePlanner(),
+                        no_dist=True)
+    assert type(metadata) is RowMetadata
+    back = _pickled(metadata)  # what the other ranks get from DCP's broadcast
+    assert type(back) is RowMetadata and back.state_dict_metadata == metadata.state_dict_metadata
+    assert (back.planner_data, back.storage_meta, back.version) == (metadata.planner_data, metadata.storage_meta, metadata.version)
+    assert len(pickle.dumps(metadata)) < 0.8 * len(pickle.dumps(plan_rows.plain_metadata(metadata)))
+    blob = (tmp_path / "ckpt" / ".metadata").read_bytes()
+    assert b"plan_rows" not in blob and b"RowMetadata" not in blob  # DCP's own classes, for DCP's tools
+    read = DataStatesReader(tmp_path / "ckpt").read_metadata()
+    assert type(read) is Metadata and read.state_dict_metadata == metadata.state_dict_metadata

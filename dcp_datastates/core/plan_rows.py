@@ -33,7 +33,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
     BytesIOWriteData,
     LoadPlan,
@@ -106,11 +113,13 @@ ROWS_FIT = (
     and _field_names(ReadItem) == ("type", "dest_index", "dest_offsets", "storage_index", "storage_offsets", "lengths")
     and _field_names(TensorProperties) == ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
     and _field_names(SavePlan)[0] == "items" and _field_names(LoadPlan)[0] == "items"
+    and _field_names(TensorStorageMetadata) == ("properties", "size", "chunks")
+    and _field_names(Metadata)[0] == "state_dict_metadata"
 )
 
 
-def _other_fields(plan) -> dict:
-    return {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "items"}
+def _other_fields(obj, rows_field: str = "items") -> dict:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name != rows_field}
 
 
 # -- items and rows ---------------------------------------------------------------------------
@@ -190,12 +199,16 @@ _ROW_CLASSES = {SavePlan: RowSavePlan, LoadPlan: RowLoadPlan}
 _BY_NAME = {cls.__name__: cls for cls in _ROW_CLASSES.values()}
 
 
-def _rebuild_plan(version, name: str, rows: list, fields: dict):
+def _check_version(version) -> None:
     if version != ROWS_VERSION:
         raise CheckpointError(
             f"a rank sent a plan in row layout {version!r}, this rank reads layout {ROWS_VERSION}: "
             "every rank must run the same version of dcp_datastates"
         )
+
+
+def _rebuild_plan(version, name: str, rows: list, fields: dict):
+    _check_version(version)
     cls = _BY_NAME[name]
     item = cls._item
     return cls(items=[item(row) if type(row) is tuple else row for row in rows], **fields)
@@ -206,3 +219,59 @@ def row_plan(plan):
     class; a plan of another class (a planner's own, or a row plan already) as it is."""
     cls = _ROW_CLASSES.get(type(plan)) if ROWS_FIT else None
     return plan if cls is None else cls(items=plan.items, **_other_fields(plan))
+
+
+# -- the global metadata ---------------------------------------------------------------------
+
+
+class RowMetadata(Metadata):
+    """A ``Metadata`` whose broadcast pickles its ``state_dict_metadata`` as rows: the one a
+    planner of ours builds (``DataStatesSavePlanner``), which DCP broadcasts after the save.
+    A tensor's entry is ``(fqn, properties, size, chunk offsets and sizes)``, an object's
+    ``(fqn,)``, any other entry ``(fqn, entry)``. Written into ``.metadata`` as DCP's own
+    ``Metadata`` (:func:`plain_metadata`), for DCP's tools."""
+
+    def __reduce__(self):
+        values = SharedValues()
+        size, properties = values.size, values.properties
+        rows = []
+        for fqn, entry in self.state_dict_metadata.items():
+            kind = type(entry)
+            if kind is BytesStorageMetadata:
+                rows.append((fqn,))
+            elif kind is TensorStorageMetadata and all(type(c) is ChunkStorageMetadata for c in entry.chunks):
+                chunks = tuple(v for c in entry.chunks for v in (size(c.offsets), size(c.sizes)))
+                rows.append((fqn, properties(entry.properties), size(entry.size), chunks))
+            else:
+                rows.append((fqn, entry))
+        fields = _other_fields(self, "state_dict_metadata")
+        return (_rebuild_metadata, (ROWS_VERSION, rows, fields))
+
+
+def _rebuild_metadata(version, rows: list, fields: dict) -> RowMetadata:
+    _check_version(version)
+    described = {}
+    for row in rows:
+        if len(row) == 1:
+            described[row[0]] = BytesStorageMetadata()
+        elif len(row) == 2:
+            described[row[0]] = row[1]
+        else:
+            fqn, properties, size, chunks = row
+            described[fqn] = TensorStorageMetadata(
+                properties, size, [ChunkStorageMetadata(chunks[i], chunks[i + 1]) for i in range(0, len(chunks), 2)]
+            )
+    return RowMetadata(described, **fields)
+
+
+def row_metadata(state_dict_metadata: dict) -> Metadata:
+    """The global metadata of these entries, broadcast as rows where this torch's classes fit."""
+    return RowMetadata(state_dict_metadata) if ROWS_FIT else Metadata(state_dict_metadata)
+
+
+def plain_metadata(metadata: Metadata) -> Metadata:
+    """``metadata`` as DCP's own class (a shallow copy of a :class:`RowMetadata`), as
+    ``.metadata`` holds it: DCP's tools unpickle it without this package."""
+    if type(metadata) is not RowMetadata:
+        return metadata
+    return Metadata(metadata.state_dict_metadata, **_other_fields(metadata, "state_dict_metadata"))

@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from dcp_datastates import _dcp_compat
-from dcp_datastates.core.plan_rows import SharedValues
+from dcp_datastates.core.plan_rows import SharedValues, row_metadata
 from dcp_datastates.native.gc_pause import main_thread_gc_paused
 
 
@@ -361,5 +361,5 @@ def _global_plan_and_metadata(plans: list[SavePlan]) -> tuple[list[SavePlan], Me
             items.append(item)
             tensor_md.chunks.append(data.chunk)
         out.append(dataclasses.replace(plan, items=items))
-    return out, Metadata(md)
+    return out, row_metadata(md)  # DCP broadcasts it: pickled as rows
 

@@ -62,6 +62,8 @@ class TensorSource:
 
 
 def tensor_source(value: Any, key: str) -> TensorSource:
+    if type(value) is torch.Tensor and value.is_cpu and value.layout is torch.strided:
+        return TensorSource(value, value.nbytes, -1)  # the commonest case, without the checks below
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"state dict entry {key!r} should be a tensor, got {type(value).__name__}")
     tensor = _dcp_compat.local_shard(value)

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from dcp_datastates import _dcp_compat
 from dcp_datastates.core.coordinator_layout import predict_layout, predict_staged_layout
 from dcp_datastates.core.placement import PlacementRule
+from dcp_datastates.core.plan_rows import plain_metadata
 from dcp_datastates.core.save_state import RankSave, StagedMetadata
 from dcp_datastates.format.checkpoint_layout import CheckpointLayout
 from dcp_datastates.format.metadata_file import encode_metadata
@@ -47,7 +48,7 @@ def stage(save: RankSave, metadata: Metadata, layout: CheckpointLayout, sequence
     version = _dcp_compat.dcp_metadata_version()
     if version is not None:
         metadata.version = version
-    handle = save.target.dest.stage_metadata(layout.save_id, encode_metadata(metadata, sequence))
+    handle = save.target.dest.stage_metadata(layout.save_id, encode_metadata(plain_metadata(metadata), sequence))
     save.staged = StagedMetadata(metadata, layout, handle)
 
 
