@@ -114,7 +114,9 @@ import logging
 import os
 import sys
 import threading
+import textwrap
 import time
+import traceback
 import warnings
 from concurrent.futures import Future
 
@@ -631,8 +633,11 @@ def run_reps(runner: Runner, active: list[str], state: dict, nbytes: int, reps: 
                 else:
                     recs[v] = runner.async_save(v, state)
             except Exception as e:  # noqa: BLE001
+                first = v not in results["failed"]
                 results["failed"][v] = f"{type(e).__name__}: {e}"
                 print(f"  {v}: FAILED: {results['failed'][v]}", flush=True)
+                if first:  # where it failed (DCP's own code, often): the last frames, once per variant
+                    print(textwrap.indent(traceback.format_exc(limit=-8), "    "), flush=True)
             budget.note(v, time.perf_counter() - t_save)
         if not recs:  # nothing measured: the budget is spent (or every save failed)
             break

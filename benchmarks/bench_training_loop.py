@@ -131,7 +131,9 @@ import os
 import shutil
 import statistics
 import sys
+import textwrap
 import time
+import traceback
 import warnings
 from concurrent.futures import Future
 
@@ -740,6 +742,7 @@ def run_one(bench: Bench, results: dict, rep: int, reps: int, variant: str | Non
     except Exception as e:  # noqa: BLE001 - report, keep the other runs
         bench.failed[name] = f"{type(e).__name__}: {e}"
         print(f"  {name}: FAILED: {bench.failed[name]}", flush=True)
+        print(textwrap.indent(traceback.format_exc(limit=-8), "    "), flush=True)  # where it failed
         return
     bench.walls.append({"name": name, "variant": variant, "every": every, "saves": r["saves"],
                         "wall_s": time.perf_counter() - t})

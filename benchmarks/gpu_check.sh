@@ -148,6 +148,27 @@ step() {
   return 0
 }
 
+# native_trace STEP: when STEP crashed the interpreter (faulthandler's "Fatal Python error", printed
+# after pytest's progress dots on the same line), whose
+# trace shows only the Python threads, rerun the test file it names under gdb (or cuda-gdb, which
+# debugs host code too) for the native stacks of every thread, into the log and the summary.
+native_trace() {
+  local name=$1 out="$REPORTS/$1.out" dbg file
+  grep -q 'Fatal Python error' "$out" 2>/dev/null || return 0
+  file=$(grep -o -E 'tests/test_[A-Za-z0-9_]+\.py' "$out" | head -n 1)
+  dbg=$(command -v gdb || command -v cuda-gdb)
+  if [[ -z $file || -z $dbg ]]; then
+    echo "=== $name crashed; no native trace (test file: ${file:-?}, debugger: ${dbg:-none})" | tee -a "$LOG"
+    return 0
+  fi
+  # The interpreter itself, not a wrapper script (a pyenv shim) that a debugger cannot run.
+  local exe
+  exe=$("$PY" -c 'import sys; print(sys.executable)')
+  step "${name}_trace" 150 "$dbg" -q -batch -ex 'set pagination off' -ex 'set confirm off' \
+    -ex 'handle SIGPIPE nostop noprint' -ex run -ex bt -ex 'thread apply all bt 25' \
+    --args "$exe" -m pytest -q -x -p no:cacheprovider "$file"
+}
+
 write_summary() {
   {
     echo "GPU check at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(elapsed) s in all" \
@@ -162,8 +183,12 @@ write_summary() {
       [[ -f $out ]] || continue
       echo
       echo "--- $name"
-      grep -E '^(FAILED|ERROR) |^gpu_check: ' "$out" | head -n 10
+      grep -E '^(FAILED|ERROR) |^gpu_check: |Fatal Python error' "$out" | head -n 10
       tail -n 1 "$out"
+      if [[ -f $REPORTS/${name}_trace.out ]]; then
+        echo "--- ${name}_trace (the crashing thread first; every thread's stack in check.log)"
+        grep -A 30 -E 'received signal' "$REPORTS/${name}_trace.out" | head -n 40
+      fi
     done
     # Each benchmark's report: from its first '===' heading to the end; a benchmark cut short
     # printed none, so its progress lines instead (its JSON holds the figures so far).
@@ -244,12 +269,21 @@ fi
 step build 180 "$PY" -m pip install -q --no-build-isolation --no-deps -e .
 step engine 30 "$PY" -c "import dcp_datastates._engine as e; print('engine built, crc32c backend:', e.crc32c_backend())"
 
-step tests_cuda 90 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests
+# tests/test_torchtitan.py fails its collection on purpose where torchtitan is missing (README's
+# test command installs it); the GPU machine has no registry to install it from, and none of its
+# cases needs CUDA, so it is left out there, and said so.
+IGNORE=()
+if ! "$PY" -c 'import torchtitan' 2>/dev/null; then
+  IGNORE=(--ignore=tests/test_torchtitan.py)
+  echo "gpu_check: torchtitan is not installed here: tests/test_torchtitan.py is left out" | tee -a "$LOG"
+fi
+step tests_cuda 90 "$PY" -m pytest -q -m cuda -p no:cacheprovider "${IGNORE[@]}" tests
 # The part of the suite that drives the engine: with CUDA present it runs on the real
 # runtime (pinned pool, device copies), not only on the stand-in (test_cuda_standin).
 step tests_engine 150 "$PY" -m pytest -q -p no:cacheprovider \
   tests/test_engine.py tests/test_async.py tests/test_roundtrip.py tests/test_cuda_standin.py \
   tests/test_incremental.py tests/test_borrowed_writes.py tests/test_async_memory.py
+native_trace tests_engine
 
 # staging: up to 220 s, keeping ~190 s for hashing and training's first rows, but the first
 # 120 s (or what is left) are its own.

@@ -533,6 +533,10 @@ Engine::Engine(unsigned io_threads, uint64_t pool_bytes, uint64_t window_bytes, 
     name_this_thread("dcpds-stage");
     stager_loop();
   });
+  copier_ = std::thread([this] {
+    name_this_thread("dcpds-d2h");
+    copier_loop();
+  });
   for (unsigned i = 0; i < io_threads; ++i)
     io_.emplace_back([this] {
       name_this_thread("dcpds-io");
@@ -549,6 +553,14 @@ Engine::~Engine() {
   io_cv_.notify_all();
   pool_.wake_all();
   stager_.join();
+  {
+    // Only now: the stager may have queued copies until it exited, and every queued
+    // window's copies must complete before its slot can be given back.
+    std::lock_guard<std::mutex> lk(mu_);
+    copies_closed_ = true;
+  }
+  copy_cv_.notify_all();
+  copier_.join();
   for (auto& t : io_) t.join();
   if (CudaRuntime* rt = CudaRuntime::get()) {
     // Errors are ignored here: at interpreter exit the runtime may already be
@@ -720,10 +732,38 @@ void Engine::stage(StageTask& t) {
       }
     }
   }
-  // A window with device copies is staged once they complete (in flush()).
-  if (w->copies_done.empty()) job.on_staged(*w);
+  if (!w->copies_done.empty()) {
+    // Staged once its device-to-host copies complete: the copier thread waits for them,
+    // apart from the I/O threads, so staging runs at the copies' speed and not behind the
+    // writes of earlier windows.
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      copy_q_.push_back(std::move(t));
+    }
+    copy_cv_.notify_one();
+    return;
+  }
+  job.on_staged(*w);
   auto job_ptr = t.job;
   post_io([this, job_ptr, w] { flush(job_ptr, w); }, job_ptr.get());
+}
+
+void Engine::copier_loop() {
+  for (;;) {
+    StageTask t;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      copy_cv_.wait(lk, [&] { return copies_closed_ || !copy_q_.empty(); });
+      if (copy_q_.empty()) return;  // closed (the stager has exited) with nothing queued
+      t = std::move(copy_q_.front());
+      copy_q_.pop_front();
+    }
+    // Windows arrive in the order their copies were queued, which is each stream's order.
+    finish_device_copies(*t.job, *t.window);
+    auto job_ptr = t.job;
+    WriteJob::Window* w = t.window;
+    post_io([this, job_ptr, w] { flush(job_ptr, w); }, job_ptr.get());
+  }
 }
 
 void* Engine::device_stream(int device, const WriteJob& job, int64_t at) {
@@ -819,7 +859,7 @@ void Engine::copy_on_stream(WriteJob& job, WriteJob::Window& w, int device, void
   w.copies_done.push_back(done);
 }
 
-// On an I/O thread: waits for the window's device-to-host copies, then counts
+// On the copier thread: waits for the window's device-to-host copies, then counts
 // the window as staged. Every event is destroyed whatever happens.
 void Engine::finish_device_copies(WriteJob& job, WriteJob::Window& w) {
   CudaRuntime* rt = CudaRuntime::get();
@@ -844,7 +884,6 @@ void Engine::checksum(std::vector<Segment>& segs, uint64_t offset, const uint8_t
 }
 
 void Engine::flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w) {
-  if (!w->copies_done.empty()) finish_device_copies(*job, *w);
   if (job->stream_ && w->slot != nullptr && !job->failed()) {
     // Checksummed here, handed to the caller by stream_next(), which gives the slot back.
     std::vector<Segment> segs;

@@ -38,7 +38,9 @@
 // ever allocated) or CUDA memory (copied with cudaMemcpyAsync on a side
 // stream, after the event the caller recorded on its own stream, into the
 // pool, which is pinned on first use; the window counts as staged once that
-// copy has completed).
+// copy has completed: a copier thread waits for the copies in the order they
+// were queued, so staging finishes at the copies' speed when the pool holds
+// the state, whatever the pace of the writes).
 //
 // A streamed job (`stream`) has no file: its windows are staged and
 // checksummed as for a file, then handed, in file order, to the caller
@@ -353,6 +355,9 @@ class Engine {
   };
   void enqueue_windows(const std::shared_ptr<WriteJob>& job, std::vector<Region>& regions);
   void stager_loop();
+  // Waits, in queue order, for the device-to-host copies of windows the stager
+  // queued them for, counts those windows as staged and hands them to the I/O threads.
+  void copier_loop();
   void io_loop();
   // `file`: the write job the task writes to (nullptr: reads, anything else),
   // which io_loop() uses to keep threads on different files.
@@ -374,6 +379,9 @@ class Engine {
   std::condition_variable stage_cv_;
   std::condition_variable io_cv_;
   std::deque<StageTask> stage_q_;
+  std::condition_variable copy_cv_;
+  std::deque<StageTask> copy_q_;  // windows whose device copies are queued (under mu_)
+  bool copies_closed_ = false;    // set once the stager has exited (under mu_)
   struct IoTask {
     std::function<void()> fn;
     const WriteJob* file;
@@ -387,6 +395,7 @@ class Engine {
   std::atomic<bool> pinned_{false};
   std::string pin_error_;
   std::thread stager_;
+  std::thread copier_;
   std::vector<std::thread> io_;
 };
 

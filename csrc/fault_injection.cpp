@@ -3,8 +3,10 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "io_error.hpp"
@@ -92,6 +94,10 @@ uint64_t before_transfer(FaultOp op, const std::string& path, uint64_t offset, u
   std::optional<FaultRule> rule = claim(op, path, true, offset, len, &generation);
   if (!rule) return len;
   const FaultRule& r = *rule;
+  if (r.action == FaultAction::kStall) {
+    std::this_thread::sleep_for(std::chrono::microseconds(r.stall_us));
+    return len;
+  }
   uint64_t before = (r.offset != kAnyOffset && r.offset > offset) ? r.offset - offset : 0;
   if (len % 4096 == 0) before = before / 4096 * 4096;  // O_DIRECT transfers stay block-aligned
   if (r.action == FaultAction::kShort) {
@@ -118,6 +124,10 @@ void before_call(FaultOp op, const std::string& path) {
   uint64_t generation = 0;
   std::optional<FaultRule> rule = claim(op, path, false, 0, 0, &generation);
   if (!rule) return;
+  if (rule->action == FaultAction::kStall) {
+    std::this_thread::sleep_for(std::chrono::microseconds(rule->stall_us));
+    return;
+  }
   if (rule->action == FaultAction::kKill) die();
   throw IoError(rule->err, path, -1,
                 describe_errno(std::string(op_name(op)) + " (injected fault)", rule->err, -1, 0));

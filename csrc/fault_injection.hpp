@@ -10,7 +10,9 @@
 //   kShort  the call transfers fewer bytes than asked (4 KiB-aligned, as
 //           block devices do); the caller must retry the rest;
 //   kKill   the bytes before `offset` are written, then the process dies by
-//           SIGKILL (crash tests: a torn file, no cleanup).
+//           SIGKILL (crash tests: a torn file, no cleanup);
+//   kStall  the call waits `stall_us` microseconds, then goes through (a slow
+//           disk: what overlaps with I/O must not wait for it).
 // `skip` matching calls pass before the rule fires; it then fires `times`
 // times (-1: on every later match).
 #pragma once
@@ -24,7 +26,7 @@ namespace dcpds {
 constexpr uint64_t kAnyOffset = ~uint64_t{0};
 
 enum class FaultOp { kWrite = 0, kRead = 1, kFsync = 2, kRename = 3 };
-enum class FaultAction { kError = 0, kShort = 1, kKill = 2 };
+enum class FaultAction { kError = 0, kShort = 1, kKill = 2, kStall = 3 };
 
 struct FaultRule {
   FaultOp op;
@@ -34,6 +36,7 @@ struct FaultRule {
   int err = 0;
   int64_t skip = 0;
   int64_t times = 1;
+  int64_t stall_us = 0;  // kStall
   int64_t fired = 0;
 };
 

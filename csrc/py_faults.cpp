@@ -17,17 +17,21 @@ void bind_faults(py::module_& m) {
       .value("rename", FaultOp::kRename);
   py::enum_<FaultAction>(m, "Action",
                          "What a firing rule does: fail with errno after the bytes before its offset "
-                         "(error), move fewer bytes than asked (short), or SIGKILL the process (kill).")
+                         "(error), move fewer bytes than asked (short), SIGKILL the process (kill), or "
+                         "wait, then go through (stall: a slow disk).")
       .value("error", FaultAction::kError)
       .value("short", FaultAction::kShort)
-      .value("kill", FaultAction::kKill);
+      .value("kill", FaultAction::kKill)
+      .value("stall", FaultAction::kStall);
   m.attr("ANY_OFFSET") = py::int_(kAnyOffset);
   m.def(
       "add",
       [](FaultOp op, const std::string& path_part, uint64_t offset, FaultAction action, int err, int64_t skip,
-         int64_t times) {
+         int64_t times, int64_t stall_us) {
         if (skip < 0) throw py::value_error("faults.add: skip must be >= 0, got " + std::to_string(skip));
         if (times < -1) throw py::value_error("faults.add: times must be >= -1, got " + std::to_string(times));
+        if (stall_us < 0 || stall_us > 60'000'000)
+          throw py::value_error("faults.add: stall_us must be between 0 and 60 s, got " + std::to_string(stall_us));
         FaultRule r;
         r.op = op;
         r.path_part = path_part;
@@ -36,13 +40,14 @@ void bind_faults(py::module_& m) {
         r.err = err;
         r.skip = skip;
         r.times = times;
+        r.stall_us = stall_us;
         return faults::add(std::move(r));
       },
       py::arg("op"), py::arg("path_part") = "", py::arg("offset") = kAnyOffset, py::arg("action") = FaultAction::kError,
-      py::arg("errno") = EIO, py::arg("skip") = 0, py::arg("times") = 1,
+      py::arg("errno") = EIO, py::arg("skip") = 0, py::arg("times") = 1, py::arg("stall_us") = 0,
       "Arm a rule; returns its index (for fired()). It matches `op` on paths containing `path_part`; "
       "a write or read rule fires on the call whose bytes contain `offset` (ANY_OFFSET: every call), "
-      "after `skip` matches, `times` times (-1: always).");
+      "after `skip` matches, `times` times (-1: always); a stall rule waits `stall_us` first.");
   m.def("clear", &faults::clear, "Remove every rule.");
   m.def(
       "fired",

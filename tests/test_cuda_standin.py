@@ -60,6 +60,10 @@ def test_copy_waits_for_the_event_recorded_after_the_producer(standin, tmp_path)
     run_case("event_ordering", standin, tmp_path)
 
 
+def test_device_windows_are_staged_when_copied_not_when_written(standin, tmp_path):
+    run_case("staged_ahead_of_slow_writes", standin, tmp_path)
+
+
 def test_a_reused_event_handle_is_waited_for_again(standin, tmp_path):
     run_case("event_handle_reuse", standin, tmp_path)
 

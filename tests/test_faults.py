@@ -298,6 +298,10 @@ def test_fault_rules_are_validated():
         arm("truncate")
     with pytest.raises(ValueError, match="fault action"):
         arm("write", action="explode")
+    with pytest.raises(ValueError, match="stall_s"):
+        arm("write", action="stall")  # a stall needs its duration
+    with pytest.raises(ValueError, match="stall_s"):
+        arm("write", action="error", stall_s=0.1)  # and only a stall has one
     reader = DataStatesReader  # the module imports cleanly without any rule armed
     assert reader is not None
 
@@ -474,6 +478,22 @@ def _step_of(filename):
     if name.startswith(".metadata"):
         return "metadata"
     return "directory" if name.startswith("ck") else name
+
+
+def test_a_stalled_write_waits_then_writes_every_byte(tmp_path):
+    """A "stall" rule is a slow disk: each matching write waits, then goes through whole."""
+    import time
+
+    from dcp_datastates.native.faults import arm
+
+    state = make_state()
+    index = arm("write", path="stalled", action="stall", stall_s=0.2, times=2)
+    t0 = time.monotonic()
+    save(state, tmp_path / "stalled")
+    assert time.monotonic() - t0 >= 0.2 and fired(index) >= 1
+    clear()
+    assert_same(load(zeros_like_state(state), tmp_path / "stalled"), state)
+    assert verify(tmp_path / "stalled").ok
 
 
 def test_python_side_io_passes_the_same_rules():

@@ -20,6 +20,7 @@ class Action(enum.Enum):
     error = 0
     short = 1
     kill = 2
+    stall = 3
 
 def add(
     op: Op,
@@ -29,8 +30,9 @@ def add(
     errno: int = ...,
     skip: int = 0,
     times: int = 1,
+    stall_us: int = 0,
 ) -> int:
-    """Arm a rule; returns its index for :func:`fired`."""
+    """Arm a rule; returns its index for :func:`fired`. A ``stall`` rule waits ``stall_us``, then lets the call through."""
 
 def clear() -> None: ...
 def fired(rule_index: int) -> int:

@@ -13,8 +13,10 @@ arms it; while nothing is, each I/O call pays one atomic load.
 
 Actions: ``"error"`` (the bytes before ``offset`` are written, then the call
 fails with ``errno``, as a disk that fills mid-write does), ``"short"`` (the
-call moves fewer bytes than asked; correct callers retry) and ``"kill"`` (the
-bytes before ``offset`` are written, then the process dies by SIGKILL).
+call moves fewer bytes than asked; correct callers retry), ``"kill"`` (the
+bytes before ``offset`` are written, then the process dies by SIGKILL) and
+``"stall"`` (the call waits ``stall_s``, then goes through: a slow disk, for
+what must not wait for the writes).
 """
 
 from __future__ import annotations
@@ -46,16 +48,21 @@ def arm(
     errno: int = errno_codes.EIO,
     skip: int = 0,
     times: int = 1,
+    stall_s: float = 0.0,
 ) -> int:
     """Add a rule; returns its index (for :func:`fired`).
 
     A write or read rule fires on the call whose bytes contain ``offset``
-    (``None``: on every call); ``times=-1`` fires on every match.
+    (``None``: on every call); ``times=-1`` fires on every match. A ``"stall"``
+    rule makes the call wait ``stall_s`` seconds first.
     """
     if action not in ACTIONS:
         raise ValueError(f"fault action must be one of {sorted(ACTIONS)}, got {action!r}")
+    if (action == "stall") != (stall_s > 0):
+        raise ValueError(f"stall_s (got {stall_s}) is a positive duration for a 'stall' rule only (action {action!r})")
     where = _faults.ANY_OFFSET if offset is None else int(offset)
-    return _faults.add(_op(op), path, where, ACTIONS[action], int(errno), int(skip), int(times))
+    return _faults.add(_op(op), path, where, ACTIONS[action], int(errno), int(skip), int(times),
+                       round(stall_s * 1e6))
 
 
 def clear() -> None:

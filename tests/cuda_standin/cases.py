@@ -208,6 +208,37 @@ def case_event_ordering(c: Case) -> None:
     c.idle(eng)
 
 
+def case_staged_ahead_of_slow_writes(c: Case) -> None:
+    """With a pool that holds the whole state, device windows count as staged once their copies
+    complete, not when the I/O threads get to write them: a slow disk must not hold the fence."""
+    s = c.load_standin()
+    s.reset(devices=1)
+    eng = c.E.Engine(io_threads=2, pool_bytes=16 * WINDOW, window_bytes=WINDOW)
+    stall_s = 0.25
+    c.E.faults.add(c.E.faults.Op.write, c.tmp, c.E.faults.ANY_OFFSET, c.E.faults.Action.stall, 0, 0, -1,
+                   int(stall_s * 1e6))
+    try:
+        n = 12 * WINDOW  # 12 windows: 6 stalled writes on each of the 2 I/O threads
+        dev = Buffer(n, 0x5A)
+        path = c.path()
+        t0 = time.monotonic()
+        job = eng.write(path, [c.device(dev, 0)], direct_io="off")
+        assert job.wait_staged()
+        staged = time.monotonic() - t0
+        job.seal()
+        job.wait()
+        written = time.monotonic() - t0
+    finally:
+        c.E.faults.clear()
+    assert written >= 5 * stall_s, f"the writes did not stall ({written:.2f} s): the check below proves nothing"
+    assert staged < 2 * stall_s, (
+        f"staged after {staged:.2f} s, the writes took {written:.2f} s: staging waited for the writes"
+    )
+    assert read(path)[:n] == b"\x5a" * n
+    idle = eng.free_windows
+    assert eng.jobs_in_flight == 0 and idle == 16, (eng.jobs_in_flight, idle)
+
+
 def case_event_handle_reuse(c: Case) -> None:
     """A ready event destroyed after its batch was staged and created again (same handle, as a
     pooled runtime hands out) for a later append must still be waited for."""
@@ -284,9 +315,10 @@ def case_pool_pinning(c: Case) -> None:
     eng = c.engine()
     address, nbytes = eng.pool_address, eng.pool_bytes
     assert not eng.pool_pinned and eng.pin_error == ""
-    c.write(eng, [c.host(Buffer(100, 1), 0)])
+    host, dev = Buffer(100, 1), Buffer(5000, 2)  # alive until written: a region holds an address only
+    c.write(eng, [c.host(host, 0)])
     assert not eng.pool_pinned, "host-only writes need no pinning"
-    c.write(eng, [c.device(Buffer(5000, 2), 0)])
+    c.write(eng, [c.device(dev, 0)])
     assert eng.pool_pinned and eng.pin_error == ""
     log = s.log()
     assert lines(log, "cudaHostRegister") == [{"ptr": hex(address), "nbytes": str(nbytes), "flags": "1"}], log
