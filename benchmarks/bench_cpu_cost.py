@@ -33,7 +33,8 @@ Loads (each variant's checkpoint, into preallocated zeroed tensors; bit-exact, c
   dcp            dcp.load with FileSystemReader (the checkpoint of dcp_t2)
   ours           dcp.load with DataStatesReader (the checkpoint of ours)
 Where our CPU time goes: the engine's threads are named (dcpds-stage: the copies into the host
-pool; dcpds-io: checksums, writes, reads and load-time checksum checks), and each thread's CPU
+pool; dcpds-d2h: waiting for CUDA copies, counted with the staging copies; dcpds-io: checksums,
+writes, reads and load-time checksum checks), and each thread's CPU
 time is read from /proc/self/task/*/schedstat around the call; the rest is the Python side
 (planning, metadata, commit, DCP's own work). The checksum's share is estimated as the bytes
 checksummed divided by the CRC-32C rate of one core, measured in the same run.
@@ -69,7 +70,7 @@ SAVES = {"big": ["raw", "dcp_t1", "dcp_t2", "dcp_async", "ours", "ours_async"],
          "fsdp": ["raw", "dcp_t1", "dcp_t2", "dcp_async", "ours", "ours_async"]}
 LOADS = {"raw": "raw", "dcp_t2": "dcp", "ours": "ours"}  # the save whose checkpoint each load reads
 RAW_THREADS = 2
-ENGINE_THREADS = ("dcpds-stage", "dcpds-io")
+ENGINE_THREADS = ("dcpds-stage", "dcpds-d2h", "dcpds-io")
 
 
 # ---------------------------------------------------------------- CPU clocks
@@ -369,7 +370,7 @@ def print_case(row: dict, crc_bps: float) -> None:
     gb = row["bytes"] / 1e9
     figs = row["figures"]
     print(f"\n{row['case']}, {row['ranks']} rank(s), {row['bytes'] / MiB:.0f} MiB of tensors: wall s (slowest rank), "
-          f"CPU-s (all ranks, all threads), CPU-s/GB; engine threads' CPU-s (stage | io)")
+          f"CPU-s (all ranks, all threads), CPU-s/GB; engine threads' CPU-s (stage + d2h | io)")
     for op in ("save", "load"):
         raw, ours = figs.get(f"{op}:raw"), figs.get(f"{op}:ours")
         dcps = {k: v for k, v in figs.items() if k.startswith(f"{op}:dcp")}
@@ -380,7 +381,7 @@ def print_case(row: dict, crc_bps: float) -> None:
                 continue
             s = f["split"]
             print(f"  {key:18} {fmt(f['wall'], '.3f')} s {fmt(f['cpu'], '.3f')} CPU-s {fmt(f['cpu'] / gb, '.2f')} CPU-s/GB"
-                  f"   engine {s['dcpds-stage']:.3f} | {s['dcpds-io']:.3f}")
+                  f"   engine {s['dcpds-stage'] + s['dcpds-d2h']:.3f} | {s['dcpds-io']:.3f}")
         for key, f in sorted(figs.items()):
             if key.startswith(op + ":ours"):
                 parts = [f"vs best DCP: {best_dcp['wall'] / f['wall']:.2f}x faster, "
@@ -392,7 +393,8 @@ def print_case(row: dict, crc_bps: float) -> None:
             st = ours["stats"]
             crc = st.get("bytes_written", row["bytes"]) / crc_bps
             python = ours["cpu"] - sum(ours["split"].values())
-            print(f"  {op}:ours where: Python side {python:.3f} CPU-s, staging copies {ours['split']['dcpds-stage']:.3f}, "
+            staging = ours['split']['dcpds-stage'] + ours['split']['dcpds-d2h']
+            print(f"  {op}:ours where: Python side {python:.3f} CPU-s, staging copies {staging:.3f}, "
                   f"checksums + I/O {ours['split']['dcpds-io']:.3f} (of it checksums ~{crc:.3f}, estimated); "
                   f"stages (rank 0, wall): " + ", ".join(f"{k} {v:.3f}" for k, v in st.items() if k.endswith("_s")))
         elif op == "load" and ours:

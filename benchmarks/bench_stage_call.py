@@ -46,6 +46,7 @@ def main() -> None:
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     cache = max(256 << 20, nbytes + (64 << 20))  # the whole state fits: no call waits for the disk
     base, scratch, owned = make_scratch(args.dir, "stage-call-")
+    machine = machine_info(base)  # read while the directory exists (the run removes it)
     count = 0
 
     def call(state: dict) -> float:
@@ -77,7 +78,7 @@ def main() -> None:
     print(f"  DCP's own per-key part (flat - nested): {(med['flat'] - med['nested']) * 1e3:.1f} ms "
           f"({(med['flat'] - med['nested']) / args.tensors * 1e6:.0f} us a top-level key)")
     if args.json:
-        write_json(args.json, {"args": vars(args), "machine": machine_info(base), "device": str(device),
+        write_json(args.json, {"args": vars(args), "machine": machine, "device": str(device),
                                "bytes": nbytes, "blocked_s": times, "median_s": med})
 
 

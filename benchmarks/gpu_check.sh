@@ -149,9 +149,9 @@ step() {
 }
 
 # native_trace STEP: when STEP crashed the interpreter (faulthandler's "Fatal Python error", printed
-# after pytest's progress dots on the same line), whose
-# trace shows only the Python threads, rerun the test file it names under gdb (or cuda-gdb, which
-# debugs host code too) for the native stacks of every thread, into the log and the summary.
+# after pytest's progress dots on the same line, shows only the Python threads), rerun the test
+# file it names under gdb (or cuda-gdb, which debugs host code too) for the native stacks of every
+# thread, into the log and the summary.
 native_trace() {
   local name=$1 out="$REPORTS/$1.out" dbg file
   grep -q 'Fatal Python error' "$out" 2>/dev/null || return 0

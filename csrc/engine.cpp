@@ -698,8 +698,7 @@ void Engine::stage(StageTask& t) {
     // No slot and no copy: an I/O thread checksums and writes the caller's
     // memory, and counts the window as staged once it is written.
     w->from_source = true;
-    auto job_ptr = t.job;
-    post_io([this, job_ptr, w] { flush(job_ptr, w); }, job_ptr.get());
+    post_flush(t.job, w);
     return;
   }
   if (!job.failed()) {
@@ -744,8 +743,11 @@ void Engine::stage(StageTask& t) {
     return;
   }
   job.on_staged(*w);
-  auto job_ptr = t.job;
-  post_io([this, job_ptr, w] { flush(job_ptr, w); }, job_ptr.get());
+  post_flush(t.job, w);
+}
+
+void Engine::post_flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w) {
+  post_io([this, job, w] { flush(job, w); }, job.get());
 }
 
 void Engine::copier_loop() {
@@ -760,9 +762,7 @@ void Engine::copier_loop() {
     }
     // Windows arrive in the order their copies were queued, which is each stream's order.
     finish_device_copies(*t.job, *t.window);
-    auto job_ptr = t.job;
-    WriteJob::Window* w = t.window;
-    post_io([this, job_ptr, w] { flush(job_ptr, w); }, job_ptr.get());
+    post_flush(t.job, t.window);
   }
 }
 

@@ -363,6 +363,8 @@ class Engine {
   // which io_loop() uses to keep threads on different files.
   void post_io(std::function<void()> fn, const WriteJob* file = nullptr);
   void stage(StageTask& t);
+  // Queues the window's checksum and write (or, streamed, its hand-over) on the I/O threads.
+  void post_flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w);
   void flush(const std::shared_ptr<WriteJob>& job, WriteJob::Window* w);
   // Appends the checksum segments of `len` bytes at file offset `offset`.
   void checksum(std::vector<Segment>& segs, uint64_t offset, const uint8_t* bytes, uint64_t len) const;
