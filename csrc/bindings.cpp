@@ -147,10 +147,13 @@ class PyWriteJob {
       job_->wait();
       return py::none();
     }
+    // Held here, taken while the GIL is: the owner's wait() may end the job and drop engine_
+    // from another thread as soon as the GIL is released, while this call still runs.
+    const std::shared_ptr<Engine> engine = engine_;
     StreamChunk c;
     {
       py::gil_scoped_release nogil;
-      c = engine_->stream_next(job_);  // a failure leaves the job to its owner's seal() and wait()
+      c = engine->stream_next(job_);  // a failure leaves the job to its owner's seal() and wait()
     }
     if (c.end) {
       finished();

@@ -776,6 +776,44 @@ def test_a_failed_streamed_job_never_reads_as_finished(engine):
     assert engine.jobs_in_flight == 0
 
 
+def test_a_taker_asking_while_the_owner_ends_the_job_keeps_the_engine_it_runs_in():
+    """An upload thread keeps asking for windows while the save's thread cancels, seals and
+    waits for the job, and the wait drops the job's reference to its engine (here the last
+    one) as soon as it has the GIL back: which it gets when a next_chunk call releases it.
+    Every call after the cancel raises it, none crashes in an engine let go of meanwhile (a
+    race that shows under ThreadSanitizer, and as a rare segfault without it)."""
+    for _ in range(20):
+        eng = _engine.Engine(io_threads=1, pool_bytes=4 * WINDOW, window_bytes=WINDOW, checksum_bytes=0)
+        a = _bytes(2 * WINDOW, seed=7)
+        job = eng.write("s3://bucket/owned", [host(a, 0)], [a], stream=True)
+        del eng
+        assert job.next_chunk()[0] == 0
+        stop, outcomes = threading.Event(), []
+
+        def take():  # until a call made after the owner's wait returned has raised
+            while True:
+                late = stop.is_set()
+                try:
+                    outcomes.append(job.next_chunk())
+                except OSError as exc:
+                    outcomes.append(exc)
+                    if late:
+                        return
+
+        taker = threading.Thread(target=take)
+        taker.start()
+        job.cancel("the save failed")
+        job.seal()
+        with pytest.raises(OSError, match="the save failed"):
+            job.wait()
+        stop.set()
+        taker.join(10)
+        assert not taker.is_alive()
+        failed_at = next(i for i, o in enumerate(outcomes) if isinstance(o, OSError))
+        assert all(isinstance(o, OSError) and "the save failed" in str(o) for o in outcomes[failed_at:])
+        assert all(o is not None for o in outcomes)  # never "the end" of a cancelled job
+
+
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4096, 100_003])
 def test_crc32c_combine_joins_checksums_of_consecutive_blocks(n):
     data = os.urandom(n + 37)
