@@ -780,8 +780,8 @@ def test_a_taker_asking_while_the_owner_ends_the_job_keeps_the_engine_it_runs_in
     """An upload thread keeps asking for windows while the save's thread cancels, seals and
     waits for the job, and the wait drops the job's reference to its engine (here the last
     one) as soon as it has the GIL back: which it gets when a next_chunk call releases it.
-    Every call after the cancel raises it, none crashes in an engine let go of meanwhile (a
-    race that shows under ThreadSanitizer, and as a rare segfault without it)."""
+    Every call after the cancel raises it, none crashes in an engine let go of meanwhile
+    (before the fix, a segfault in some runs of this test)."""
     for _ in range(20):
         eng = _engine.Engine(io_threads=1, pool_bytes=4 * WINDOW, window_bytes=WINDOW, checksum_bytes=0)
         a = _bytes(2 * WINDOW, seed=7)
